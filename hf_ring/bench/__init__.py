@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m hf_ring.bench <name>``."""

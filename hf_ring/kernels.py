@@ -1,0 +1,164 @@
+"""Local block attention that returns ``(out, lse)``, and its backward.
+
+A block is one (query rows, key rows) pair. ``causal=True`` means the two row
+sets hold the same positions (the diagonal block) so the kernel's top-left
+causal mask is right; any other partial mask is passed as a boolean ``mask``
+of shape ``(S_q, S_k)`` (True = may attend). Rows with no allowed key get
+``out = 0`` and ``lse = -inf`` so they vanish in a log-sum-exp merge.
+
+Backends: on CPU the fused aten flash kernels; on CUDA torch's flash kernel
+for unmasked fp16/bf16 blocks; otherwise an exact math path in fp32 (or
+fp64 for fp64 inputs) that never expands K/V to the query-head count.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+Tensor = torch.Tensor
+
+_NEG_INF = float("-inf")
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def _backend(q: Tensor, mask: Optional[Tensor]) -> str:
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return "cpu_flash"
+    if q.device.type == "cuda" and mask is None and q.dtype in (torch.float16, torch.bfloat16):
+        return "cuda_flash"
+    return "math"
+
+
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill_(~mask, _NEG_INF)
+
+
+def _math_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _scores(q: Tensor, k: Tensor, scale: float, causal: bool, mask: Optional[Tensor]) -> Tensor:
+    """Masked scores ``(B, Hkv, G, S_q, S_k)``: query heads grouped under their K/V head."""
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    dt = _math_dtype(q)
+    qg = q.to(dt).reshape(b, hkv, hq // hkv, sq, d)
+    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(dt)) * scale
+    if causal:
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, _NEG_INF)
+    if mask is not None:
+        s = s.masked_fill(~mask, _NEG_INF)
+    return s
+
+
+def _math_forward(q, k, v, scale, causal, mask):
+    b, hq, sq, d = q.shape
+    s = _scores(q, k, scale, causal, mask)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    out = torch.einsum("bhgqk,bhkd->bhgqd", p, v.to(p.dtype))
+    return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq).float()
+
+
+def _math_backward(dout, q, k, v, out, lse, scale, causal, mask):
+    b, hq, sq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    s = _scores(q, k, scale, causal, mask)
+    dt = s.dtype
+    p = torch.exp(s - lse.to(dt).reshape(b, hkv, g, sq, 1))
+    do = dout.to(dt).reshape(b, hkv, g, sq, d)
+    o = out.to(dt).reshape(b, hkv, g, sq, d)
+    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
+    dp = torch.einsum("bhgqd,bhkd->bhgqk", do, v.to(dt))
+    ds = p * (dp - (do * o).sum(-1, keepdim=True))
+    dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k.to(dt)) * scale
+    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q.to(dt).reshape(b, hkv, g, sq, d)) * scale
+    return dq.reshape(b, hq, sq, d), dk, dv
+
+
+def _repeat_kv(x: Tensor, groups: int) -> Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _fold_kv_grad(dx: Tensor, groups: int) -> Tensor:
+    if groups == 1:
+        return dx
+    b, hq, s, d = dx.shape
+    return dx.reshape(b, hq // groups, groups, s, d).sum(2)
+
+
+def block_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    mask: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Attention of one block: ``out`` in ``q.dtype`` ``(B, Hq, S_q, D)``, ``lse`` fp32 ``(B, Hq, S_q)``."""
+    backend = _backend(q, mask)
+    if backend == "cpu_flash":
+        bias = None if mask is None else _additive(mask, q.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=bias, scale=scale
+        )
+        if mask is not None:
+            # The fused kernel reports lse = 0 for a row whose keys are all masked.
+            lse = lse.masked_fill(~mask.any(-1), _NEG_INF)
+        return out, lse
+    if backend == "cuda_flash":
+        g = q.shape[1] // k.shape[1]
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, _repeat_kv(k, g), _repeat_kv(v, g), 0.0, causal, False, scale=scale
+        )
+        return res[0], res[1]
+    return _math_forward(q, k, v, scale, causal, mask)
+
+
+def block_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    mask: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one block given the *merged* ``out`` and ``lse`` of the whole attention.
+
+    Using the global ``out``/``lse`` makes each block's gradient its exact share
+    of the full gradient, so summing blocks needs no rescaling.
+    """
+    # A row with no key anywhere has lse = -inf; +inf makes every p = exp(s - lse) exactly 0.
+    lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
+    backend = _backend(q, mask)
+    if backend == "cpu_flash":
+        bias = None if mask is None else _additive(mask, q.dtype)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
+        )
+    if backend == "cuda_flash":
+        g = q.shape[1] // k.shape[1]
+        kr, vr = _repeat_kv(k, g), _repeat_kv(v, g)
+        b, _, sq, _ = q.shape
+        cum_q = torch.zeros(0, dtype=torch.int32, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, kr, vr, out, lse, cum_q, cum_q, sq, k.shape[2], 0.0, causal,
+            torch.zeros((), dtype=torch.int64, device=q.device),
+            torch.zeros((), dtype=torch.int64, device=q.device),
+            scale=scale,
+        )
+        return dq, _fold_kv_grad(dk, g), _fold_kv_grad(dv, g)
+    return _math_backward(dout, q, k, v, out, lse, scale, causal, mask)

@@ -1,0 +1,1 @@
+"""Per-model-family patches (shipped as ``hf_ring.patches``)."""

@@ -1,0 +1,98 @@
+"""A pool of gloo ranks started once and reused by many test cases.
+
+Spawning a rank costs seconds (importing torch), so a test module starts one
+pool per world size and sends it picklable functions to run on every rank.
+Every wait is bounded: a hang fails the test instead of stalling the suite.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import tempfile
+import traceback
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+
+RESULT_TIMEOUT_S = float(os.environ.get("HF_RING_TEST_TIMEOUT", "180"))
+COMM_TIMEOUT_S = "30"
+
+
+class RankError(RuntimeError):
+    pass
+
+
+def _worker(rank, world_size, init_file, sys_path, tasks, results):
+    sys.path[:] = sys_path
+    os.environ["HF_RING_TIMEOUT"] = COMM_TIMEOUT_S
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=float(COMM_TIMEOUT_S)),
+    )
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        fn, args, kwargs = item
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException as err:  # report every failure, keep serving
+            results.put((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self._dir = tempfile.TemporaryDirectory()
+        init_file = os.path.join(self._dir.name, "init")
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_file, list(sys.path), self._tasks[r], self._results),
+                        daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self.broken = False
+
+    def run_raw(self, fn, *args, **kwargs):
+        """Run ``fn`` on every rank; returns ``[(ok, result_or_traceback)]`` by rank."""
+        if self.broken:
+            raise RankError("the rank pool is broken by an earlier hang")
+        for t in self._tasks:
+            t.put((fn, args, kwargs))
+        got = {}
+        while len(got) < self.world_size:
+            try:
+                rank, ok, res = self._results.get(timeout=RESULT_TIMEOUT_S)
+            except queue.Empty:
+                self.broken = True
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                raise RankError(f"ranks did not answer within {RESULT_TIMEOUT_S}s (dead ranks: {dead})")
+            got[rank] = (ok, res)
+        return [got[r] for r in range(self.world_size)]
+
+    def run(self, fn, *args, **kwargs):
+        """Run ``fn`` on every rank and return the results by rank; raise if any rank raised."""
+        res = self.run_raw(fn, *args, **kwargs)
+        errors = [f"rank {r}: {msg}" for r, (ok, msg) in enumerate(res) if not ok]
+        if errors:
+            raise RankError("\n".join(errors))
+        return [r for _, r in res]
+
+    def close(self):
+        for t in self._tasks:
+            t.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        self._dir.cleanup()
