@@ -170,3 +170,28 @@ def ring_plan(
     )
     mine = tuple(tuple(b) for b in all_steps[rank][:num_steps])
     return RingPlan(rank, world_size, seq_len, sizes, mine)
+
+
+def split_block(blk: Block, tile: int, causal: bool, window: Optional[int]) -> List[Block]:
+    """Cut a block into tiles of at most ``tile`` rows per side, dropping tiles with no allowed pair.
+
+    The backward uses this to bound its per-block temporaries (dQ, dK, dV of
+    one tile) whatever the shard size. ``mask`` blocks cover contiguous
+    positions, so their tiles are re-classified from positions.
+    """
+    if blk.nq <= tile and blk.nk <= tile:
+        return [blk]
+    out = []
+    for i in range(0, blk.nq, tile):
+        ni = min(tile, blk.nq - i)
+        for j in range(0, blk.nk, tile):
+            nj = min(tile, blk.nk - j)
+            if blk.kind == "full":
+                kind = "full"
+            elif blk.kind == "causal":
+                kind = None if j > i else ("causal" if i == j else "full")
+            else:
+                kind = _classify(blk.q_pos + i, ni, blk.k_pos + j, nj, causal, window)
+            if kind is not None:
+                out.append(Block(blk.q0 + i, ni, blk.k0 + j, nj, blk.q_pos + i, blk.k_pos + j, kind))
+    return out

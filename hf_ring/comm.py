@@ -38,13 +38,14 @@ class CommTimeoutError(RuntimeError):
 class Pending:
     """Sends and receives in flight; ``wait()`` returns the received tensors."""
 
-    def __init__(self, works, received: List[Tensor], what: str, timeout: float):
+    def __init__(self, works, sent: List[Tensor], received: List[Tensor], what: str, timeout: float):
         self._works, self._received, self._what, self._timeout = works, received, what, timeout
+        self._sent = sent  # keep send buffers alive until their transfer completes
 
     def wait(self) -> List[Tensor]:
         for work in self._works:
             _wait(work, self._what, self._timeout)
-        self._works = []
+        self._works, self._sent = [], []
         return self._received
 
 
@@ -93,16 +94,16 @@ class RingComm:
         """
         device = send[0].device if send else torch.device("cpu")
         received = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in recv_like]
-        ops = []
-        for i, t in enumerate(send):
+        ops, sent = [], [t.contiguous() for t in send]
+        for i, t in enumerate(sent):
             if t.numel():
-                ops.append(dist.P2POp(dist.isend, t.contiguous(), group=self.group, group_peer=send_to, tag=tag + i))
+                ops.append(dist.P2POp(dist.isend, t, group=self.group, group_peer=send_to, tag=tag + i))
         for i, t in enumerate(received):
             if t.numel():
                 ops.append(dist.P2POp(dist.irecv, t, group=self.group, group_peer=recv_from, tag=tag + i))
         works = dist.batch_isend_irecv(ops) if ops else []
         what = f"exchange (send to rank {send_to}, receive from rank {recv_from})"
-        return Pending(works, received, what, self.timeout)
+        return Pending(works, sent, received, what, self.timeout)
 
     def all_gather_ints(self, value: int, what: str) -> List[int]:
         """All ranks' copies of one small integer (used once to check shard sizes)."""

@@ -8,32 +8,19 @@ Each block's backward uses the merged output and LSE, so gradients are exact.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .blocks import Block, RingPlan, ring_plan
+from .blocks import Block, RingPlan, ring_plan, split_block
 from .comm import RingComm
 from .kernels import block_backward, block_forward, default_scale
-from .layout import check_layout, infer_seq_len, shard_sizes
+from .layout import check_layout, infer_seq_len, local_positions, shard_sizes
 
 Tensor = torch.Tensor
-
-
-def merge_lse(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -> Tuple[Tensor, Tensor]:
-    """Log-sum-exp merge of two partial attentions over disjoint keys.
-
-    ``L = logaddexp(L1, L2)``, ``O = exp(L1-L)·O1 + exp(L2-L)·O2``; rows where
-    both sides saw no key stay ``(0, -inf)`` instead of turning NaN.
-    """
-    new = torch.logaddexp(lse, blk_lse)
-    safe = new.masked_fill(torch.isneginf(new), 0.0)
-    w_old = torch.exp(lse - safe).unsqueeze(-1)
-    w_blk = torch.exp(blk_lse - safe).unsqueeze(-1)
-    return out * w_old + blk_out.to(out.dtype) * w_blk, new
 
 
 def _block_mask(blk: Block, q_pos: Tensor, k_pos: Tensor, window: Optional[int]) -> Tensor:
@@ -51,13 +38,17 @@ class _Ctx:
     plan: RingPlan
     layout: str
     scale: float
+    causal: bool
     window: Optional[int]
+    positions: dict = field(default_factory=dict)  # rank -> its global positions, built on demand
 
 
 def _positions(ctx: _Ctx, rank: int, device) -> Tensor:
-    from .layout import local_positions
-
-    return local_positions(ctx.plan.seq_len, rank, ctx.plan.world_size, ctx.layout).to(device)
+    cached = ctx.positions.get(rank)
+    if cached is None:
+        cached = local_positions(ctx.plan.seq_len, rank, ctx.plan.world_size, ctx.layout).to(device)
+        ctx.positions[rank] = cached
+    return cached
 
 
 def _kernel_args(ctx: _Ctx, blk: Block, step: int, device):
@@ -76,25 +67,48 @@ def _rows(x: Tensor, start: int, n: int) -> Tensor:
     return x[:, :, start : start + n]
 
 
+BACKWARD_TILE = 2048
+"""Rows per side of the tiles the backward works on; bounds its temporaries."""
+
+
+def _merge_into(out: Tensor, lse: Tensor, blk: Block, o_blk: Tensor, l_blk: Tensor) -> None:
+    """In-place log-sum-exp merge of one block's result into the accumulators' rows."""
+    sl = slice(blk.q0, blk.q0 + blk.nq)
+    o_acc, l_acc = out[:, :, sl], lse[:, :, sl]
+    new = torch.logaddexp(l_acc, l_blk)
+    safe = new.masked_fill(torch.isneginf(new), 0.0)
+    o_blk = o_blk.to(out.dtype) if o_blk.dtype != out.dtype else o_blk
+    o_acc.mul_(torch.exp(l_acc - safe).unsqueeze(-1))
+    o_acc.add_(o_blk.mul_(torch.exp(l_blk - safe).unsqueeze(-1)))
+    l_acc.copy_(new)
+
+
+def _kv_like(plan: RingPlan, step: int, k: Tensor, dtype: torch.dtype):
+    """Shapes of the K/V-sized tensors that arrive for ``step``."""
+    b, h, _, d = k.shape
+    return [(torch.Size((b, h, plan.shard_sizes[plan.source(step)], d)), dtype)] * 2
+
+
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx) -> Tuple[Tensor, Tensor]:
     plan, comm = ctx.plan, ctx.comm
     b, hq, s, d = q.shape
+    only = plan.steps[0][0] if plan.num_steps == 1 and len(plan.steps[0]) == 1 else None
+    if only is not None and only.nq == s and only.nk == k.shape[2]:
+        # One block covers everything (one process, no window): the kernel's result is final.
+        return block_forward(q, k, v, scale=ctx.scale, **_kernel_args(ctx, only, 0, q.device))
     out = torch.zeros(b, hq, s, d, dtype=_acc_dtype(q), device=q.device)
     lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
     kv = (k, v)
     for step in range(plan.num_steps):
         pending = None
         if step + 1 < plan.num_steps:
-            rows = plan.shard_sizes[plan.source(step + 1)]
-            like = [(torch.Size((b, k.shape[1], rows, d)), k.dtype)] * 2
-            pending = comm.exchange(kv, comm.next, like, comm.prev, tag=0)
+            pending = comm.exchange(kv, comm.next, _kv_like(plan, step + 1, k, k.dtype), comm.prev, tag=0)
         for blk in plan.steps[step]:
             o_blk, l_blk = block_forward(
                 _rows(q, blk.q0, blk.nq), _rows(kv[0], blk.k0, blk.nk), _rows(kv[1], blk.k0, blk.nk),
                 scale=ctx.scale, **_kernel_args(ctx, blk, step, q.device),
             )
-            sl = slice(blk.q0, blk.q0 + blk.nq)
-            out[:, :, sl], lse[:, :, sl] = merge_lse(out[:, :, sl], lse[:, :, sl], o_blk, l_blk)
+            _merge_into(out, lse, blk, o_blk, l_blk)
         if pending is not None:
             kv = tuple(pending.wait())
     return out.to(q.dtype), lse
@@ -102,48 +116,44 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx) -> Tuple[Tensor, Te
 
 def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, Tensor]:
     plan, comm = ctx.plan, ctx.comm
-    b, hq, s, d = q.shape
-    hkv = k.shape[1]
     acc = _acc_dtype(q)
-    dq = torch.zeros(b, hq, s, d, dtype=acc, device=q.device)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = (k, v)
-    pending_kv = pending_dkv = None
-    dkv = None
+    pending_dkv = None
     for step in range(plan.num_steps):
+        pending_kv = None
         if step + 1 < plan.num_steps:
-            rows = plan.shard_sizes[plan.source(step + 1)]
-            like = [(torch.Size((b, hkv, rows, d)), k.dtype)] * 2
-            pending_kv = comm.exchange(kv, comm.next, like, comm.prev, tag=0)
-        nk = kv[0].shape[2]
-        dk = torch.zeros(b, hkv, nk, d, dtype=acc, device=q.device)
-        dv = torch.zeros_like(dk)
-        for blk in plan.steps[step]:
-            qs, ks = slice(blk.q0, blk.q0 + blk.nq), slice(blk.k0, blk.k0 + blk.nk)
-            dq_b, dk_b, dv_b = block_backward(
-                dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs], lse[:, :, qs],
-                scale=ctx.scale, **_kernel_args(ctx, blk, step, q.device),
-            )
-            dq[:, :, qs] += dq_b
-            dk[:, :, ks] += dk_b
-            dv[:, :, ks] += dv_b
-        if pending_dkv is not None:
-            got_k, got_v = pending_dkv.wait()
-            dk, dv = dk + got_k, dv + got_v
-        if plan.num_steps == 1:
-            dkv = (dk, dv)
+            pending_kv = comm.exchange(kv, comm.next, _kv_like(plan, step + 1, k, k.dtype), comm.prev, tag=0)
+        if pending_dkv is None:
+            dk = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
+            dv = torch.zeros_like(dk)
         else:
-            last = step + 1 == plan.num_steps
-            # The last hop returns each shard's gradient straight to its owner.
-            send_to = plan.source(step) if last else comm.next
-            recv_from = (plan.rank + step) % plan.world_size if last else comm.prev
-            rows = plan.shard_sizes[plan.rank if last else plan.source(step + 1)]
-            like = [(torch.Size((b, hkv, rows, d)), acc)] * 2
-            pending_dkv = comm.exchange((dk, dv), send_to, like, recv_from, tag=2)
-        if pending_kv is not None and step + 1 < plan.num_steps:
+            # Accumulate straight into the partial sums that arrived with this shard.
+            dk, dv = pending_dkv.wait()
+        for big in plan.steps[step]:
+            for blk in split_block(big, BACKWARD_TILE, ctx.causal, ctx.window):
+                qs, ks = slice(blk.q0, blk.q0 + blk.nq), slice(blk.k0, blk.k0 + blk.nk)
+                dq_b, dk_b, dv_b = block_backward(
+                    dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs], lse[:, :, qs],
+                    scale=ctx.scale, **_kernel_args(ctx, blk, step, q.device),
+                )
+                dq[:, :, qs] += dq_b
+                dk[:, :, ks] += dk_b
+                dv[:, :, ks] += dv_b
+                del dq_b, dk_b, dv_b
+        if plan.num_steps == 1:
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        last = step + 1 == plan.num_steps
+        # The last hop hands each shard's gradient straight back to its owner.
+        send_to = plan.source(step) if last else comm.next
+        recv_from = (plan.rank + step) % plan.world_size if last else comm.prev
+        like = _kv_like(plan, 0 if last else step + 1, k, acc)
+        pending_dkv = comm.exchange((dk, dv), send_to, like, recv_from, tag=2)
+        del dk, dv
+        if pending_kv is not None:
             kv = tuple(pending_kv.wait())
-    if dkv is None:
-        dkv = tuple(pending_dkv.wait())
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    dk, dv = pending_dkv.wait()
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class RingAttentionFunction(torch.autograd.Function):
@@ -284,5 +294,5 @@ def ring_attention(
     n = resolve_seq_len(comm, q.shape[2], seq_len, layout)
     rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
     plan = ring_plan(n, rank, world, layout if world > 1 else "contiguous", bool(causal), window)
-    rctx = _Ctx(comm, plan, layout if world > 1 else "contiguous", float(scale), window)
+    rctx = _Ctx(comm, plan, layout if world > 1 else "contiguous", float(scale), bool(causal), window)
     return RingAttentionFunction.apply(q, k, v, rctx)
