@@ -67,7 +67,7 @@ def _rows(x: Tensor, start: int, n: int) -> Tensor:
     return x[:, :, start : start + n]
 
 
-BACKWARD_TILE = 2048
+BACKWARD_TILE = 1024
 """Rows per side of the tiles the backward works on; bounds its temporaries."""
 
 
@@ -144,6 +144,8 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
         if plan.num_steps == 1:
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         last = step + 1 == plan.num_steps
+        if last:
+            kv = None  # free the visiting shard before its gradient's buffers arrive
         # The last hop hands each shard's gradient straight back to its owner.
         send_to = plan.source(step) if last else comm.next
         recv_from = (plan.rank + step) % plan.world_size if last else comm.prev

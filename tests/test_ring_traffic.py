@@ -1,0 +1,77 @@
+"""The ring really is a ring: no K/V all-gather, no tensor of the global length on any rank."""
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import hf_ring
+from cases import make_qkv
+
+COLLECTIVES = ["all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "broadcast",
+               "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter"]
+
+
+class ShapeLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.shapes, self.ops = [], set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.add(str(func))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+def _traffic_case(n, layout, window):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, k, v, dout = make_qkv(1, 1, 4, 2, n, 8)
+    pos = hf_ring.local_positions(n, rank, world, layout)
+    ql, kl, vl = (t[:, :, pos].clone().requires_grad_(True) for t in (q, k, v))
+    do = dout[:, :, pos].clone()
+
+    collective_numels, p2p = [], []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+    original_batch = dist.batch_isend_irecv
+
+    def spy(name):
+        def wrapped(*args, **kwargs):
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            collective_numels.append((name, max((t.numel() for t in tensors), default=0)))
+            return originals[name](*args, **kwargs)
+        return wrapped
+
+    def spy_batch(ops):
+        p2p.extend((op.op.__name__, op.tensor.numel()) for op in ops)
+        return original_batch(ops)
+
+    for name in COLLECTIVES:
+        setattr(dist, name, spy(name))
+    dist.batch_isend_irecv = spy_batch
+    log = ShapeLog()
+    try:
+        with log:
+            out = hf_ring.ring_attention(ql, kl, vl, layout=layout, window=window)
+            out.backward(do)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        dist.batch_isend_irecv = original_batch
+    return {"collectives": collective_numels, "p2p": p2p, "shapes": log.shapes, "ops": sorted(log.ops),
+            "local": len(pos)}
+
+
+def test_no_allgather_and_no_global_length_tensor(pools):
+    n = 101  # no other dimension in this problem reaches 101
+    for layout, window in [("zigzag", None), ("contiguous", None), ("zigzag", 20)]:
+        results = pools(3).run(_traffic_case, n, layout, window)
+        for res in results:
+            assert all(numel <= 1 for _, numel in res["collectives"]), res["collectives"]
+            assert any(op == "isend" for op, _ in res["p2p"]), "K/V must travel point-to-point"
+            kv_numel = 1 * 2 * res["local"] * 8
+            assert max(numel for _, numel in res["p2p"]) <= kv_numel + 2 * 8, "no message beyond one shard"
+            assert any("flash_attention_for_cpu_backward" in op for op in res["ops"]), "backward not observed"
+            longest = max(max(s, default=0) for s in res["shapes"])
+            assert longest < n, f"a tensor with a dimension of {longest} >= global length {n}"
