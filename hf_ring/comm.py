@@ -86,13 +86,15 @@ class RingComm:
         recv_like: Sequence[Tuple[torch.Size, torch.dtype]],
         recv_from: int,
         tag: int = 0,
+        device: Optional[torch.device] = None,
     ) -> Pending:
         """Post ``send`` to group rank ``send_to`` and receives of the given shapes from ``recv_from``.
 
         Empty tensors are neither sent nor received: both sides know the shard
         sizes, so they skip them alike.
         """
-        device = send[0].device if send else torch.device("cpu")
+        if device is None:
+            device = send[0].device if send else torch.device("cpu")
         received = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in recv_like]
         ops, sent = [], [t.contiguous() for t in send]
         for i, t in enumerate(sent):

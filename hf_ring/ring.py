@@ -1,160 +1,239 @@
-"""Ring attention: K/V rotate rank to rank, partial results merge by log-sum-exp.
+"""Ring attention: K/V shards visit every rank that needs them, partial results merge by log-sum-exp.
 
-Forward: at step ``s`` rank ``r`` holds the K/V shard of rank ``r - s``; the
-next shard's transfer is posted before the current one is used, so
-communication overlaps compute. Backward walks the same ring: dQ stays home,
-dK/dV travel with their shard and are handed back to its owner at the end.
-Each block's backward uses the merged output and LSE, so gradients are exact.
+At step ``s`` of the ring every rank sends the rank ``s`` ahead the K/V rows
+it needs and receives from the rank ``s`` behind; the next step's transfer is
+posted before the current step computes, so communication overlaps compute.
+The backward walks the same steps: dQ stays home, and the dK/dV of visiting
+rows go straight back to their owner, where they are summed. Each block's
+backward uses the merged output and LSE, so gradients are exact. Dense
+attention is the schedule of the one-branch pattern ``(N, 1)``; a dilated
+pattern only changes which rows travel and which blocks run.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .blocks import Block, RingPlan, ring_plan, split_block
-from .comm import RingComm
+from .blocks import Prog, tiles
+from .comm import Pending, RingComm
 from .kernels import block_backward, block_forward, default_scale
-from .layout import check_layout, infer_seq_len, local_positions, shard_sizes
+from .layout import check_layout, infer_seq_len, shard_sizes
+from .pattern import DilatedPattern
+from .schedule import Blk, Piece, RankPlan, Step, rank_plan
 
 Tensor = torch.Tensor
 
-
-def _block_mask(blk: Block, q_pos: Tensor, k_pos: Tensor, window: Optional[int]) -> Tensor:
-    qp = q_pos[blk.q0 : blk.q0 + blk.nq, None]
-    kp = k_pos[None, blk.k0 : blk.k0 + blk.nk]
-    keep = kp <= qp
-    if window is not None:
-        keep &= kp > qp - window
-    return keep
+BACKWARD_TILE = 1024
+"""Rows per side of the tiles the backward works on; bounds its temporaries."""
 
 
 @dataclass
 class _Ctx:
     comm: Optional[RingComm]
-    plan: RingPlan
-    layout: str
+    plan: RankPlan
     scale: float
     causal: bool
     window: Optional[int]
-    positions: dict = field(default_factory=dict)  # rank -> its global positions, built on demand
+    masks: dict = field(default_factory=dict)
 
 
-def _positions(ctx: _Ctx, rank: int, device) -> Tensor:
-    cached = ctx.positions.get(rank)
-    if cached is None:
-        cached = local_positions(ctx.plan.seq_len, rank, ctx.plan.world_size, ctx.layout).to(device)
-        ctx.positions[rank] = cached
-    return cached
+def _hs(heads: range) -> slice:
+    return slice(heads.start, heads.stop, heads.step)
 
 
-def _kernel_args(ctx: _Ctx, blk: Block, step: int, device):
-    if blk.kind != "mask":
-        return {"causal": blk.kind == "causal", "mask": None}
-    q_pos = _positions(ctx, ctx.plan.rank, device)
-    k_pos = _positions(ctx, ctx.plan.source(step), device)
-    return {"causal": False, "mask": _block_mask(blk, q_pos, k_pos, ctx.window)}
+def _piece_view(x: Tensor, piece: Piece) -> Tensor:
+    return x[:, _hs(piece.heads), piece.rows.rows]
+
+
+def _whole(pieces: Sequence[Piece], x: Tensor) -> bool:
+    """One piece that is the entire tensor: it is sent as it is, without packing."""
+    if len(pieces) != 1:
+        return False
+    p = pieces[0]
+    return (p.heads == range(x.shape[1]) and p.rows.stride == 1 and p.rows.local == 0
+            and p.rows.count == x.shape[2] and x.is_contiguous())
+
+
+def _numels(pieces: Sequence[Piece], b: int, d: int) -> List[int]:
+    return [b * len(p.heads) * p.rows.count * d for p in pieces]
+
+
+def _pack(x: Tensor, pieces: Sequence[Piece]) -> Tensor:
+    """The pieces of ``x`` laid one after another in a flat buffer."""
+    if _whole(pieces, x):
+        return x.reshape(-1)
+    b, d = x.shape[0], x.shape[3]
+    flat = x.new_empty(sum(_numels(pieces, b, d)))
+    for view, piece in zip(_unpack(flat, pieces, b, d), pieces):
+        view.copy_(_piece_view(x, piece))
+    return flat
+
+
+def _unpack(flat: Tensor, pieces: Sequence[Piece], b: int, d: int) -> List[Tensor]:
+    views, off = [], 0
+    for piece, n in zip(pieces, _numels(pieces, b, d)):
+        views.append(flat[off : off + n].view(b, len(piece.heads), piece.rows.count, d))
+        off += n
+    return views
+
+
+def _post(comm: RingComm, step: Step, tensors: Sequence[Tensor], recv_dtype: torch.dtype,
+          like: Tensor, tag: int, reverse: bool = False) -> Pending:
+    """K/V-shaped traffic of one step: forward to ``dst``/from ``src``, or the reverse for gradients."""
+    out_pieces, in_pieces = (step.recv.pieces, step.send) if reverse else (step.send, step.recv.pieces)
+    send_to, recv_from = (step.src, step.dst) if reverse else (step.dst, step.src)
+    send = list(tensors) if out_pieces else []
+    total = sum(_numels(in_pieces, like.shape[0], like.shape[3]))
+    shapes = [(torch.Size((total,)), recv_dtype)] * 2 if in_pieces else []
+    return comm.exchange(send, send_to, shapes, recv_from, tag=tag, device=like.device)
+
+
+def _kv_views(step: Step, k: Tensor, v: Tensor, got: Optional[List[Tensor]]):
+    b, d = k.shape[0], k.shape[3]
+    if step.shift == 0:
+        return [(_piece_view(k, p), _piece_view(v, p)) for p in step.recv.pieces]
+    if not step.recv.pieces:
+        return []
+    ks, vs = _unpack(got[0], step.recv.pieces, b, d), _unpack(got[1], step.recv.pieces, b, d)
+    return list(zip(ks, vs))
+
+
+def _kernel_args(ctx: _Ctx, q: Prog, k_pos: int, nk: int, kind: str, device) -> dict:
+    if kind != "mask":
+        return {"causal": kind == "causal", "mask": None}
+    key = (q.pos, q.count, q.stride, k_pos, nk)
+    mask = ctx.masks.get(key)
+    if mask is None:
+        qp = torch.arange(q.pos, q.pos + q.count * q.stride, q.stride, device=device)[:, None]
+        kp = torch.arange(k_pos, k_pos + nk * q.stride, q.stride, device=device)[None, :]
+        mask = kp <= qp
+        if ctx.window is not None:
+            mask &= kp > qp - ctx.window
+        if len(ctx.masks) < 64:  # tiles repeat along a sliding window; keep a few
+            ctx.masks[key] = mask
+    return {"causal": False, "mask": mask}
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _rows(x: Tensor, start: int, n: int) -> Tensor:
-    return x[:, :, start : start + n]
+def _merge_into(out: Tensor, lse: Tensor, o_blk: Tensor, l_blk: Tensor) -> None:
+    """In-place log-sum-exp merge of one block's result into views of the accumulators.
 
-
-BACKWARD_TILE = 1024
-"""Rows per side of the tiles the backward works on; bounds its temporaries."""
-
-
-def _merge_into(out: Tensor, lse: Tensor, blk: Block, o_blk: Tensor, l_blk: Tensor) -> None:
-    """In-place log-sum-exp merge of one block's result into the accumulators' rows."""
-    sl = slice(blk.q0, blk.q0 + blk.nq)
-    o_acc, l_acc = out[:, :, sl], lse[:, :, sl]
-    new = torch.logaddexp(l_acc, l_blk)
+    ``L = logaddexp(L1, L2)``, ``O = exp(L1-L)·O1 + exp(L2-L)·O2``; rows where
+    neither side saw a key stay ``(0, -inf)`` instead of turning NaN.
+    """
+    new = torch.logaddexp(lse, l_blk)
     safe = new.masked_fill(torch.isneginf(new), 0.0)
     o_blk = o_blk.to(out.dtype) if o_blk.dtype != out.dtype else o_blk
-    o_acc.mul_(torch.exp(l_acc - safe).unsqueeze(-1))
-    o_acc.add_(o_blk.mul_(torch.exp(l_blk - safe).unsqueeze(-1)))
-    l_acc.copy_(new)
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1))
+    out.add_(o_blk.mul_(torch.exp(l_blk - safe).unsqueeze(-1)))
+    lse.copy_(new)
 
 
-def _kv_like(plan: RingPlan, step: int, k: Tensor, dtype: torch.dtype):
-    """Shapes of the K/V-sized tensors that arrive for ``step``."""
-    b, h, _, d = k.shape
-    return [(torch.Size((b, h, plan.shard_sizes[plan.source(step)], d)), dtype)] * 2
+def _single_block(plan: RankPlan, q: Tensor, k: Tensor) -> Optional[Blk]:
+    """The block when one kernel call over all rows and heads is the whole answer."""
+    if len(plan.steps) != 1 or len(plan.steps[0].recv.blocks) != 1:
+        return None
+    blk = plan.steps[0].recv.blocks[0]
+    whole_q = blk.q.stride == 1 and blk.q.count == q.shape[2] and blk.q_heads == range(q.shape[1])
+    return blk if whole_q and _whole(plan.steps[0].recv.pieces, k) and blk.nk == k.shape[2] else None
 
 
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx) -> Tuple[Tensor, Tensor]:
     plan, comm = ctx.plan, ctx.comm
     b, hq, s, d = q.shape
-    only = plan.steps[0][0] if plan.num_steps == 1 and len(plan.steps[0]) == 1 else None
-    if only is not None and only.nq == s and only.nk == k.shape[2]:
-        # One block covers everything (one process, no window): the kernel's result is final.
-        return block_forward(q, k, v, scale=ctx.scale, **_kernel_args(ctx, only, 0, q.device))
+    only = _single_block(plan, q, k)
+    if only is not None:
+        return block_forward(q, k, v, scale=ctx.scale, **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
     out = torch.zeros(b, hq, s, d, dtype=_acc_dtype(q), device=q.device)
     lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
-    kv = (k, v)
-    for step in range(plan.num_steps):
-        pending = None
-        if step + 1 < plan.num_steps:
-            pending = comm.exchange(kv, comm.next, _kv_like(plan, step + 1, k, k.dtype), comm.prev, tag=0)
-        for blk in plan.steps[step]:
+    steps = plan.steps
+    incoming: Optional[Pending] = None
+    for i, step in enumerate(steps):
+        got = incoming.wait() if incoming is not None else None
+        incoming = None
+        if i + 1 < len(steps):
+            nxt = steps[i + 1]
+            incoming = _post(comm, nxt, [_pack(k, nxt.send), _pack(v, nxt.send)] if nxt.send else [],
+                             k.dtype, k, tag=0)
+        kv = _kv_views(step, k, v, got)
+        for blk in step.recv.blocks:
+            hs, rs = _hs(blk.q_heads), blk.q.rows
+            pk, pv = kv[blk.piece]
             o_blk, l_blk = block_forward(
-                _rows(q, blk.q0, blk.nq), _rows(kv[0], blk.k0, blk.nk), _rows(kv[1], blk.k0, blk.nk),
-                scale=ctx.scale, **_kernel_args(ctx, blk, step, q.device),
+                q[:, hs, rs], pk[:, :, blk.k_off : blk.k_off + blk.nk], pv[:, :, blk.k_off : blk.k_off + blk.nk],
+                scale=ctx.scale, **_kernel_args(ctx, blk.q, blk.k_pos, blk.nk, blk.kind, q.device),
             )
-            _merge_into(out, lse, blk, o_blk, l_blk)
-        if pending is not None:
-            kv = tuple(pending.wait())
+            _merge_into(out[:, hs, rs], lse[:, hs, rs], o_blk, l_blk)
+        del kv, got
     return out.to(q.dtype), lse
+
+
+def _scatter_grads(dk: Tensor, dv: Tensor, step: Step, got: List[Tensor]) -> None:
+    """Add the gradients a destination returned for the rows this rank sent it."""
+    if not step.send:
+        return
+    b, d = dk.shape[0], dk.shape[3]
+    for piece, gk, gv in zip(step.send, _unpack(got[0], step.send, b, d), _unpack(got[1], step.send, b, d)):
+        _piece_view(dk, piece).add_(gk)
+        _piece_view(dv, piece).add_(gv)
 
 
 def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, Tensor]:
     plan, comm = ctx.plan, ctx.comm
+    b, hq, s, d = q.shape
     acc = _acc_dtype(q)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = (k, v)
-    pending_dkv = None
-    for step in range(plan.num_steps):
-        pending_kv = None
-        if step + 1 < plan.num_steps:
-            pending_kv = comm.exchange(kv, comm.next, _kv_like(plan, step + 1, k, k.dtype), comm.prev, tag=0)
-        if pending_dkv is None:
-            dk = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
-            dv = torch.zeros_like(dk)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros_like(dk)
+    steps = plan.steps
+    incoming: Optional[Pending] = None
+    returning: Optional[Tuple[Step, Pending]] = None
+    for i, step in enumerate(steps):
+        got = incoming.wait() if incoming is not None else None
+        incoming = None
+        if i + 1 < len(steps):
+            nxt = steps[i + 1]
+            incoming = _post(comm, nxt, [_pack(k, nxt.send), _pack(v, nxt.send)] if nxt.send else [],
+                             k.dtype, k, tag=0)
+        kv = _kv_views(step, k, v, got)
+        if step.shift == 0:
+            grads = [(_piece_view(dk, p), _piece_view(dv, p)) for p in step.recv.pieces]
+            flat = None
         else:
-            # Accumulate straight into the partial sums that arrived with this shard.
-            dk, dv = pending_dkv.wait()
-        for big in plan.steps[step]:
-            for blk in split_block(big, BACKWARD_TILE, ctx.causal, ctx.window):
-                qs, ks = slice(blk.q0, blk.q0 + blk.nq), slice(blk.k0, blk.k0 + blk.nk)
+            total = sum(_numels(step.recv.pieces, b, d))
+            flat = [torch.zeros(total, dtype=acc, device=q.device) for _ in range(2)]
+            grads = list(zip(_unpack(flat[0], step.recv.pieces, b, d), _unpack(flat[1], step.recv.pieces, b, d)))
+        for blk in step.recv.blocks:
+            hs = _hs(blk.q_heads)
+            pk, pv = kv[blk.piece]
+            gk, gv = grads[blk.piece]
+            stride = blk.q.stride
+            k_prog = Prog(blk.k_off * stride, blk.k_pos, blk.nk, stride)
+            for qt, kt, kind in tiles(blk.q, k_prog, ctx.causal, ctx.window, BACKWARD_TILE):
+                rs, ks = qt.rows, slice(kt.local // stride, kt.local // stride + kt.count)
                 dq_b, dk_b, dv_b = block_backward(
-                    dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs], lse[:, :, qs],
-                    scale=ctx.scale, **_kernel_args(ctx, blk, step, q.device),
+                    dout[:, hs, rs], q[:, hs, rs], pk[:, :, ks], pv[:, :, ks], out[:, hs, rs], lse[:, hs, rs],
+                    scale=ctx.scale, **_kernel_args(ctx, qt, kt.pos, kt.count, kind, q.device),
                 )
-                dq[:, :, qs] += dq_b
-                dk[:, :, ks] += dk_b
-                dv[:, :, ks] += dv_b
+                dq[:, hs, rs] += dq_b
+                gk[:, :, ks] += dk_b
+                gv[:, :, ks] += dv_b
                 del dq_b, dk_b, dv_b
-        if plan.num_steps == 1:
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-        last = step + 1 == plan.num_steps
-        if last:
-            kv = None  # free the visiting shard before its gradient's buffers arrive
-        # The last hop hands each shard's gradient straight back to its owner.
-        send_to = plan.source(step) if last else comm.next
-        recv_from = (plan.rank + step) % plan.world_size if last else comm.prev
-        like = _kv_like(plan, 0 if last else step + 1, k, acc)
-        pending_dkv = comm.exchange((dk, dv), send_to, like, recv_from, tag=2)
-        del dk, dv
-        if pending_kv is not None:
-            kv = tuple(pending_kv.wait())
-    dk, dv = pending_dkv.wait()
+        del kv, got, grads
+        if step.shift:
+            if returning is not None:
+                _scatter_grads(dk, dv, returning[0], returning[1].wait())
+            returning = (step, _post(comm, step, flat if step.recv.pieces else [], acc, k, tag=2, reverse=True))
+            del flat
+    if returning is not None:
+        _scatter_grads(dk, dv, returning[0], returning[1].wait())
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -220,6 +299,21 @@ def _check_window(window, causal: bool) -> Optional[int]:
     return window
 
 
+def _check_pattern(pattern, window) -> Optional[DilatedPattern]:
+    if pattern is None:
+        return None
+    if isinstance(pattern, dict):
+        pattern = DilatedPattern.from_dict(pattern)
+    if not isinstance(pattern, DilatedPattern):
+        raise TypeError(
+            f"pattern must be a hf_ring.DilatedPattern, a dict with segment_lengths and dilation_rates, "
+            f"or None; got {type(pattern).__name__}"
+        )
+    if window is not None:
+        raise ValueError("pattern and window cannot be combined: a dilated pattern already bounds what each query sees")
+    return pattern
+
+
 def _resolve_group(group) -> Optional[RingComm]:
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -270,7 +364,7 @@ def ring_attention(
     seq_len: Optional[int] = None,
     causal: bool = True,
     window: Optional[int] = None,
-    pattern=None,
+    pattern: Union[DilatedPattern, dict, None] = None,
     scale: Optional[float] = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
@@ -285,16 +379,16 @@ def ring_attention(
     _check_qkv(q, k, v)
     check_layout(layout)
     window = _check_window(window, causal)
+    pattern = _check_pattern(pattern, window)
     if scale is None:
         scale = default_scale(q.shape[-1])
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {scale!r}")
     comm = _resolve_group(group)
-    if pattern is not None:
-        from .dilated import dilated_attention
-
-        return dilated_attention(q, k, v, comm=comm, layout=layout, seq_len=seq_len, causal=causal,
-                                 window=window, pattern=pattern, scale=scale)
     n = resolve_seq_len(comm, q.shape[2], seq_len, layout)
     rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
-    plan = ring_plan(n, rank, world, layout if world > 1 else "contiguous", bool(causal), window)
-    rctx = _Ctx(comm, plan, layout if world > 1 else "contiguous", float(scale), bool(causal), window)
+    branches = ((max(n, 1), 1),) if pattern is None else pattern.branches
+    plan = rank_plan(n, rank, world, layout if world > 1 else "contiguous", bool(causal), window,
+                     branches, q.shape[1], k.shape[1])
+    rctx = _Ctx(comm, plan, float(scale), bool(causal), window)
     return RingAttentionFunction.apply(q, k, v, rctx)

@@ -18,6 +18,8 @@ def pools():
     def get(world_size: int) -> RankPool:
         pool = _POOLS.get(world_size)
         if pool is None or pool.broken:
+            if pool is not None:
+                pool.close()
             pool = _POOLS[world_size] = RankPool(world_size)
         return pool
 

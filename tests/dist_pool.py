@@ -66,7 +66,7 @@ class RankPool:
     def run_raw(self, fn, *args, **kwargs):
         """Run ``fn`` on every rank; returns ``[(ok, result_or_traceback)]`` by rank."""
         if self.broken:
-            raise RankError("the rank pool is broken by an earlier hang")
+            raise RankError("the rank pool is broken by an earlier failure")
         for t in self._tasks:
             t.put((fn, args, kwargs))
         got = {}
@@ -85,6 +85,8 @@ class RankPool:
         res = self.run_raw(fn, *args, **kwargs)
         errors = [f"rank {r}: {msg}" for r, (ok, msg) in enumerate(res) if not ok]
         if errors:
+            # A rank that failed mid-exchange leaves the group out of step: start afresh next time.
+            self.broken = True
             raise RankError("\n".join(errors))
         return [r for _, r in res]
 

@@ -51,3 +51,29 @@ def with_grads(fn, q, k, v, dout, **kw):
     out = fn(q, k, v, **kw)
     out.backward(dout.double())
     return out.detach(), q.grad, k.grad, v.grad
+
+
+def dilated_multiplicity(n: int, branches, head: int, causal: bool = True) -> torch.Tensor:
+    """``m[p, q]``: how many branches let query p see key q for query head ``head`` (LongNet eqs. 9-10)."""
+    p = torch.arange(n)[:, None]
+    q = torch.arange(n)[None, :]
+    m = torch.zeros(n, n, dtype=torch.long)
+    for w, r in branches:
+        wt = min(w, n)
+        same_seg = (p // wt) == (q // wt)
+        rho_p, rho_q = p - (p // wt) * wt, q - (q // wt) * wt
+        o = head % r
+        ok = same_seg & (rho_p % r == o) & (rho_q % r == o)
+        if causal:
+            ok &= q <= p
+        m += ok.long()
+    return m
+
+
+def dilated_attention(q, k, v, *, branches, causal=True, scale=None) -> torch.Tensor:
+    """Dense attention with bias ``log m`` per query head: the multiplicity-weighted single softmax."""
+    n, hq = q.shape[2], q.shape[1]
+    bias = torch.stack([
+        torch.log(dilated_multiplicity(n, branches, h, causal).double()) for h in range(hq)
+    ])
+    return attention(q, k, v, bias=bias, scale=scale)

@@ -1,86 +1,132 @@
-"""The block planner: every allowed (query, key) pair is computed exactly once, nothing else."""
+"""The schedule: every allowed (query, key) pair is computed exactly as often as the pattern says."""
 import itertools
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import reference as R
 from hf_ring import local_positions
-from hf_ring.blocks import Block, allowed, ring_plan, split_block
+from hf_ring.blocks import Prog, allowed, tiles
+from hf_ring.schedule import pair_plan, rank_plan
 
 
-def covered_pairs(n, world, layout, causal, window, tile=None):
-    """Map (query pos, key pos) -> count over the plans of all ranks; checks block kinds on the way."""
-    seen = {}
+def coverage(n, world, layout, causal, window, branches, hq, hkv, bwd_tile=None):
+    """cover[h, t, k]: how many computed blocks let query head h at t see key k; checks kinds on the way."""
+    cover = torch.zeros(hq, n, n, dtype=torch.long)
+    g = hq // hkv
     for rank in range(world):
-        plan = ring_plan(n, rank, world, layout, causal, window)
-        qpos = local_positions(n, rank, world, layout).tolist()
-        for step, blocks in enumerate(plan.steps):
-            kpos = local_positions(n, plan.source(step), world, layout).tolist()
-            for big in blocks:
-                for b in ([big] if tile is None else split_block(big, tile, causal, window)):
-                    for i in range(b.nq):
-                        for j in range(b.nk):
-                            t, k = qpos[b.q0 + i], kpos[b.k0 + j]
-                            ok = allowed(t, k, causal, window)
-                            if b.kind == "full":
-                                assert ok, (b, t, k)
-                            if b.kind == "causal":
-                                assert t - i == k - j and ok == (j <= i), (b, t, k)
-                            if ok:
-                                seen[(t, k)] = seen.get((t, k), 0) + 1
-    return seen
+        qpos = local_positions(n, rank, world, layout)
+        plan = rank_plan(n, rank, world, layout, causal, window, branches, hq, hkv)
+        for step in plan.steps:
+            kpos_src = local_positions(n, step.src, world, layout)
+            for blk in step.recv.blocks:
+                piece = step.recv.pieces[blk.piece]
+                piece_pos = kpos_src[piece.rows.rows]
+                kp = Prog(blk.k_off * blk.q.stride, blk.k_pos, blk.nk, blk.q.stride)
+                parts = [(blk.q, kp, blk.kind)] if bwd_tile is None else tiles(blk.q, kp, causal, window, bwd_tile)
+                for qt, kt, kind in parts:
+                    t = qpos[qt.rows]
+                    assert torch.equal(t, torch.arange(qt.pos, qt.last_pos + 1, qt.stride))
+                    ks = piece_pos[kt.local // kt.stride: kt.local // kt.stride + kt.count]
+                    assert torch.equal(ks, torch.arange(kt.pos, kt.pos + kt.count * kt.stride, kt.stride))
+                    ok = (ks[None, :] <= t[:, None]) if causal else torch.ones(len(t), len(ks), dtype=torch.bool)
+                    if window is not None:
+                        ok &= ks[None, :] > t[:, None] - window
+                    if kind == "full":
+                        assert ok.all()
+                    if kind == "causal":
+                        assert torch.equal(t, ks) and torch.equal(ok, torch.ones_like(ok).tril())
+                    for j, h in enumerate(blk.q_heads):
+                        u = piece.heads[j // (len(blk.q_heads) // len(piece.heads))]
+                        assert u == h // g, "query head paired with the wrong K/V head"
+                        cover[h][t[:, None].expand_as(ok)[ok], ks[None, :].expand_as(ok)[ok]] += 1
+    return cover
 
 
-def expected_pairs(n, causal, window):
-    return {(t, k) for t in range(n) for k in range(n) if allowed(t, k, causal, window)}
+def expected(n, causal, window, branches, hq):
+    if branches is None:
+        m = R.dense_mask(n, causal, window).long()
+        return m.expand(hq, n, n)
+    return torch.stack([R.dilated_multiplicity(n, branches, h, causal) for h in range(hq)])
 
 
-CASES = [
-    (n, w, layout, causal, window)
-    for n, w, layout, (causal, window) in itertools.product(
-        [1, 5, 37, 101], [1, 2, 3, 4], ["zigzag", "contiguous"],
-        [(True, None), (False, None), (True, 1), (True, 3), (True, 16), (True, 300)],
-    )
-]
+DENSE = [(n, w, layout, c, win) for n, w, layout, (c, win) in itertools.product(
+    [1, 5, 37, 101], [1, 2, 3, 4], ["zigzag", "contiguous"],
+    [(True, None), (False, None), (True, 1), (True, 3), (True, 16), (True, 300)])]
 
 
-@pytest.mark.parametrize("n,world,layout,causal,window", CASES)
-def test_each_allowed_pair_once(n, world, layout, causal, window):
-    seen = covered_pairs(n, world, layout, causal, window)
-    assert set(seen) == expected_pairs(n, causal, window)
-    assert all(c == 1 for c in seen.values())
+@pytest.mark.parametrize("n,world,layout,causal,window", DENSE)
+def test_dense_pairs_once(n, world, layout, causal, window):
+    got = coverage(n, world, layout, causal, window, ((max(n, 1), 1),), 2, 1)
+    assert torch.equal(got, expected(n, causal, window, None, 2))
 
 
-@settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 90), world=st.integers(1, 5), layout=st.sampled_from(["zigzag", "contiguous"]),
-       window=st.one_of(st.none(), st.integers(1, 100)), tile=st.integers(1, 40))
-def test_tiled_blocks_cover_the_same_pairs(n, world, layout, window, tile):
-    seen = covered_pairs(n, world, layout, True, window, tile=tile)
-    assert set(seen) == expected_pairs(n, True, window)
-    assert all(c == 1 for c in seen.values())
+PATTERNS = [((8, 1),), ((4, 1), (8, 2)), ((16, 4), (5, 2), (64, 1)), ((1000, 3),), ((8, 2), (8, 2))]
 
 
-def test_future_blocks_are_skipped():
-    # Contiguous causal: rank 0 never needs another rank's keys.
-    plan0 = ring_plan(64, 0, 4, "contiguous", True, None)
-    assert [len(s) for s in plan0.steps] == [1, 0, 0, 0]
-    # Zigzag: every off-diagonal step computes exactly half of the local rows x shard rows.
-    plan = ring_plan(64, 1, 4, "zigzag", True, None)
+@pytest.mark.parametrize("branches", PATTERNS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_dilated_multiplicity(branches, world, layout, causal):
+    n = 45
+    got = coverage(n, world, layout, causal, None, branches, 6, 2)
+    assert torch.equal(got, expected(n, causal, None, branches, 6))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 70), world=st.integers(1, 4), layout=st.sampled_from(["zigzag", "contiguous"]),
+       window=st.one_of(st.none(), st.integers(1, 80)), tile=st.integers(1, 30))
+def test_backward_tiles_cover_the_same_pairs(n, world, layout, window, tile):
+    got = coverage(n, world, layout, True, window, ((max(n, 1), 1),), 2, 2, bwd_tile=tile)
+    assert torch.equal(got, expected(n, True, window, None, 2))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 60), world=st.integers(1, 4), layout=st.sampled_from(["zigzag", "contiguous"]),
+       branches=st.lists(st.tuples(st.integers(1, 70), st.integers(1, 5)), min_size=1, max_size=3),
+       heads=st.sampled_from([(4, 4), (4, 2), (6, 2), (6, 3)]), tile=st.integers(1, 9))
+def test_dilated_tiles_cover_the_pattern(n, world, layout, branches, heads, tile):
+    branches = tuple(branches)
+    got = coverage(n, world, layout, True, None, branches, heads[0], heads[1], bwd_tile=tile)
+    assert torch.equal(got, expected(n, True, None, branches, heads[0]))
+
+
+def test_future_rows_are_never_sent():
+    # Contiguous causal: rank 0 needs nothing from anyone, so only the ranks after it receive.
+    plan0 = rank_plan(64, 0, 4, "contiguous", True, None, ((64, 1),), 2, 2)
+    assert all(not s.recv.pieces for s in plan0.steps if s.shift)
+    # Zigzag: at every step a rank computes half of (its rows x the visiting rows), and
+    # when the visitor is an earlier rank only the half it can use travels.
+    plan = rank_plan(64, 2, 4, "zigzag", True, None, ((64, 1),), 2, 2)
     for step in plan.steps[1:]:
-        assert sum(b.nq * b.nk for b in step) == 16 * 16 // 2
+        assert sum(b.q.count * b.nk for b in step.recv.blocks) == 16 * 16 // 2
+        rows = sum(p.rows.count for p in step.recv.pieces)
+        assert rows == (8 if step.src < 2 else 16)
 
 
-def test_window_stops_the_ring_early_and_keeps_masks_small():
-    plan = ring_plan(4096, 0, 4, "contiguous", True, 100)
-    assert plan.num_steps == 2  # keys further than one shard back are out of the window
-    big = ring_plan(1 << 16, 0, 1, "contiguous", True, 512)
-    masked = [b for b in big.steps[0] if b.kind == "mask"]
-    assert masked and max(b.nq * b.nk for b in masked) <= 512 * 512
+def test_window_limits_steps_and_masks():
+    plan = rank_plan(4096, 3, 4, "contiguous", True, 100, ((4096, 1),), 2, 2)
+    assert [s.shift for s in plan.steps] == [0, 1]  # only the previous shard is within reach
+    assert sum(p.rows.count for p in plan.steps[1].recv.pieces) == 99  # and only its last 99 rows
+    big = pair_plan(1 << 16, 0, 0, 1, "contiguous", True, 512, ((1 << 16, 1),), 2, 2)
+    masked = [b for b in big.blocks if b.kind == "mask"]
+    assert masked and max(b.q.count * b.nk for b in masked) <= 512 * 512
 
 
-def test_split_block_drops_future_tiles():
-    diag = Block(0, 10, 0, 10, 0, 0, "causal")
-    tiles = split_block(diag, 4, True, None)
-    assert sum(b.kind == "causal" for b in tiles) == 3
-    assert all(b.k0 <= b.q0 for b in tiles)
+def test_segments_inside_a_rank_need_no_traffic():
+    plan = rank_plan(1024, 1, 4, "contiguous", True, None, ((64, 1), (256, 4)), 8, 8)
+    assert [s.shift for s in plan.steps] == [0]
+    zig = rank_plan(1024, 1, 4, "zigzag", True, None, ((128, 1), (64, 2)), 8, 8)
+    assert [s.shift for s in zig.steps] == [0]
+
+
+def test_dilated_branch_sends_one_rth_of_the_rows():
+    n, world, hq = 1024, 2, 8
+    dense = rank_plan(n, 1, world, "contiguous", False, None, ((n, 1),), hq, hq)
+    for r in (2, 4, 8):
+        dil = rank_plan(n, 1, world, "contiguous", False, None, ((n, r),), hq, hq)
+        count = lambda plan: sum(len(p.heads) * p.rows.count for s in plan.steps[1:] for p in s.recv.pieces)  # noqa: E731
+        assert count(dil) * r == count(dense)

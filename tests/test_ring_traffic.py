@@ -25,9 +25,9 @@ class ShapeLog(TorchDispatchMode):
         return out
 
 
-def _traffic_case(n, layout, window):
+def _traffic_case(n, layout, window, pattern=None, heads=(4, 2), causal=True):
     rank, world = dist.get_rank(), dist.get_world_size()
-    q, k, v, dout = make_qkv(1, 1, 4, 2, n, 8)
+    q, k, v, dout = make_qkv(1, 1, heads[0], heads[1], n, 8)
     pos = hf_ring.local_positions(n, rank, world, layout)
     ql, kl, vl = (t[:, :, pos].clone().requires_grad_(True) for t in (q, k, v))
     do = dout[:, :, pos].clone()
@@ -53,7 +53,7 @@ def _traffic_case(n, layout, window):
     log = ShapeLog()
     try:
         with log:
-            out = hf_ring.ring_attention(ql, kl, vl, layout=layout, window=window)
+            out = hf_ring.ring_attention(ql, kl, vl, layout=layout, window=window, pattern=pattern, causal=causal)
             out.backward(do)
     finally:
         for name, fn in originals.items():
@@ -70,8 +70,31 @@ def test_no_allgather_and_no_global_length_tensor(pools):
         for res in results:
             assert all(numel <= 1 for _, numel in res["collectives"]), res["collectives"]
             assert any(op == "isend" for op, _ in res["p2p"]), "K/V must travel point-to-point"
-            kv_numel = 1 * 2 * res["local"] * 8
+            kv_numel = 1 * 2 * max(r["local"] for r in results) * 8
             assert max(numel for _, numel in res["p2p"]) <= kv_numel + 2 * 8, "no message beyond one shard"
             assert any("flash_attention_for_cpu_backward" in op for op in res["ops"]), "backward not observed"
-            longest = max(max(s, default=0) for s in res["shapes"])
+            # Packed messages are flat; every shaped tensor must stay below the global length.
+            longest = max(max(s, default=0) for s in res["shapes"] if len(s) > 1)
             assert longest < n, f"a tensor with a dimension of {longest} >= global length {n}"
+            assert not any(n in s for s in res["shapes"]), "a tensor of the global length"
+            assert all(s[0] <= kv_numel for s in res["shapes"] if len(s) == 1), "a message beyond one shard"
+
+
+def _sent_bytes(res):
+    return sum(numel for op, numel in res["p2p"] if op == "isend")
+
+
+def test_local_segments_cause_no_traffic(pools):
+    pattern = {"segment_lengths": [16, 32], "dilation_rates": [1, 2]}
+    for res in pools(4).run(_traffic_case, 128, "contiguous", None, pattern):
+        assert res["p2p"] == [] and all(numel <= 1 for _, numel in res["collectives"])
+
+
+def test_dilated_branch_sends_one_rth_of_the_dense_bytes(pools):
+    n, heads = 512, (8, 8)
+    dense = pools(2).run(_traffic_case, n, "contiguous", None, None, heads, False)
+    for r in (2, 4, 8):
+        pattern = {"segment_lengths": [n], "dilation_rates": [r]}
+        dil = pools(2).run(_traffic_case, n, "contiguous", None, pattern, heads, False)
+        for a, b in zip(dil, dense):
+            assert _sent_bytes(a) * r == _sent_bytes(b) > 0

@@ -1,0 +1,121 @@
+"""``DilatedPattern``: the (segment length, dilation rate) branches of LongNet attention.
+
+For query head h and branch (w, r) over a global length N, position p sits in
+segment ``p // min(w, N)`` and may attend key q of the same segment when both
+in-segment indices are congruent to the head offset ``h % r`` modulo r (and
+q <= p when causal). Branches mix by a single softmax whose weights count how
+many branches allow a pair. One branch with ``w >= N`` and ``r = 1`` is exact
+dense attention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple
+
+
+def _positive_ints(name: str, values: Any) -> Tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be a list of positive ints, got {values!r}")
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must hold ints, got {v!r} ({type(v).__name__})")
+        if v < 1:
+            raise ValueError(f"{name} must hold positive ints, got {v}")
+        out.append(int(v))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class DilatedPattern:
+    """Branches ``(segment_lengths[i], dilation_rates[i])`` of dilated attention.
+
+    >>> DilatedPattern([2048, 4096, 8192], [1, 2, 4])
+    """
+
+    segment_lengths: Tuple[int, ...]
+    dilation_rates: Tuple[int, ...]
+
+    def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int]):
+        lengths = _positive_ints("segment_lengths", segment_lengths)
+        rates = _positive_ints("dilation_rates", dilation_rates)
+        if len(lengths) != len(rates):
+            raise ValueError(
+                f"segment_lengths has {len(lengths)} entries but dilation_rates has {len(rates)}; "
+                "give one rate per segment length"
+            )
+        if not lengths:
+            raise ValueError("a DilatedPattern needs at least one (segment length, dilation rate) branch")
+        object.__setattr__(self, "segment_lengths", lengths)
+        object.__setattr__(self, "dilation_rates", rates)
+
+    @property
+    def branches(self) -> Tuple[Tuple[int, int], ...]:
+        return tuple(zip(self.segment_lengths, self.dilation_rates))
+
+    @classmethod
+    def dense(cls, seq_len: int) -> "DilatedPattern":
+        """The one-branch pattern equal to exact dense attention over ``seq_len`` tokens."""
+        return cls([max(1, seq_len)], [1])
+
+    def to_dict(self) -> Dict[str, List[int]]:
+        return {"segment_lengths": list(self.segment_lengths), "dilation_rates": list(self.dilation_rates)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "DilatedPattern":
+        if not isinstance(data, Mapping):
+            raise TypeError(f"a pattern dict must be a mapping, got {type(data).__name__}")
+        unknown = set(data) - {"segment_lengths", "dilation_rates"}
+        if unknown:
+            raise ValueError(f"unknown pattern keys {sorted(unknown)}; expected segment_lengths and dilation_rates")
+        missing = {"segment_lengths", "dilation_rates"} - set(data)
+        if missing:
+            raise ValueError(f"pattern dict is missing {sorted(missing)}")
+        return cls(data["segment_lengths"], data["dilation_rates"])
+
+    def flops(self, seq_len: int, heads: int, head_dim: int, causal: bool = True) -> Dict[str, float]:
+        """Attention matmul FLOPs (QKᵀ and PV, forward) of this pattern and of dense attention.
+
+        Per head and branch the work is ``N/w̃`` segments of ``(w̃/r)²`` pairs
+        over ``r`` offsets, i.e. about ``N·w̃/r²`` pairs for the heads of each offset.
+        """
+        n = seq_len
+        pairs = 0.0
+        for w, r in self.branches:
+            w = min(w, n)
+            for start in range(0, n, w):
+                length = min(w, n - start)
+                for o in range(min(r, length)):
+                    m = len(range(o, length, r))
+                    per_head = m * (m + 1) / 2 if causal else m * m
+                    # heads h with h % r == o
+                    pairs += per_head * len(range(o, heads, r))
+        dense = heads * (n * (n + 1) / 2 if causal else n * n)
+        per_pair = 4 * head_dim
+        return {"pattern": pairs * per_pair, "dense": dense * per_pair, "ratio": pairs / dense if dense else 0.0}
+
+    def __repr__(self) -> str:
+        return f"DilatedPattern({list(self.segment_lengths)}, {list(self.dilation_rates)})"
+
+
+def head_groups(hq: int, hkv: int, rate: int, offset: int) -> List[Tuple[range, range]]:
+    """Query heads with ``h % rate == offset``, split into kernel calls ``(q_heads, kv_heads)``.
+
+    In each pair, query head ``q_heads[i]`` uses K/V head ``kv_heads[i // (len(q_heads) // len(kv_heads))]``,
+    the grouping a GQA kernel expects, so K/V are never repeated per query head.
+    """
+    g = hq // hkv
+    q_heads = range(offset, hq, rate)
+    if not q_heads:
+        return []
+    if rate % g == 0:  # each K/V head serves at most one query head of this offset
+        return [(q_heads, range(offset // g, hkv, rate // g))]
+    if g % rate == 0:  # every K/V head serves g / rate consecutive query heads of this offset
+        return [(q_heads, range(hkv))]
+    groups = []
+    for u in range(hkv):
+        first = u * g + (offset - u * g) % rate
+        qs = range(first, (u + 1) * g, rate)
+        if qs:
+            groups.append((qs, range(u, u + 1)))
+    return groups

@@ -1,0 +1,157 @@
+"""Who sends which K/V rows to whom, and which blocks each rank computes with them.
+
+Pure index math, the same on every rank, so senders and receivers agree on
+every message without asking each other. At step ``s`` rank ``r`` receives from
+``r - s`` exactly the rows its blocks need and sends ``r + s`` what that rank
+needs. Dense attention is the one-branch pattern ``(N, 1)``: the shards travel
+whole (or the half a causal zigzag rank can use). A dilated branch moves only
+its dilated rows, only between ranks that share a segment; a step in which a
+rank neither sends nor receives is skipped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Dict, List, Optional, Tuple
+
+from .blocks import Prog, default_tile, tiles
+from .layout import local_runs, runs_to_local
+from .pattern import head_groups
+
+Branches = Tuple[Tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """K/V heads ``heads`` at rows ``rows`` of the source rank, one slab of a message."""
+
+    heads: range
+    rows: Prog
+
+
+@dataclass(frozen=True)
+class Blk:
+    """Local query rows ``q`` (heads ``q_heads``) against items ``[k_off, k_off+nk)`` of piece ``piece``.
+
+    The keys sit at positions ``k_pos + j·q.stride``.
+    """
+
+    q: Prog
+    q_heads: range
+    piece: int
+    k_off: int
+    nk: int
+    k_pos: int
+    kind: str
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    pieces: Tuple[Piece, ...]
+    blocks: Tuple[Blk, ...]
+
+
+@dataclass(frozen=True)
+class Step:
+    shift: int
+    src: int  # this step's K/V come from here
+    dst: int  # and this rank's K/V go there
+    recv: PairPlan
+    send: Tuple[Piece, ...]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    world_size: int
+    seq_len: int
+    local_len: int
+    steps: Tuple[Step, ...]
+
+
+def _class_prog(run: Tuple[int, int, int], seg_lo: int, seg_hi: int, offset: int, rate: int) -> Optional[Prog]:
+    """Rows of one run inside segment ``[seg_lo, seg_hi)`` whose in-segment index is ``offset`` mod ``rate``."""
+    local, start, length = run
+    lo, hi = max(start, seg_lo), min(start + length, seg_hi)
+    first = seg_lo + offset
+    if lo > first:
+        first += -(-(lo - first) // rate) * rate
+    if first >= hi:
+        return None
+    count = len(range(first, hi, rate))
+    return Prog(local + first - start, first, count, rate)
+
+
+def _segments(runs, wt: int) -> List[int]:
+    segs = set()
+    for _, start, length in runs:
+        segs.update(range(start // wt, (start + length - 1) // wt + 1))
+    return sorted(segs)
+
+
+@lru_cache(maxsize=4096)
+def pair_plan(
+    seq_len: int, dst: int, src: int, world_size: int, layout: str, causal: bool,
+    window: Optional[int], branches: Branches, hq: int, hkv: int, tile: Optional[int] = None,
+) -> PairPlan:
+    """What rank ``dst`` computes with the K/V rows of rank ``src``."""
+    q_runs = runs_to_local(local_runs(seq_len, dst, world_size, layout))
+    k_runs = runs_to_local(local_runs(seq_len, src, world_size, layout))
+    tile = default_tile(window) if tile is None else tile
+    pieces: List[Piece] = []
+    index: Dict[Piece, int] = {}
+    blocks: List[Blk] = []
+    if not q_runs or not k_runs:
+        return PairPlan((), ())
+    for w, rate in branches:
+        wt = min(w, seq_len)
+        for offset in range(rate):
+            groups = head_groups(hq, hkv, rate, offset)
+            if not groups:
+                continue
+            for seg in _segments(q_runs, wt):
+                lo, hi = seg * wt, min(seq_len, (seg + 1) * wt)
+                q_progs = [p for p in (_class_prog(r, lo, hi, offset, rate) for r in q_runs) if p]
+                if not q_progs:
+                    continue
+                q_first = min(p.pos for p in q_progs)
+                q_last = max(p.last_pos for p in q_progs)
+                need_lo = q_first - window + 1 if (causal and window is not None) else lo
+                need_hi = q_last if causal else hi - 1
+                for run in k_runs:
+                    kp = _class_prog(run, lo, hi, offset, rate)
+                    kp = kp.clip(need_lo, need_hi) if kp else None
+                    if kp is None:
+                        continue
+                    found = [(qp, t) for qp in q_progs for t in tiles(qp, kp, causal, window, tile)]
+                    if not found:
+                        continue
+                    for q_heads, kv_heads in groups:
+                        piece = Piece(kv_heads, kp)
+                        if piece not in index:
+                            index[piece] = len(pieces)
+                            pieces.append(piece)
+                        pid = index[piece]
+                        for _, (qt, kt, kind) in found:
+                            off = (kt.pos - kp.pos) // rate
+                            blocks.append(Blk(qt, q_heads, pid, off, kt.count, kt.pos, kind))
+    return PairPlan(tuple(pieces), tuple(blocks))
+
+
+@lru_cache(maxsize=512)
+def rank_plan(
+    seq_len: int, rank: int, world_size: int, layout: str, causal: bool,
+    window: Optional[int], branches: Branches, hq: int, hkv: int,
+) -> RankPlan:
+    """Every step rank ``rank`` takes part in; step 0 (its own K/V) comes first."""
+    steps = []
+    for s in range(world_size):
+        src, dst = (rank - s) % world_size, (rank + s) % world_size
+        recv = pair_plan(seq_len, rank, src, world_size, layout, causal, window, branches, hq, hkv)
+        send: Tuple[Piece, ...] = ()
+        if s:
+            send = pair_plan(seq_len, dst, rank, world_size, layout, causal, window, branches, hq, hkv).pieces
+        if s == 0 or recv.pieces or send:
+            steps.append(Step(s, src, dst, recv, send))
+    local_len = sum(n for _, _, n in runs_to_local(local_runs(seq_len, rank, world_size, layout)))
+    return RankPlan(rank, world_size, seq_len, local_len, tuple(steps))
