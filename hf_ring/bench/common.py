@@ -35,6 +35,76 @@ def best_time(fn: Callable[[], None], repeats: int) -> float:
     return best
 
 
+def measure_attention(impl: str, n: int, layout: str, b: int, h: int, d: int, repeats: int,
+                      pattern: Optional[Dict] = None, what: str = "both") -> Dict:
+    """Time causal attention on this rank's shard: ``impl`` is "sdpa" (one process) or "ring".
+
+    Returns the fastest forward and forward+backward times, the peak resident
+    memory above the pre-input baseline, and the bytes this rank sent
+    point-to-point during one forward+backward.
+    """
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import hf_ring
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+    def inputs(length):
+        g = torch.Generator().manual_seed(0)
+        rows = len(hf_ring.local_positions(length, rank, world, layout))
+        ts = [torch.randn(b, h, rows, d, generator=g) for _ in range(4)]
+        return [t.requires_grad_(i < 3) for i, t in enumerate(ts)]
+
+    def attn_fn(q, k, v, length):
+        if impl == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return hf_ring.ring_attention(q, k, v, layout=layout, seq_len=length, pattern=pattern)
+
+    # Warm up kernels, threads and the allocator on a small problem so the
+    # timings and the memory high-water mark below belong to size n alone.
+    wq, wk, wv, wdo = inputs(256)
+    attn_fn(wq, wk, wv, 256).backward(wdo)
+    base = rss_mb()
+    q, k, v, do = inputs(n)
+
+    def attn():
+        return attn_fn(q, k, v, n)
+
+    def fwd():
+        with torch.no_grad():
+            attn()
+
+    def fwd_bwd():
+        attn().backward(do)
+        q.grad = k.grad = v.grad = None
+
+    result = {}
+    if what in ("both", "fwd"):
+        if world > 1:
+            dist.barrier()
+        result["fwd_s"] = best_time(fwd, repeats)
+    if what in ("both", "fwd_bwd"):
+        if world > 1:
+            dist.barrier()
+        sent = []
+        if world > 1:
+            original = dist.batch_isend_irecv
+
+            def counting(ops):
+                sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+                return original(ops)
+
+            dist.batch_isend_irecv = counting
+            fwd_bwd()
+            dist.batch_isend_irecv = original
+        result["fwd_bwd_s"] = best_time(fwd_bwd, repeats)
+        result["sent_mb"] = sum(sent) / 2**20
+    result["peak_mb"] = peak_rss_mb() - base
+    return result
+
+
+
 def _entry(rank, world_size, init_file, fn, args, results):
     torch.set_num_threads(1)
     if world_size > 1:

@@ -8,55 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Dict, List
 
-import torch
-import torch.nn.functional as F
-
-from .common import best_time, format_table, peak_rss_mb, rss_mb, run_ranks, save
-
-
-def _measure(impl: str, n: int, layout: str, b: int, h: int, d: int, repeats: int) -> Dict:
-    import torch.distributed as dist
-
-    import hf_ring
-
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-    def inputs(length):
-        g = torch.Generator().manual_seed(0)
-        rows = len(hf_ring.local_positions(length, rank, world, layout))
-        ts = [torch.randn(b, h, rows, d, generator=g) for _ in range(4)]
-        return [t.requires_grad_(i < 3) for i, t in enumerate(ts)]
-
-    def attn_fn(q, k, v, length):
-        if impl == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return hf_ring.ring_attention(q, k, v, layout=layout, seq_len=length)
-
-    # Warm up kernels, threads and the allocator on a small problem so the
-    # timings and the memory high-water mark below belong to size n alone.
-    wq, wk, wv, wdo = inputs(256)
-    attn_fn(wq, wk, wv, 256).backward(wdo)
-    base = rss_mb()
-    q, k, v, do = inputs(n)
-
-    def attn():
-        return attn_fn(q, k, v, n)
-
-    def fwd():
-        with torch.no_grad():
-            attn()
-
-    def fwd_bwd():
-        attn().backward(do)
-        q.grad = k.grad = v.grad = None
-
-    if world > 1:
-        dist.barrier()
-    t_fwd = best_time(fwd, repeats)
-    if world > 1:
-        dist.barrier()
-    t_fb = best_time(fwd_bwd, repeats)
-    return {"fwd_s": t_fwd, "fwd_bwd_s": t_fb, "peak_mb": peak_rss_mb() - base}
+from .common import format_table, measure_attention as _measure, run_ranks, save
 
 
 BASE_N = 512

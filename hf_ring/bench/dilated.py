@@ -1,0 +1,106 @@
+"""``python -m hf_ring.bench dilated``: LongNet dilated attention against dense SDPA.
+
+Default pattern: segments (2048, 4096, 8192, 16384, 32768, 65536) with rates
+(1, 2, 4, 8, 16, 32), capped at n. Dense SDPA is timed only up to
+``--dense-max`` tokens (its cost grows as n²). Every configuration runs in
+fresh one-thread processes, one after another, in this one run.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Dict, List, Optional
+
+from .common import format_table, measure_attention, run_ranks, save
+
+SEGMENTS = [2048, 4096, 8192, 16384, 32768, 65536]
+RATES = [1, 2, 4, 8, 16, 32]
+
+
+def planned_sent_mb(n: int, world: int, layout: str, branches, h: int, b: int, d: int) -> float:
+    """Bytes the busiest rank sends in one forward+backward under a pattern, from the schedule alone."""
+    from ..schedule import rank_plan
+
+    most = 0.0
+    for rank in range(world):
+        plan = rank_plan(n, rank, world, layout, True, None, tuple(branches), h, h)
+        kv = sum(len(p.heads) * p.rows.count for s in plan.steps for p in s.send) * b * d
+        back = sum(len(p.heads) * p.rows.count for s in plan.steps[1:] for p in s.recv.pieces) * b * d
+        # K and V in the forward and again in the backward, then dK and dV back (fp32 throughout).
+        most = max(most, (2 * 2 * kv + 2 * back) * 4 / 2**20)
+    return most
+
+
+def _run(world: int, impl: str, n: int, layout: str, b: int, h: int, d: int, repeats: int,
+         pattern: Optional[Dict]) -> Dict:
+    res = run_ranks(world, measure_attention, impl, n, layout, b, h, d, repeats, pattern)
+    return {"fwd_s": max(r["fwd_s"] for r in res), "fwd_bwd_s": max(r["fwd_bwd_s"] for r in res),
+            "sent_mb": max(r.get("sent_mb", 0.0) for r in res), "peak_mb": max(r["peak_mb"] for r in res)}
+
+
+def run(sizes: List[int], layouts: List[str], dense_max: int, b: int, h: int, d: int) -> List[Dict]:
+    rows = []
+    for n in sizes:
+        repeats = 2 if n <= 16384 else 1
+        segs = [min(w, n) for w in SEGMENTS]
+        pattern = {"segment_lengths": segs, "dilation_rates": RATES}
+        branches = list(zip(segs, RATES))
+        dense = _run(1, "sdpa", n, "contiguous", b, h, d, repeats, None) if n <= dense_max else None
+        configs = [(1, "contiguous")] + [(2, lay) for lay in layouts]
+        for world, layout in configs:
+            got = _run(world, "ring", n, layout, b, h, d, repeats, pattern)
+            row = {
+                "n": n, "world": world, "layout": layout if world > 1 else "-",
+                "fwd_s": round(got["fwd_s"], 3), "fwd_bwd_s": round(got["fwd_bwd_s"], 3),
+                "dense_fwd_s": round(dense["fwd_s"], 3) if dense else "",
+                "dense_fwd_bwd_s": round(dense["fwd_bwd_s"], 3) if dense else "",
+                "speedup_fwd_bwd": round(dense["fwd_bwd_s"] / got["fwd_bwd_s"], 2) if dense else "",
+                "sent_mb": round(got["sent_mb"], 1),
+                "dense_ring_sent_mb": round(planned_sent_mb(n, world, layout, [(n, 1)], h, b, d), 1) if world > 1 else 0,
+                "peak_mb": round(got["peak_mb"], 1),
+            }
+            rows.append(row)
+            print(format_table([row], list(row)), flush=True)
+    return rows
+
+
+def _plot(rows: List[Dict]):
+    def draw(path: str) -> None:
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for world, layout in sorted({(r["world"], r["layout"]) for r in rows}):
+            pts = [(r["n"], r["fwd_bwd_s"]) for r in rows if (r["world"], r["layout"]) == (world, layout)]
+            ax.plot(*zip(*pts), marker="o", label=f"dilated p={world} {layout}")
+        dense = sorted({(r["n"], r["dense_fwd_bwd_s"]) for r in rows if r["dense_fwd_bwd_s"] != ""})
+        if dense:
+            ax.plot(*zip(*dense), marker="s", color="black", label="dense SDPA p=1")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("forward+backward seconds")
+        ax.set_title("dilated vs dense, causal (B=1, H=8, D=64, fp32)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+
+    return draw
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m hf_ring.bench dilated", description=__doc__)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[16384, 65536, 262144])
+    ap.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"])
+    ap.add_argument("--dense-max", type=int, default=65536)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--out", default="bench_results")
+    args = ap.parse_args(argv)
+    rows = run(args.sizes, args.layouts, args.dense_max, args.batch, args.heads, args.head_dim)
+    print("\n" + format_table(rows, list(rows[0])))
+    by = {(r["n"], r["world"], r["layout"]): r["fwd_bwd_s"] for r in rows}
+    scaling = {f"p={w} {lay}": round(by[(262144, w, lay)] / by[(65536, w, lay)], 2)
+               for (n, w, lay) in by if n == 262144 and (65536, w, lay) in by}
+    if scaling:
+        print(f"fwd+bwd time ratio 256K / 64K (linear = 4): {scaling}")
+    save(args.out, "dilated", {"config": vars(args), "rows": rows, "scaling_256k_over_64k": scaling}, _plot(rows))
