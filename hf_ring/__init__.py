@@ -1,7 +1,28 @@
-"""hf_ring: exact ring attention and LongNet dilated attention over sequence-sharded ranks."""
+"""hf_ring: exact ring attention and LongNet dilated attention over sequence-sharded ranks.
+
+``import hf_ring`` registers ``attn_implementation="ring_dilated"`` with transformers.
+"""
+from .attention import register as _register
+from .config import configure
+from .data import gather_sequence, shard_batch
 from .layout import local_positions, shard_sizes
+from .parallel import SequenceParallel, clear_sequence_parallel, setup_sequence_parallel, sync_gradients
 from .pattern import DilatedPattern
 from .ring import ring_attention
 
-__all__ = ["DilatedPattern", "local_positions", "ring_attention", "shard_sizes"]
+__all__ = [
+    "DilatedPattern",
+    "SequenceParallel",
+    "clear_sequence_parallel",
+    "configure",
+    "gather_sequence",
+    "local_positions",
+    "ring_attention",
+    "setup_sequence_parallel",
+    "shard_batch",
+    "shard_sizes",
+    "sync_gradients",
+]
 __version__ = "0.1.0"
+
+_register()

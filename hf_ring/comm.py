@@ -107,13 +107,13 @@ class RingComm:
         what = f"exchange (send to rank {send_to}, receive from rank {recv_from})"
         return Pending(works, sent, received, what, self.timeout)
 
-    def all_gather_ints(self, value: int, what: str) -> List[int]:
-        """All ranks' copies of one small integer (used once to check shard sizes)."""
-        t = torch.tensor([value], dtype=torch.long, device=self._device())
+    def all_gather_ints(self, values: Sequence[int], what: str) -> List[List[int]]:
+        """Every rank's copy of a few small integers, by rank (one tiny all-gather)."""
+        t = torch.tensor(list(values), dtype=torch.long, device=self._device())
         out = [torch.empty_like(t) for _ in range(self.world_size)]
         work = dist.all_gather(out, t, group=self.group, async_op=True)
         _wait(work, what, self.timeout)
-        return [int(x.item()) for x in out]
+        return [x.tolist() for x in out]
 
     def _device(self) -> torch.device:
         if dist.get_backend(self.group) == "nccl":

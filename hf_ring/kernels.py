@@ -3,7 +3,8 @@
 A block is one (query rows, key rows) pair. ``causal=True`` means the two row
 sets hold the same positions (the diagonal block) so the kernel's top-left
 causal mask is right; any other partial mask is passed as a boolean ``mask``
-of shape ``(S_q, S_k)`` (True = may attend). Rows with no allowed key get
+of shape ``(S_q, S_k)``, or ``(B, 1, S_q, S_k)`` with key padding (True = may
+attend). Rows with no allowed key get
 ``out = 0`` and ``lse = -inf`` so they vanish in a log-sum-exp merge.
 
 Backends: on CPU the fused aten flash kernels; on CUDA torch's flash kernel
@@ -54,7 +55,8 @@ def _scores(q: Tensor, k: Tensor, scale: float, causal: bool, mask: Optional[Ten
         keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
         s = s.masked_fill(~keep, _NEG_INF)
     if mask is not None:
-        s = s.masked_fill(~mask, _NEG_INF)
+        # (S_q, S_k), or (B, 1, S_q, S_k) for per-sample key padding
+        s = s.masked_fill(~(mask.unsqueeze(2) if mask.dim() == 4 else mask), _NEG_INF)
     return s
 
 

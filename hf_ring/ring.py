@@ -23,7 +23,7 @@ from .comm import Pending, RingComm
 from .kernels import block_backward, block_forward, default_scale
 from .layout import check_layout, infer_seq_len, shard_sizes
 from .pattern import DilatedPattern
-from .schedule import Blk, Piece, RankPlan, Step, rank_plan
+from .schedule import Blk, Piece, RankPlan, Step, message_budget, rank_plan
 
 Tensor = torch.Tensor
 
@@ -38,6 +38,7 @@ class _Ctx:
     scale: float
     causal: bool
     window: Optional[int]
+    key_mask: Optional[Tensor] = None  # (B, S_local) bool, True where a key may be attended
     masks: dict = field(default_factory=dict)
 
 
@@ -81,40 +82,80 @@ def _unpack(flat: Tensor, pieces: Sequence[Piece], b: int, d: int) -> List[Tenso
     return views
 
 
-def _post(comm: RingComm, step: Step, tensors: Sequence[Tensor], recv_dtype: torch.dtype,
-          like: Tensor, tag: int, reverse: bool = False) -> Pending:
-    """K/V-shaped traffic of one step: forward to ``dst``/from ``src``, or the reverse for gradients."""
-    out_pieces, in_pieces = (step.recv.pieces, step.send) if reverse else (step.send, step.recv.pieces)
+def _post(comm: RingComm, step: Step, send: Sequence[Tensor], recv: Sequence[Tuple[torch.Size, torch.dtype]],
+          device: torch.device, tag: int, reverse: bool = False) -> Pending:
+    """One step's traffic: to ``dst``/from ``src``, or the reverse (gradients going home)."""
     send_to, recv_from = (step.src, step.dst) if reverse else (step.dst, step.src)
-    send = list(tensors) if out_pieces else []
-    total = sum(_numels(in_pieces, like.shape[0], like.shape[3]))
-    shapes = [(torch.Size((total,)), recv_dtype)] * 2 if in_pieces else []
-    return comm.exchange(send, send_to, shapes, recv_from, tag=tag, device=like.device)
+    return comm.exchange(list(send), send_to, list(recv), recv_from, tag=tag, device=device)
 
 
-def _kv_views(step: Step, k: Tensor, v: Tensor, got: Optional[List[Tensor]]):
+def _kv_traffic(step: Step, k: Tensor, v: Tensor, key_mask: Optional[Tensor]):
+    """What this rank sends for ``step`` (its K, V and key mask rows) and what it expects back."""
+    send = []
+    if step.send:
+        send = [_pack(k, step.send), _pack(v, step.send)]
+        if key_mask is not None:
+            send.append(_pack_mask(key_mask, step.send))
+    recv = []
+    if step.recv.pieces:
+        total = sum(_numels(step.recv.pieces, k.shape[0], k.shape[3]))
+        recv = [(torch.Size((total,)), k.dtype)] * 2
+        if key_mask is not None:
+            recv.append((torch.Size((k.shape[0] * sum(p.rows.count for p in step.recv.pieces),)), torch.uint8))
+    return send, recv
+
+
+def _pack_mask(key_mask: Tensor, pieces: Sequence[Piece]) -> Tensor:
+    return torch.cat([key_mask[:, p.rows.rows].reshape(-1) for p in pieces]).to(torch.uint8)
+
+
+def _unpack_mask(flat: Tensor, pieces: Sequence[Piece], b: int) -> List[Tensor]:
+    views, off = [], 0
+    for p in pieces:
+        n = b * p.rows.count
+        views.append(flat[off : off + n].view(b, p.rows.count).bool())
+        off += n
+    return views
+
+
+def _kv_views(step: Step, k: Tensor, v: Tensor, key_mask: Optional[Tensor], got: Optional[List[Tensor]]):
+    """Per piece ``(K, V, key mask or None, all keys valid)`` for this step's blocks."""
     b, d = k.shape[0], k.shape[3]
-    if step.shift == 0:
-        return [(_piece_view(k, p), _piece_view(v, p)) for p in step.recv.pieces]
-    if not step.recv.pieces:
+    pieces = step.recv.pieces
+    if not pieces:
         return []
-    ks, vs = _unpack(got[0], step.recv.pieces, b, d), _unpack(got[1], step.recv.pieces, b, d)
-    return list(zip(ks, vs))
+    if step.shift == 0:
+        ks = [_piece_view(k, p) for p in pieces]
+        vs = [_piece_view(v, p) for p in pieces]
+        ms = [None if key_mask is None else key_mask[:, p.rows.rows] for p in pieces]
+    else:
+        ks, vs = _unpack(got[0], pieces, b, d), _unpack(got[1], pieces, b, d)
+        ms = [None] * len(pieces) if key_mask is None else _unpack_mask(got[2], pieces, b)
+    return [(kk, vv, m, m is None or bool(m.all())) for kk, vv, m in zip(ks, vs, ms)]
 
 
-def _kernel_args(ctx: _Ctx, q: Prog, k_pos: int, nk: int, kind: str, device) -> dict:
-    if kind != "mask":
+def _kernel_args(ctx: _Ctx, q: Prog, k_pos: int, nk: int, kind: str, device,
+                 key_valid: Optional[Tensor] = None) -> dict:
+    """Kernel mask arguments of one block; ``key_valid`` ``(B, nk)`` adds key padding."""
+    if kind != "mask" and key_valid is None:
         return {"causal": kind == "causal", "mask": None}
-    key = (q.pos, q.count, q.stride, k_pos, nk)
-    mask = ctx.masks.get(key)
-    if mask is None:
-        qp = torch.arange(q.pos, q.pos + q.count * q.stride, q.stride, device=device)[:, None]
-        kp = torch.arange(k_pos, k_pos + nk * q.stride, q.stride, device=device)[None, :]
-        mask = kp <= qp
-        if ctx.window is not None:
-            mask &= kp > qp - ctx.window
-        if len(ctx.masks) < 64:  # tiles repeat along a sliding window; keep a few
-            ctx.masks[key] = mask
+    if kind == "full":
+        mask = torch.ones(q.count, nk, dtype=torch.bool, device=device)
+    elif kind == "causal":
+        mask = torch.ones(q.count, nk, dtype=torch.bool, device=device).tril()
+    else:
+        key = (q.pos, q.count, q.stride, k_pos, nk)
+        mask = ctx.masks.get(key)
+        if mask is None:
+            qp = torch.arange(q.pos, q.pos + q.count * q.stride, q.stride, device=device)[:, None]
+            kp = torch.arange(k_pos, k_pos + nk * q.stride, q.stride, device=device)[None, :]
+            mask = kp <= qp
+            if ctx.window is not None:
+                mask &= kp > qp - ctx.window
+            if len(ctx.masks) < 64:  # tiles repeat along a sliding window; keep a few
+                ctx.masks[key] = mask
+    if key_valid is not None:
+        mask = mask[None, None] & key_valid[:, None, None, :]
     return {"causal": False, "mask": mask}
 
 
@@ -146,10 +187,10 @@ def _single_block(plan: RankPlan, q: Tensor, k: Tensor) -> Optional[Blk]:
 
 
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx) -> Tuple[Tensor, Tensor]:
-    plan, comm = ctx.plan, ctx.comm
+    plan, comm, key_mask = ctx.plan, ctx.comm, ctx.key_mask
     b, hq, s, d = q.shape
     only = _single_block(plan, q, k)
-    if only is not None:
+    if only is not None and key_mask is None:
         return block_forward(q, k, v, scale=ctx.scale, **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
     out = torch.zeros(b, hq, s, d, dtype=_acc_dtype(q), device=q.device)
     lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
@@ -160,15 +201,15 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx) -> Tuple[Tensor, Te
         incoming = None
         if i + 1 < len(steps):
             nxt = steps[i + 1]
-            incoming = _post(comm, nxt, [_pack(k, nxt.send), _pack(v, nxt.send)] if nxt.send else [],
-                             k.dtype, k, tag=0)
-        kv = _kv_views(step, k, v, got)
+            incoming = _post(comm, nxt, *_kv_traffic(nxt, k, v, key_mask), q.device, tag=0)
+        kv = _kv_views(step, k, v, key_mask, got)
         for blk in step.recv.blocks:
             hs, rs = _hs(blk.q_heads), blk.q.rows
-            pk, pv = kv[blk.piece]
+            ks = slice(blk.k_off, blk.k_off + blk.nk)
+            pk, pv, pm, all_valid = kv[blk.piece]
             o_blk, l_blk = block_forward(
-                q[:, hs, rs], pk[:, :, blk.k_off : blk.k_off + blk.nk], pv[:, :, blk.k_off : blk.k_off + blk.nk],
-                scale=ctx.scale, **_kernel_args(ctx, blk.q, blk.k_pos, blk.nk, blk.kind, q.device),
+                q[:, hs, rs], pk[:, :, ks], pv[:, :, ks], scale=ctx.scale,
+                **_kernel_args(ctx, blk.q, blk.k_pos, blk.nk, blk.kind, q.device, None if all_valid else pm[:, ks]),
             )
             _merge_into(out[:, hs, rs], lse[:, hs, rs], o_blk, l_blk)
         del kv, got
@@ -186,8 +227,12 @@ def _scatter_grads(dk: Tensor, dv: Tensor, step: Step, got: List[Tensor]) -> Non
 
 
 def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, Tensor]:
-    plan, comm = ctx.plan, ctx.comm
+    plan, comm, key_mask = ctx.plan, ctx.comm, ctx.key_mask
     b, hq, s, d = q.shape
+    only = _single_block(plan, q, k)
+    if only is not None and key_mask is None:
+        return block_backward(dout, q, k, v, out, lse, scale=ctx.scale,
+                              **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
     acc = _acc_dtype(q)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
@@ -200,9 +245,8 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
         incoming = None
         if i + 1 < len(steps):
             nxt = steps[i + 1]
-            incoming = _post(comm, nxt, [_pack(k, nxt.send), _pack(v, nxt.send)] if nxt.send else [],
-                             k.dtype, k, tag=0)
-        kv = _kv_views(step, k, v, got)
+            incoming = _post(comm, nxt, *_kv_traffic(nxt, k, v, key_mask), q.device, tag=0)
+        kv = _kv_views(step, k, v, key_mask, got)
         if step.shift == 0:
             grads = [(_piece_view(dk, p), _piece_view(dv, p)) for p in step.recv.pieces]
             flat = None
@@ -212,7 +256,7 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
             grads = list(zip(_unpack(flat[0], step.recv.pieces, b, d), _unpack(flat[1], step.recv.pieces, b, d)))
         for blk in step.recv.blocks:
             hs = _hs(blk.q_heads)
-            pk, pv = kv[blk.piece]
+            pk, pv, pm, all_valid = kv[blk.piece]
             gk, gv = grads[blk.piece]
             stride = blk.q.stride
             k_prog = Prog(blk.k_off * stride, blk.k_pos, blk.nk, stride)
@@ -220,7 +264,8 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
                 rs, ks = qt.rows, slice(kt.local // stride, kt.local // stride + kt.count)
                 dq_b, dk_b, dv_b = block_backward(
                     dout[:, hs, rs], q[:, hs, rs], pk[:, :, ks], pv[:, :, ks], out[:, hs, rs], lse[:, hs, rs],
-                    scale=ctx.scale, **_kernel_args(ctx, qt, kt.pos, kt.count, kind, q.device),
+                    scale=ctx.scale,
+                    **_kernel_args(ctx, qt, kt.pos, kt.count, kind, q.device, None if all_valid else pm[:, ks]),
                 )
                 dq[:, hs, rs] += dq_b
                 gk[:, :, ks] += dk_b
@@ -230,7 +275,8 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
         if step.shift:
             if returning is not None:
                 _scatter_grads(dk, dv, returning[0], returning[1].wait())
-            returning = (step, _post(comm, step, flat if step.recv.pieces else [], acc, k, tag=2, reverse=True))
+            back = [(torch.Size((sum(_numels(step.send, b, d)),)), acc)] * 2 if step.send else []
+            returning = (step, _post(comm, step, flat if step.recv.pieces else [], back, q.device, tag=4, reverse=True))
             del flat
     if returning is not None:
         _scatter_grads(dk, dv, returning[0], returning[1].wait())
@@ -299,6 +345,19 @@ def _check_window(window, causal: bool) -> Optional[int]:
     return window
 
 
+def _check_key_mask(key_mask, k: Tensor) -> Optional[Tensor]:
+    if key_mask is None:
+        return None
+    if not isinstance(key_mask, torch.Tensor):
+        raise TypeError(f"key_mask must be a bool tensor of shape (batch, local rows) or None, got {type(key_mask).__name__}")
+    expected = (k.shape[0], k.shape[2])
+    if tuple(key_mask.shape) != expected:
+        raise ValueError(f"key_mask must have shape (batch, local rows) = {expected}, got {tuple(key_mask.shape)}")
+    if key_mask.dtype != torch.bool:
+        raise TypeError(f"key_mask must be torch.bool (True = attend), got {key_mask.dtype}")
+    return key_mask.to(k.device)
+
+
 def _check_pattern(pattern, window) -> Optional[DilatedPattern]:
     if pattern is None:
         return None
@@ -329,29 +388,41 @@ def _resolve_group(group) -> Optional[RingComm]:
     return RingComm(group)
 
 
-def resolve_seq_len(comm: Optional[RingComm], local_len: int, seq_len: Optional[int], layout: str) -> int:
-    """The global length, checked against every rank's shard size.
+def agree(comm: Optional[RingComm], q: Tensor, k: Tensor, seq_len: Optional[int], layout: str,
+          padded: bool) -> Tuple[int, bool]:
+    """The global length, and whether any rank has padded keys, checked across the ranks.
 
-    One all-gather of a single integer per rank per call: every rank sees the
-    same sizes, so a mismatch raises the same error on all of them instead of
-    leaving some waiting in the ring.
+    One all-gather of a few integers per rank per call: every rank sees every
+    rank's shapes, so a mismatch raises the same error on all of them instead
+    of leaving some waiting in the ring.
     """
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0):
         raise ValueError(f"seq_len must be a non-negative int or None, got {seq_len!r}")
+    local_len = q.shape[2]
     if comm is None or comm.world_size == 1:
         if seq_len is not None and seq_len != local_len:
             raise ValueError(f"seq_len={seq_len} but this single process holds {local_len} rows")
-        return local_len
-    lens = comm.all_gather_ints(local_len, "the shard-size check")
+        return local_len, padded
+    mine = [local_len, -1 if seq_len is None else seq_len, int(padded), q.shape[0], q.shape[1], k.shape[1], q.shape[3]]
+    table = comm.all_gather_ints(mine, "the shape check before the ring")
+    for i, name in ((3, "batch size"), (4, "query heads"), (5, "key/value heads"), (6, "head_dim")):
+        values = [row[i] for row in table]
+        if len(set(values)) > 1:
+            raise ValueError(f"the ranks of the ring disagree on {name}: {values} (by rank)")
+    given = sorted({row[1] for row in table})
+    if len(given) > 1:
+        raise ValueError(f"the ranks passed different seq_len values: {[row[1] for row in table]} (-1 = None)")
+    lens = [row[0] for row in table]
+    any_padded = any(row[2] for row in table)
     if seq_len is None:
-        return infer_seq_len(lens, layout)
+        return infer_seq_len(lens, layout), any_padded
     expected = shard_sizes(seq_len, comm.world_size, layout)
     if lens != expected:
         raise ValueError(
             f"seq_len={seq_len} with layout={layout!r} over {comm.world_size} ranks needs shard sizes "
             f"{expected}, but the ranks hold {lens}; shard with hf_ring.local_positions"
         )
-    return seq_len
+    return seq_len, any_padded
 
 
 def ring_attention(
@@ -366,6 +437,7 @@ def ring_attention(
     window: Optional[int] = None,
     pattern: Union[DilatedPattern, dict, None] = None,
     scale: Optional[float] = None,
+    key_mask: Optional[Tensor] = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -374,8 +446,20 @@ def ring_attention(
     rows of the output, ``(B, Hq, S_local, D)``. ``window=W`` lets query t see
     keys ``t-W < k <= t``. ``pattern`` selects dilated attention
     (:class:`hf_ring.DilatedPattern`); ``None`` is exact dense attention.
+    ``key_mask`` ``(B, S_local)`` bool marks the keys that may be attended
+    (False for padding); it travels with the K/V rows it describes.
     Without a group and without torch.distributed it runs as one process.
     """
+    _check_qkv(q, k, v)
+    return attend(q, k, v, _resolve_group(group), layout=layout, seq_len=seq_len, causal=causal,
+                  window=window, pattern=pattern, scale=scale, key_mask=key_mask)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], *, layout: str = "zigzag",
+           seq_len: Optional[int] = None, causal: bool = True, window: Optional[int] = None,
+           pattern: Union[DilatedPattern, dict, None] = None, scale: Optional[float] = None,
+           key_mask: Optional[Tensor] = None) -> Tensor:
+    """:func:`ring_attention` over an already resolved ring (``None``: this process alone)."""
     _check_qkv(q, k, v)
     check_layout(layout)
     window = _check_window(window, causal)
@@ -384,11 +468,15 @@ def ring_attention(
         scale = default_scale(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {scale!r}")
-    comm = _resolve_group(group)
-    n = resolve_seq_len(comm, q.shape[2], seq_len, layout)
+    key_mask = _check_key_mask(key_mask, k)
+    n, any_padded = agree(comm, q, k, seq_len, layout, key_mask is not None and not bool(key_mask.all()))
+    if not any_padded:
+        key_mask = None  # an all-valid mask changes nothing; dropping it keeps the unmasked fast paths
+    elif key_mask is None:
+        key_mask = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
     rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
     branches = ((max(n, 1), 1),) if pattern is None else pattern.branches
     plan = rank_plan(n, rank, world, layout if world > 1 else "contiguous", bool(causal), window,
-                     branches, q.shape[1], k.shape[1])
-    rctx = _Ctx(comm, plan, float(scale), bool(causal), window)
+                     branches, q.shape[1], k.shape[1], message_budget(n, world, k.shape[1]))
+    rctx = _Ctx(comm, plan, float(scale), bool(causal), window, key_mask)
     return RingAttentionFunction.apply(q, k, v, rctx)

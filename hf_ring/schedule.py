@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
-from .blocks import Prog, default_tile, tiles
+from .blocks import Prog, classify, default_tile, tiles
 from .layout import local_runs, runs_to_local
 from .pattern import head_groups
 
@@ -138,20 +138,83 @@ def pair_plan(
     return PairPlan(tuple(pieces), tuple(blocks))
 
 
+def chunk_pair(plan: PairPlan, budget: int, causal: bool, window: Optional[int]) -> List[PairPlan]:
+    """Split what one source sends into messages of at most ``budget`` rows x heads each.
+
+    Visiting K/V, their gradients and the next message in flight are the
+    ring's memory beyond a rank's own tensors; bounding each message bounds
+    them, whatever the shard size. Every block is cut to the part of its keys
+    in each message and re-classified from positions. Sender and receiver
+    call this with the same arguments, so they agree on every message.
+    """
+    if sum(len(p.heads) * p.rows.count for p in plan.pieces) <= budget:
+        return [plan]
+    chunks: List[List[Tuple[int, int, int]]] = [[]]  # (piece id, first item, count)
+    room = budget
+    for pid, piece in enumerate(plan.pieces):
+        width = len(piece.heads)
+        start = 0
+        while start < piece.rows.count:
+            if room < width:
+                chunks.append([])
+                room = budget
+            take = min(piece.rows.count - start, max(1, room // width))
+            chunks[-1].append((pid, start, take))
+            room -= take * width
+            start += take
+    out = []
+    for chunk in chunks:
+        pieces = [Piece(plan.pieces[pid].heads, plan.pieces[pid].rows.sub(first, count)) for pid, first, count in chunk]
+        blocks = []
+        for blk in plan.blocks:
+            for new_id, (pid, first, count) in enumerate(chunk):
+                if pid != blk.piece:
+                    continue
+                lo, hi = max(blk.k_off, first), min(blk.k_off + blk.nk, first + count)
+                if lo >= hi:
+                    continue
+                k_pos = blk.k_pos + (lo - blk.k_off) * blk.q.stride
+                kind = classify(blk.q, Prog(0, k_pos, hi - lo, blk.q.stride), causal, window)
+                if kind is not None:
+                    blocks.append(Blk(blk.q, blk.q_heads, new_id, lo - first, hi - lo, k_pos, kind))
+        out.append(PairPlan(tuple(pieces), tuple(blocks)))
+    return out
+
+
+MESSAGES_PER_SHARD = 8
+MIN_MESSAGE_ROWS = 512
+
+
+def message_budget(seq_len: int, world_size: int, hkv: int) -> int:
+    """Rows x heads per message: an eighth of a shard's K/V, but never tiny messages."""
+    rows = -(-seq_len // world_size)
+    return max(MIN_MESSAGE_ROWS * hkv, -(-rows * hkv // MESSAGES_PER_SHARD))
+
+
 @lru_cache(maxsize=512)
 def rank_plan(
     seq_len: int, rank: int, world_size: int, layout: str, causal: bool,
-    window: Optional[int], branches: Branches, hq: int, hkv: int,
+    window: Optional[int], branches: Branches, hq: int, hkv: int, budget: Optional[int] = None,
 ) -> RankPlan:
-    """Every step rank ``rank`` takes part in; step 0 (its own K/V) comes first."""
-    steps = []
-    for s in range(world_size):
+    """Every step rank ``rank`` takes part in; step 0 (its own K/V) comes first.
+
+    A shift whose messages exceed ``budget`` rows x heads (default
+    :func:`message_budget`) becomes several steps.
+    """
+    if budget is None:
+        budget = message_budget(seq_len, world_size, hkv)
+    steps = [Step(0, rank, rank, pair_plan(seq_len, rank, rank, world_size, layout, causal, window,
+                                            branches, hq, hkv), ())]
+    for s in range(1, world_size):
         src, dst = (rank - s) % world_size, (rank + s) % world_size
-        recv = pair_plan(seq_len, rank, src, world_size, layout, causal, window, branches, hq, hkv)
-        send: Tuple[Piece, ...] = ()
-        if s:
-            send = pair_plan(seq_len, dst, rank, world_size, layout, causal, window, branches, hq, hkv).pieces
-        if s == 0 or recv.pieces or send:
-            steps.append(Step(s, src, dst, recv, send))
+        recv = chunk_pair(pair_plan(seq_len, rank, src, world_size, layout, causal, window, branches, hq, hkv),
+                          budget, causal, window)
+        send = chunk_pair(pair_plan(seq_len, dst, rank, world_size, layout, causal, window, branches, hq, hkv),
+                          budget, causal, window)
+        for i in range(max(len(recv), len(send))):
+            r = recv[i] if i < len(recv) else PairPlan((), ())
+            snd = send[i].pieces if i < len(send) else ()
+            if r.pieces or snd:
+                steps.append(Step(s, src, dst, r, snd))
     local_len = sum(n for _, _, n in runs_to_local(local_runs(seq_len, rank, world_size, layout)))
     return RankPlan(rank, world_size, seq_len, local_len, tuple(steps))

@@ -14,8 +14,20 @@ def make_qkv(seed, b, hq, hkv, n, d, dtype=torch.float32):
     return [torch.randn(s, generator=g).to(dtype) for s in shapes]
 
 
-def ring_case(seed, b, hq, hkv, n, d, *, dtype=torch.float32, layout="zigzag", **kw):
-    """This rank's positions, output and gradients of ring_attention on its shard."""
+def ring_case(seed, b, hq, hkv, n, d, *, dtype=torch.float32, layout="zigzag", message_rows=None, **kw):
+    """This rank's positions, output and gradients of ring_attention on its shard.
+
+    ``message_rows`` shrinks the per-message budget so shards travel in many small messages.
+    """
+    if message_rows is not None:
+        import hf_ring.schedule as schedule
+
+        saved = schedule.MIN_MESSAGE_ROWS, schedule.MESSAGES_PER_SHARD
+        schedule.MIN_MESSAGE_ROWS, schedule.MESSAGES_PER_SHARD = message_rows, 10**9
+        try:
+            return ring_case(seed, b, hq, hkv, n, d, dtype=dtype, layout=layout, **kw)
+        finally:
+            schedule.MIN_MESSAGE_ROWS, schedule.MESSAGES_PER_SHARD = saved
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     q, k, v, dout = make_qkv(seed, b, hq, hkv, n, d, dtype)
     pos = hf_ring.local_positions(n, rank, world, layout)
@@ -41,3 +53,39 @@ def raises_on_rank(fn, *args, **kwargs):
     except Exception as err:  # the test inspects type and message
         return type(err).__name__, str(err)
     return None
+
+
+def sp_train_case(path, sp_size, seed, b, n, pattern=None, layout="zigzag", pad="none"):
+    """One training step of a tiny model with the sequence split over ``sp_size`` ranks."""
+    from models import batch, load
+
+    sp = hf_ring.setup_sequence_parallel(None, sp_size, layout=layout)
+    try:
+        model = load(path, "ring_dilated").train()
+        hf_ring.configure(model, pattern=pattern, layout=layout)
+        data = batch(seed + sp.dp_rank, b, n, pad=pad)
+        out = model(**hf_ring.shard_batch(data))
+        out.loss.backward()
+        hf_ring.sync_gradients(model)
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss, group=sp.sp_group)
+        logits = hf_ring.gather_sequence(out.logits.detach(), n)
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()} if dist.get_rank() == 0 else None
+        return {"dp_rank": sp.dp_rank, "loss": float(loss), "logits": logits, "grads": grads}
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+def sp_logits_case(path, n, seed=0):
+    """Logits of a model run with the sequence split over the whole world (no grad)."""
+    from models import batch, load
+
+    hf_ring.setup_sequence_parallel(None)
+    try:
+        model = load(path, "ring_dilated")
+        data = batch(seed, 1, n)
+        with torch.no_grad():
+            out = model(**hf_ring.shard_batch(data))
+        return hf_ring.gather_sequence(out.logits, n)
+    finally:
+        hf_ring.clear_sequence_parallel()

@@ -12,13 +12,13 @@ from hf_ring.blocks import Prog, allowed, tiles
 from hf_ring.schedule import pair_plan, rank_plan
 
 
-def coverage(n, world, layout, causal, window, branches, hq, hkv, bwd_tile=None):
+def coverage(n, world, layout, causal, window, branches, hq, hkv, bwd_tile=None, budget=None):
     """cover[h, t, k]: how many computed blocks let query head h at t see key k; checks kinds on the way."""
     cover = torch.zeros(hq, n, n, dtype=torch.long)
     g = hq // hkv
     for rank in range(world):
         qpos = local_positions(n, rank, world, layout)
-        plan = rank_plan(n, rank, world, layout, causal, window, branches, hq, hkv)
+        plan = rank_plan(n, rank, world, layout, causal, window, branches, hq, hkv, budget)
         for step in plan.steps:
             kpos_src = local_positions(n, step.src, world, layout)
             for blk in step.recv.blocks:
@@ -130,3 +130,20 @@ def test_dilated_branch_sends_one_rth_of_the_rows():
         dil = rank_plan(n, 1, world, "contiguous", False, None, ((n, r),), hq, hq)
         count = lambda plan: sum(len(p.heads) * p.rows.count for s in plan.steps[1:] for p in s.recv.pieces)  # noqa: E731
         assert count(dil) * r == count(dense)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 70), world=st.integers(2, 4), layout=st.sampled_from(["zigzag", "contiguous"]),
+       window=st.one_of(st.none(), st.integers(1, 80)), budget=st.integers(1, 40),
+       branches=st.one_of(st.none(), st.lists(st.tuples(st.integers(1, 70), st.integers(1, 4)), min_size=1, max_size=2)))
+def test_messages_split_by_budget_cover_the_same_pairs(n, world, layout, window, budget, branches):
+    if branches is not None:
+        window = None
+    br = ((max(n, 1), 1),) if branches is None else tuple(branches)
+    got = coverage(n, world, layout, True, window, br, 4, 2, budget=budget)
+    assert torch.equal(got, expected(n, True, window, None if branches is None else br, 4))
+    for rank in range(world):
+        plan = rank_plan(n, rank, world, layout, True, window, br, 4, 2, budget)
+        for step in plan.steps[1:]:
+            for pieces in (step.recv.pieces, step.send):
+                assert sum(len(p.heads) * p.rows.count for p in pieces) <= max(budget, 2)

@@ -143,3 +143,10 @@ def test_random_patterns_on_three_ranks(pools):
         args = (case, 1, 4, 2, n, 8)
         got = run(pools, 3, *args, layout=layout, pattern=pat(branches))
         check(got, reference(*args, branches))
+
+
+def test_dilated_in_many_small_messages(pools):
+    branches = ((64, 1), (128, 2), (256, 4))
+    args = (33, 1, 4, 2, 300, 8)
+    got = run(pools, 3, *args, pattern=pat(branches), message_rows=3)
+    check(got, reference(*args, branches))

@@ -98,3 +98,11 @@ def test_causal_output_ignores_future_tokens(pools):
     v2[:, :, -5:] -= 3.0
     ref2 = R.dense_attention(q, k2, v2)
     assert torch.equal(ref[:, :, :-5], ref2[:, :, :-5])  # the reference itself is causal
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_shards_in_many_small_messages(pools, world, mode):
+    args = (17, 1, 4, 2, 101, 8)
+    got = run_ring(pools, world, *args, message_rows=5, **mode)
+    check_against_reference(got, *args, FP32_TOL, **mode)

@@ -1,0 +1,128 @@
+"""Sequence-parallel process groups: a (dp, sp) mesh built from the running world.
+
+Ranks ``[i·sp, (i+1)·sp)`` form one sequence-parallel group (they share one
+sequence, each holding a shard); ranks with the same sp index across groups
+form a data-parallel group. Works on gloo (CPU) and NCCL (GPU) alike, with
+ranks taken from the environment, so nothing assumes a single machine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .layout import check_layout
+
+
+@dataclass
+class SequenceParallel:
+    """The groups attention and the data helpers use; made by :func:`setup_sequence_parallel`."""
+
+    sp_group: Any
+    dp_group: Any
+    sp_rank: int
+    sp_size: int
+    dp_rank: int
+    dp_size: int
+    layout: str
+    mesh: Any = None
+
+    @property
+    def loss_scale(self) -> float:
+        """Multiply the local loss by this before ``backward`` when DDP averages over all ranks.
+
+        Each rank's loss is its shard's share of the sequence loss, so shard
+        gradients must be *summed* over the sp group; DDP averages over the
+        whole world (dp x sp), which divides that sum by ``sp_size`` too many.
+        """
+        return float(self.sp_size)
+
+
+_CURRENT: Optional[SequenceParallel] = None
+
+
+def current() -> Optional[SequenceParallel]:
+    """The active sequence-parallel setup, or None when the sequence is not split."""
+    return _CURRENT
+
+
+_MESHES: dict = {}
+
+
+def clear_sequence_parallel() -> None:
+    """Stop splitting sequences: attention runs on whole sequences again and model patches are reverted."""
+    global _CURRENT
+    _CURRENT = None
+    from hf_ring import patches
+
+    patches.revert_all()
+
+
+def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = None,
+                            layout: str = "zigzag") -> SequenceParallel:
+    """Split every sequence across ``sp_size`` ranks; the remaining factor of the world is data parallel.
+
+    ``accelerator`` is an ``accelerate.Accelerator`` (its process group is used;
+    ``None`` uses an already initialised ``torch.distributed``). ``sp_size``
+    defaults to the whole world. Returns the setup and makes it the one
+    ``ring_dilated`` attention and :func:`hf_ring.shard_batch` use.
+    """
+    global _CURRENT
+    check_layout(layout)
+    if accelerator is not None:
+        # accelerate initialises torch.distributed (gloo on CPU, NCCL on GPU) for multi-process runs.
+        _ = accelerator.state
+    if not (dist.is_available() and dist.is_initialized()):
+        if sp_size not in (None, 1):
+            raise ValueError(
+                f"sp_size={sp_size} needs several processes; launch with `accelerate launch --num_processes N` "
+                "or `torchrun --nproc_per_node N`"
+            )
+        _CURRENT = None
+        return SequenceParallel(None, None, 0, 1, 0, 1, layout)
+    world = dist.get_world_size()
+    sp_size = world if sp_size is None else sp_size
+    if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1:
+        raise ValueError(f"sp_size must be a positive int, got {sp_size!r}")
+    if world % sp_size:
+        raise ValueError(
+            f"sp_size={sp_size} does not divide the {world} processes; choose a divisor of {world} "
+            "(the remaining factor becomes data parallelism)"
+        )
+    dp_size = world // sp_size
+    backend = dist.get_backend()
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (device_type, dp_size, sp_size)
+    if key not in _MESHES:  # groups are made once: creating one is a collective over the world
+        _MESHES[key] = init_device_mesh(device_type, (dp_size, sp_size), mesh_dim_names=("dp", "sp"))
+    mesh = _MESHES[key]
+    sp_group, dp_group = mesh.get_group("sp"), mesh.get_group("dp")
+    from hf_ring import patches
+
+    patches.apply_all()
+    _CURRENT = SequenceParallel(
+        sp_group, dp_group, dist.get_rank(sp_group), sp_size, dist.get_rank(dp_group), dp_size, layout, mesh
+    )
+    return _CURRENT
+
+
+def sync_gradients(model: torch.nn.Module, sp: Optional[SequenceParallel] = None) -> None:
+    """Sum parameter gradients over the sp group and average them over the dp group.
+
+    For training without DDP. Under DDP use ``loss * sp.loss_scale`` instead.
+    """
+    sp = sp or current()
+    if sp is None or sp.sp_group is None:
+        return
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if sp.sp_size > 1:
+            dist.all_reduce(p.grad, group=sp.sp_group)
+        if sp.dp_size > 1:
+            dist.all_reduce(p.grad, group=sp.dp_group)
+            p.grad /= sp.dp_size

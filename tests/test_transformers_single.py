@@ -1,0 +1,126 @@
+"""ring_dilated as a transformers backend in one process: a drop-in for sdpa, and dilated on request."""
+import pytest
+import torch
+
+import hf_ring
+import reference as R
+from helpers import rel_err
+from models import batch, load, saved_model_dir, tiny_config
+
+TOL = 1e-5
+
+
+def logits(model, data, **kw):
+    with torch.no_grad():
+        return model(input_ids=data["input_ids"], attention_mask=data.get("attention_mask"), use_cache=False, **kw).logits
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("pad", ["none", "right", "left"])
+def test_dense_logits_equal_sdpa(kind, pad):
+    path = saved_model_dir(kind)
+    data = batch(1, 2, 40, pad=pad)
+    ref = logits(load(path, "sdpa"), data)
+    got = logits(load(path, "ring_dilated"), data)
+    keep = data["attention_mask"].bool()  # padded query rows carry no meaning in either backend
+    assert rel_err(got[keep], ref[keep]) <= TOL
+
+
+def test_mistral_sliding_window_smaller_than_sequence():
+    path = saved_model_dir("mistral", sliding_window=8)
+    data = batch(2, 2, 45)
+    ref = logits(load(path, "sdpa"), data)
+    got = logits(load(path, "ring_dilated"), data)
+    assert rel_err(got, ref) <= TOL
+    full = logits(load(saved_model_dir("mistral"), "ring_dilated"), data)
+    assert rel_err(full, got) > 1e-3, "the window must change the result"
+
+
+def test_training_loss_and_grads_equal_sdpa():
+    path = saved_model_dir("llama")
+    data = batch(3, 2, 33, pad="right")
+    results = []
+    for attn in ("sdpa", "ring_dilated"):
+        model = load(path, attn).train()
+        out = model(**data, use_cache=False)
+        out.loss.backward()
+        results.append((out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (l1, g1), (l2, g2) = results
+    assert abs(l1 - l2) <= TOL * abs(l1)
+    for name in g1:
+        assert rel_err(g2[name], g1[name]) <= TOL, name
+
+
+def test_set_attn_implementation_and_from_config():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config(), attn_implementation="ring_dilated")
+    assert model.config._attn_implementation == "ring_dilated"
+    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation("ring_dilated")
+    assert model.config._attn_implementation == "ring_dilated"
+
+
+def test_dilated_model_matches_reference_attention():
+    """A one-layer model's attention output equals the float64 dilated reference."""
+    path = saved_model_dir("llama", num_hidden_layers=1)
+    model = load(path, "ring_dilated")
+    branches = ((8, 1), (16, 2), (40, 4))
+    hf_ring.configure(model, pattern={"segment_lengths": [8, 16, 40], "dilation_rates": [1, 2, 4]})
+    captured = {}
+    attn = model.model.layers[0].self_attn
+    original = hf_ring.attention.attend
+
+    def spy(q, k, v, comm, **kw):
+        captured.update(q=q.detach(), k=k.detach(), v=v.detach(), scale=kw["scale"])
+        out = original(q, k, v, comm, **kw)
+        captured["out"] = out.detach()
+        return out
+
+    hf_ring.attention.attend = spy
+    try:
+        logits(model, batch(4, 1, 40))
+    finally:
+        hf_ring.attention.attend = original
+    ref = R.dilated_attention(captured["q"], captured["k"], captured["v"], branches=branches, scale=captured["scale"])
+    assert rel_err(captured["out"], ref) <= TOL
+    assert attn.config.ring_dilated["dilation_rates"] == [1, 2, 4]
+
+
+def test_config_round_trip(tmp_path):
+    path = saved_model_dir("llama")
+    model = load(path, "ring_dilated")
+    pattern = hf_ring.DilatedPattern([8, 32], [1, 2])
+    hf_ring.configure(model, pattern=pattern, layout="contiguous")
+    data = batch(5, 1, 48)
+    before = logits(model, data)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    again = load(str(tmp_path), "ring_dilated")
+    assert again.config.ring_dilated == {"layout": "contiguous", "segment_lengths": [8, 32], "dilation_rates": [1, 2]}
+    assert torch.equal(logits(again, data), before)
+
+
+@pytest.mark.parametrize(
+    "value,exc,match",
+    [
+        ({"segment_lengths": [8], "dilation_rates": [1], "windo": 3}, ValueError, "unknown keys"),
+        ({"segment_lengths": [8]}, ValueError, "both segment_lengths and dilation_rates"),
+        ({"segment_lengths": [8, 16], "dilation_rates": [1]}, ValueError, "one rate per segment length"),
+        ({"layout": "ring"}, ValueError, "layout='ring'"),
+        ([8, 1], TypeError, "must be a dict"),
+    ],
+)
+def test_bad_config_is_reported(value, exc, match):
+    model = load(saved_model_dir("llama"), "ring_dilated")
+    model.config.ring_dilated = value
+    with pytest.raises(exc, match=match):
+        logits(model, batch(6, 1, 16))
+
+
+def test_kv_cache_is_refused_clearly():
+    model = load(saved_model_dir("llama"), "ring_dilated")
+    data = batch(7, 1, 12)
+    with torch.no_grad():
+        out = model(input_ids=data["input_ids"], use_cache=True)
+        with pytest.raises(NotImplementedError, match="use_cache=False"):
+            model(input_ids=data["input_ids"][:, :1], past_key_values=out.past_key_values, use_cache=True)
