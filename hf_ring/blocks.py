@@ -43,13 +43,6 @@ class Prog:
         return self.sub(first, last - first + 1)
 
 
-def allowed(q_pos: int, k_pos: int, causal: bool, window: Optional[int]) -> bool:
-    """Whether query position ``q_pos`` may see key position ``k_pos`` (dense rule)."""
-    if not causal:
-        return True
-    return k_pos <= q_pos and (window is None or k_pos > q_pos - window)
-
-
 def classify(q: Prog, k: Prog, causal: bool, window: Optional[int]) -> Optional[str]:
     """Kind of the block ``q x k``, or None when no pair in it is allowed."""
     if q.count <= 0 or k.count <= 0:

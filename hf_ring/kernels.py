@@ -14,6 +14,7 @@ fp64 for fp64 inputs) that never expands K/V to the query-head count.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -119,10 +120,13 @@ def block_forward(
         return out, lse
     if backend == "cuda_flash":
         g = q.shape[1] // k.shape[1]
-        res = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, _repeat_kv(k, g), _repeat_kv(v, g), 0.0, causal, False, scale=scale
-        )
-        return res[0], res[1]
+        try:
+            res = torch.ops.aten._scaled_dot_product_flash_attention(
+                q, _repeat_kv(k, g), _repeat_kv(v, g), 0.0, causal, False, scale=scale
+            )
+            return res[0], res[1]
+        except RuntimeError as err:  # shapes or devices the flash kernel does not take
+            _warn_fallback(err)
     return _math_forward(q, k, v, scale, causal, mask)
 
 
@@ -154,13 +158,24 @@ def block_backward(
     if backend == "cuda_flash":
         g = q.shape[1] // k.shape[1]
         kr, vr = _repeat_kv(k, g), _repeat_kv(v, g)
-        b, _, sq, _ = q.shape
-        cum_q = torch.zeros(0, dtype=torch.int32, device=q.device)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, kr, vr, out, lse, cum_q, cum_q, sq, k.shape[2], 0.0, causal,
-            torch.zeros((), dtype=torch.int64, device=q.device),
-            torch.zeros((), dtype=torch.int64, device=q.device),
-            scale=scale,
-        )
-        return dq, _fold_kv_grad(dk, g), _fold_kv_grad(dv, g)
+        cum = torch.zeros(0, dtype=torch.int32, device=q.device)
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        try:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dout, q, kr, vr, out, lse, cum, cum, q.shape[2], k.shape[2], 0.0, causal, seed, seed, scale=scale
+            )
+            return dq, _fold_kv_grad(dk, g), _fold_kv_grad(dv, g)
+        except RuntimeError as err:
+            _warn_fallback(err)
     return _math_backward(dout, q, k, v, out, lse, scale, causal, mask)
+
+
+_WARNED = False
+
+
+def _warn_fallback(err: Exception) -> None:
+    """The exact math path takes over; say so once, since it is slower and uses more memory."""
+    global _WARNED
+    if not _WARNED:
+        _WARNED = True
+        warnings.warn(f"hf_ring: the CUDA flash kernel refused a block ({err}); using the exact math path", stacklevel=3)

@@ -12,7 +12,7 @@ pattern only changes which rows travel and which blocks run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -186,23 +186,28 @@ def _single_block(plan: RankPlan, q: Tensor, k: Tensor) -> Optional[Blk]:
     return blk if whole_q and _whole(plan.steps[0].recv.pieces, k) and blk.nk == k.shape[2] else None
 
 
+def _visits(ctx: _Ctx, k: Tensor, v: Tensor) -> Iterator[Tuple[Step, list]]:
+    """Each step with its K/V pieces; the next step's transfer is posted before a step is handed out."""
+    steps, incoming = ctx.plan.steps, None
+    for i, step in enumerate(steps):
+        got = incoming.wait() if incoming is not None else None
+        incoming = None
+        if i + 1 < len(steps):
+            nxt = steps[i + 1]
+            incoming = _post(ctx.comm, nxt, *_kv_traffic(nxt, k, v, ctx.key_mask), k.device, tag=0)
+        yield step, _kv_views(step, k, v, ctx.key_mask, got)
+        del got  # the visiting rows are done with; only the next step's stay in memory
+
+
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx) -> Tuple[Tensor, Tensor]:
-    plan, comm, key_mask = ctx.plan, ctx.comm, ctx.key_mask
+    plan, key_mask = ctx.plan, ctx.key_mask
     b, hq, s, d = q.shape
     only = _single_block(plan, q, k)
     if only is not None and key_mask is None:
         return block_forward(q, k, v, scale=ctx.scale, **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
     out = torch.zeros(b, hq, s, d, dtype=_acc_dtype(q), device=q.device)
     lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
-    steps = plan.steps
-    incoming: Optional[Pending] = None
-    for i, step in enumerate(steps):
-        got = incoming.wait() if incoming is not None else None
-        incoming = None
-        if i + 1 < len(steps):
-            nxt = steps[i + 1]
-            incoming = _post(comm, nxt, *_kv_traffic(nxt, k, v, key_mask), q.device, tag=0)
-        kv = _kv_views(step, k, v, key_mask, got)
+    for step, kv in _visits(ctx, k, v):
         for blk in step.recv.blocks:
             hs, rs = _hs(blk.q_heads), blk.q.rows
             ks = slice(blk.k_off, blk.k_off + blk.nk)
@@ -212,7 +217,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx) -> Tuple[Tensor, Te
                 **_kernel_args(ctx, blk.q, blk.k_pos, blk.nk, blk.kind, q.device, None if all_valid else pm[:, ks]),
             )
             _merge_into(out[:, hs, rs], lse[:, hs, rs], o_blk, l_blk)
-        del kv, got
+        del kv
     return out.to(q.dtype), lse
 
 
@@ -237,16 +242,8 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros_like(dk)
-    steps = plan.steps
-    incoming: Optional[Pending] = None
     returning: Optional[Tuple[Step, Pending]] = None
-    for i, step in enumerate(steps):
-        got = incoming.wait() if incoming is not None else None
-        incoming = None
-        if i + 1 < len(steps):
-            nxt = steps[i + 1]
-            incoming = _post(comm, nxt, *_kv_traffic(nxt, k, v, key_mask), q.device, tag=0)
-        kv = _kv_views(step, k, v, key_mask, got)
+    for step, kv in _visits(ctx, k, v):
         if step.shift == 0:
             grads = [(_piece_view(dk, p), _piece_view(dv, p)) for p in step.recv.pieces]
             flat = None
@@ -267,11 +264,11 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
                     scale=ctx.scale,
                     **_kernel_args(ctx, qt, kt.pos, kt.count, kind, q.device, None if all_valid else pm[:, ks]),
                 )
-                dq[:, hs, rs] += dq_b
-                gk[:, :, ks] += dk_b
-                gv[:, :, ks] += dv_b
+                dq[:, hs, rs].add_(dq_b)  # add_ on the view: `+=` on an index would copy the rows back
+                gk[:, :, ks].add_(dk_b)
+                gv[:, :, ks].add_(dv_b)
                 del dq_b, dk_b, dv_b
-        del kv, got, grads
+        del kv, grads
         if step.shift:
             if returning is not None:
                 _scatter_grads(dk, dv, returning[0], returning[1].wait())

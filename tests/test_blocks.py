@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import reference as R
 from hf_ring import local_positions
-from hf_ring.blocks import Prog, allowed, tiles
+from hf_ring.blocks import Prog, tiles
 from hf_ring.schedule import pair_plan, rank_plan
 
 

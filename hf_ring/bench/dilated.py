@@ -43,7 +43,6 @@ def run(sizes: List[int], layouts: List[str], dense_max: int, b: int, h: int, d:
         repeats = 2 if n <= 16384 else 1
         segs = [min(w, n) for w in SEGMENTS]
         pattern = {"segment_lengths": segs, "dilation_rates": RATES}
-        branches = list(zip(segs, RATES))
         dense = _run(1, "sdpa", n, "contiguous", b, h, d, repeats, None) if n <= dense_max else None
         configs = [(1, "contiguous")] + [(2, lay) for lay in layouts]
         for world, layout in configs:
