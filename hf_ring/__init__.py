@@ -2,6 +2,7 @@
 
 ``import hf_ring`` registers ``attn_implementation="ring_dilated"`` with transformers.
 """
+from . import patches
 from .attention import register as _register
 from .config import configure
 from .data import gather_sequence, shard_batch
@@ -17,6 +18,7 @@ __all__ = [
     "configure",
     "gather_sequence",
     "local_positions",
+    "patches",
     "ring_attention",
     "setup_sequence_parallel",
     "shard_batch",

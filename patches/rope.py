@@ -53,3 +53,14 @@ def unpatch_rotary(cls) -> None:
 
 def is_patched(cls) -> bool:
     return _ORIGINAL in cls.__dict__
+
+
+def rotary_patch(module: str, name: str):
+    """``(apply, revert, is_applied)`` for the rotary embedding class ``module.name``, imported on use."""
+
+    def cls():
+        import importlib
+
+        return getattr(importlib.import_module(module), name)
+
+    return (lambda: patch_rotary(cls())), (lambda: unpatch_rotary(cls())), (lambda: is_patched(cls()))

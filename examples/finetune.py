@@ -1,0 +1,346 @@
+"""Long-context fine-tuning with the sequence split across ranks.
+
+    accelerate launch --num_processes 2 examples/finetune.py --sp-size 2
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 examples/finetune.py --sp-size 2
+    torchrun --nproc_per_node 2 examples/finetune.py --sp-size 2
+
+Default model: a small Llama built from a config here (no download). Default
+data: passkey retrieval. Each sequence is filler tokens with one passkey token
+hidden at a random place, thousands of positions before a final query token;
+the target after the query is the passkey, so the task is learned only if
+attention reaches far back. ``--data FILE`` trains on a local text/JSONL file
+instead, packed into sequences of ``--seq-len`` bytes.
+
+Ranks of one sequence-parallel group share a batch (each holds a shard of the
+sequence); groups are data-parallel replicas. The checkpoint is a safetensors
+model whose config.json carries the attention pattern; ``--resume`` continues
+from it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+import hf_ring
+
+# Token ids of the passkey task (and the byte-level vocabulary of --data).
+N_FILLER = 256  # filler tokens; also the 256 byte values for --data
+N_KEYS = 32  # passkey tokens; chance accuracy is 1/N_KEYS
+KEY0 = N_FILLER
+QUERY = KEY0 + N_KEYS
+BOS = QUERY + 1
+VOCAB = BOS + 1
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def passkey_batch(gen: torch.Generator, batch: int, seq_len: int, min_distance: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """``batch`` passkey sequences of ``seq_len`` tokens; only the answer is labelled.
+
+    The passkey sits at least ``min_distance`` (default seq_len // 2) positions
+    before the query, so the answer depends on a token thousands of positions back.
+    """
+    if seq_len < 4:
+        raise ValueError(f"--seq-len must be at least 4 for the passkey task, got {seq_len}")
+    min_distance = seq_len // 2 if min_distance is None else min_distance
+    ids = torch.randint(0, N_FILLER, (batch, seq_len), generator=gen)
+    ids[:, 0] = BOS
+    keys = torch.randint(0, N_KEYS, (batch,), generator=gen) + KEY0
+    last = seq_len - 2  # ids[:, -2] = QUERY, ids[:, -1] = answer
+    hi = max(1, last - min_distance)
+    where = torch.randint(1, hi + 1, (batch,), generator=gen).clamp(max=last - 1)
+    ids[torch.arange(batch), where] = keys
+    ids[:, -2] = QUERY
+    ids[:, -1] = keys
+    labels = torch.full_like(ids, -100)
+    labels[:, -1] = keys
+    return {"input_ids": ids, "labels": labels}
+
+
+def read_text(path: str) -> bytes:
+    """The text of a .txt file, or the "text" fields of a .jsonl file, as UTF-8 bytes."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--data {path!r} is not a file")
+    with open(path, "rb") as f:
+        raw = f.read()
+    if path.endswith(".jsonl"):
+        parts = []
+        for i, line in enumerate(raw.decode("utf-8").splitlines()):
+            if line.strip():
+                record = json.loads(line)
+                if not isinstance(record, dict) or "text" not in record:
+                    raise ValueError(f"--data {path!r} line {i + 1}: each JSONL record needs a 'text' field")
+                parts.append(str(record["text"]))
+        raw = "\n".join(parts).encode("utf-8")
+    return raw
+
+
+def pack_bytes(data: bytes, seq_len: int) -> torch.Tensor:
+    """Byte tokens packed into ``(num_sequences, seq_len)`` (a BOS token first); the tail is dropped."""
+    body = seq_len - 1
+    if len(data) < body:
+        raise ValueError(
+            f"the data has {len(data)} bytes, too little for one sequence of --seq-len {seq_len}; "
+            "give more text or a shorter --seq-len"
+        )
+    n = len(data) // body
+    tokens = torch.frombuffer(bytearray(data[: n * body]), dtype=torch.uint8).long().view(n, body)
+    return torch.cat([torch.full((n, 1), BOS), tokens], dim=1)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def default_config(seq_len: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(seq_len, 4096),
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        attention_dropout=0.0, tie_word_embeddings=False, bos_token_id=BOS, eos_token_id=None, pad_token_id=None,
+    )
+
+
+def load_model(path: Optional[str], seq_len: int, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if path is None:
+        return AutoModelForCausalLM.from_config(default_config(seq_len), attn_implementation="ring_dilated", dtype=dtype)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"--model {path!r} is not a model directory (no config.json)")
+    model_type = AutoConfig.from_pretrained(path).model_type
+    if model_type not in hf_ring.patches.supported():
+        raise ValueError(f"--model {path!r} is a {model_type!r} checkpoint; supported: {', '.join(hf_ring.patches.supported())}")
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="ring_dilated", dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def train_step(model, batch: Dict[str, torch.Tensor], sp: hf_ring.SequenceParallel) -> float:
+    """Forward and backward of one batch on this rank's shard; returns the sequence loss."""
+    out = model(**hf_ring.shard_batch(batch, sp))
+    out.loss.backward()
+    loss = out.loss.detach().clone()
+    if sp.sp_size > 1:
+        dist.all_reduce(loss, group=sp.sp_group)
+    return float(loss)
+
+
+@torch.no_grad()
+def retrieval_accuracy(model, batches: List[Dict[str, torch.Tensor]], sp: hf_ring.SequenceParallel) -> float:
+    """Share of sequences whose prediction after the query token is the passkey."""
+    model.eval()
+    correct = total = 0
+    for batch in batches:
+        n = batch["input_ids"].shape[1]
+        sharded = hf_ring.shard_batch({"input_ids": batch["input_ids"]}, sp)
+        logits = model(**sharded).logits
+        pos = hf_ring.local_positions(n, sp.sp_rank, sp.sp_size, sp.layout) if sp.sp_size > 1 else torch.arange(n)
+        hit = torch.zeros(2)
+        rows = (pos == n - 2).nonzero()
+        if len(rows):  # this rank holds the query token
+            pred = logits[:, int(rows[0])].argmax(-1)
+            hit = torch.tensor([float((pred == batch["input_ids"][:, -1].to(pred.device)).sum()), float(len(pred))])
+        if sp.sp_size > 1:
+            dist.all_reduce(hit, group=sp.sp_group)
+        correct, total = correct + hit[0].item(), total + hit[1].item()
+    model.train()
+    return correct / max(total, 1)
+
+
+def save_checkpoint(model, optimizer, step: int, history: List[dict], out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    torch.save({"optimizer": optimizer.state_dict(), "step": step, "history": history},
+               os.path.join(out_dir, "trainer_state.pt"))
+
+
+def plot(history: List[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed; no curve written")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    steps = [h["step"] for h in history if "accuracy" in h]
+    ax.plot(steps, [h["accuracy"] for h in history if "accuracy" in h], marker="o", label="retrieval accuracy")
+    ax.axhline(1 / N_KEYS, color="gray", ls="--", label="chance")
+    ax.set_xlabel("step")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sp-size", type=int, default=None, help="ranks per sequence (default: all)")
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--batch-size", type=int, default=4, help="sequences per step and data-parallel replica")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=5e-3)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--model", default=None, help="local Llama/Mistral checkpoint (default: a small Llama)")
+    ap.add_argument("--data", default=None, help="local .txt or .jsonl file (default: passkey retrieval)")
+    ap.add_argument("--segment-lengths", type=int, nargs="*", help="dilated attention: segment lengths")
+    ap.add_argument("--dilation-rates", type=int, nargs="*", help="dilated attention: dilation rates")
+    ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
+    ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--output", default="checkpoints/passkey")
+    ap.add_argument("--resume", action="store_true", help="continue from the checkpoint in --output")
+    ap.add_argument("--warmup-len", type=int, default=512,
+                    help="passkey curriculum: start at this length and double up to --seq-len over the first "
+                         "--warmup-frac of the steps, with the same tokens per step (0 = always --seq-len)")
+    ap.add_argument("--warmup-frac", type=float, default=0.6, help="share of the steps in the curriculum")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if bool(args.segment_lengths) != bool(args.dilation_rates):
+        ap.error("--segment-lengths and --dilation-rates go together")
+    if args.seq_len < 1:
+        ap.error("--seq-len must be positive")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from accelerate import Accelerator
+
+    cuda = torch.cuda.is_available()
+    # cpu=True lets accelerate build a gloo group from torchrun's environment when there is no GPU.
+    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no")
+    world = accelerator.num_processes
+    sp_size = args.sp_size or world
+    if world % sp_size:
+        raise SystemExit(f"--sp-size {sp_size} does not divide the {world} processes")
+    if args.seq_len < sp_size:
+        raise SystemExit(f"--seq-len {args.seq_len} is shorter than --sp-size {sp_size}: every rank needs a token")
+    sp = hf_ring.setup_sequence_parallel(accelerator, sp_size, layout=args.layout)
+    is_main = accelerator.is_main_process
+    torch.manual_seed(args.seed)
+
+    resume_dir = args.output if args.resume else None
+    if args.resume and not os.path.isfile(os.path.join(args.output, "trainer_state.pt")):
+        raise SystemExit(f"--resume: no checkpoint in {args.output}")
+    model = load_model(resume_dir or args.model, args.seq_len, torch.float32).to(accelerator.device)
+    pattern = None
+    if args.segment_lengths:
+        pattern = hf_ring.DilatedPattern(args.segment_lengths, args.dilation_rates)
+    if pattern is not None or not resume_dir:
+        hf_ring.configure(model, pattern=pattern, layout=args.layout)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    start, history = 0, []
+    if resume_dir:
+        state = torch.load(os.path.join(resume_dir, "trainer_state.pt"), weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        start, history = state["step"], state["history"]
+
+    text = pack_bytes(read_text(args.data), args.seq_len) if args.data else None
+    eval_gen = torch.Generator().manual_seed(10_000 + args.seed)
+    eval_batches = [] if text is not None else [
+        passkey_batch(eval_gen, args.batch_size, args.seq_len) for _ in range(args.eval_batches)
+    ]
+
+    def length_at(step: int) -> int:
+        """Passkey curriculum: short sequences teach the retrieval cheaply, then full length.
+
+        The first --warmup-frac of the steps doubles the length from --warmup-len,
+        the shortest stage taking half of that time; the rest is all --seq-len.
+        """
+        if text is not None or not args.warmup_len or args.warmup_len >= args.seq_len:
+            return args.seq_len
+        stages = max(1, math.ceil(math.log2(args.seq_len / args.warmup_len)))
+        frac = step / max(1, int(args.steps * args.warmup_frac))
+        if frac >= 1:
+            return args.seq_len
+        # stage 0 takes [0, 1/2), stage i > 0 an equal share of [1/2, 1)
+        stage = 0 if frac < 0.5 else 1 + int((frac - 0.5) * 2 * (stages - 1))
+        return min(args.seq_len, max(sp_size, args.warmup_len << stage))
+
+    def batch_for(step: int, micro: int) -> Dict[str, torch.Tensor]:
+        # Same batch on every rank of an sp group, different across dp replicas and steps.
+        g = torch.Generator().manual_seed(hash((args.seed, step, micro, sp.dp_rank)) % 2**31)
+        if text is None:
+            length = length_at(step)
+            # about the same number of tokens per step at every length
+            return passkey_batch(g, max(1, args.batch_size * args.seq_len // length), length)
+        rows = torch.randint(0, text.shape[0], (args.batch_size,), generator=g)
+        return {"input_ids": text[rows], "labels": text[rows]}
+
+    def lr_at(step: int) -> float:
+        warm = max(1, args.steps // 20)
+        return args.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
+
+    if not history and eval_batches:
+        history.append({"step": 0, "accuracy": retrieval_accuracy(model, eval_batches, sp)})
+    bar = None
+    if is_main:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, initial=start, desc="train", file=sys.stdout, mininterval=10)
+    t0, tokens = time.perf_counter(), 0
+    for step in range(start, args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        loss = 0.0
+        for micro in range(args.grad_accum):
+            batch = {k: v.to(accelerator.device) for k, v in batch_for(step, micro).items()}
+            loss += train_step(model, batch, sp) / args.grad_accum
+            tokens += batch["input_ids"].numel() * sp.dp_size
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad /= args.grad_accum
+        hf_ring.sync_gradients(model, sp)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        record = {"step": step + 1, "loss": loss, "seq_len": batch["input_ids"].shape[1]}
+        if eval_batches and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+            record["accuracy"] = retrieval_accuracy(model, eval_batches, sp)
+        history.append(record)
+        if bar is not None:
+            shown = {"loss": f"{loss:.3f}", "tok/s": f"{tokens / (time.perf_counter() - t0):.0f}"}
+            if "accuracy" in record:
+                shown["acc"] = f"{record['accuracy']:.2f}"
+                bar.write(f"step {step + 1}: retrieval accuracy {record['accuracy']:.3f} at {args.seq_len} tokens")
+            bar.set_postfix(shown, refresh=False)
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    wall = time.perf_counter() - t0
+    if is_main:
+        save_checkpoint(model, optimizer, args.steps, history, args.output)
+        plot(history, os.path.join(args.output, "accuracy.png"))
+        accs = [h["accuracy"] for h in history if "accuracy" in h]
+        summary = {"wall_s": round(wall, 1), "steps": args.steps - start, "world": world, "sp_size": sp_size,
+                   "accuracy_before": accs[0] if accs else None, "accuracy_after": accs[-1] if accs else None,
+                   "chance": 1 / N_KEYS, "final_loss": history[-1].get("loss") if history else None}
+        with open(os.path.join(args.output, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        print(json.dumps(summary))
+    accelerator.wait_for_everyone()
+    hf_ring.clear_sequence_parallel()
+    return {"history": history}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The fine-tuning example: data, model loading, a sharded step, checkpoints, and a real launch."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import rel_err
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import finetune as ft  # noqa: E402
+
+
+def test_passkey_needle_is_far_back_and_is_the_only_target():
+    g = torch.Generator().manual_seed(0)
+    b = ft.passkey_batch(g, 64, 4096)
+    ids, labels = b["input_ids"], b["labels"]
+    assert ids.shape == (64, 4096) and (ids[:, 0] == ft.BOS).all() and (ids[:, -2] == ft.QUERY).all()
+    for row, lab in zip(ids, labels):
+        body = row[1:-2]
+        where = ((body >= ft.KEY0) & (body < ft.QUERY)).nonzero().flatten()
+        assert len(where) == 1, "exactly one passkey in the context"
+        assert body[where[0]] == row[-1]
+        assert (4096 - 2) - (where[0] + 1) >= 2048, "the needle sits thousands of tokens before the query"
+        assert (lab[:-1] == -100).all() and lab[-1] == row[-1]
+    with pytest.raises(ValueError, match="--seq-len"):
+        ft.passkey_batch(g, 1, 3)
+
+
+def test_text_and_jsonl_are_packed(tmp_path):
+    txt = tmp_path / "a.txt"
+    txt.write_text("hello world, " * 40)
+    packed = ft.pack_bytes(ft.read_text(str(txt)), 64)
+    assert packed.shape == (520 // 63, 64) and (packed[:, 0] == ft.BOS).all()
+    assert bytes(packed[0, 1:].tolist()) == b"hello world, " * 4 + b"hello world"[:11]
+    jl = tmp_path / "b.jsonl"
+    jl.write_text("\n".join(json.dumps({"text": "x" * 50}) for _ in range(3)))
+    assert ft.pack_bytes(ft.read_text(str(jl)), 32).shape[0] == len("\n".join(["x" * 50] * 3)) // 31
+    with pytest.raises(ValueError, match="too little for one sequence"):
+        ft.pack_bytes(ft.read_text(str(txt)), 10_000)
+    bad = tmp_path / "c.jsonl"
+    bad.write_text(json.dumps({"body": "x"}))
+    with pytest.raises(ValueError, match="'text' field"):
+        ft.read_text(str(bad))
+    with pytest.raises(ValueError, match="is not a file"):
+        ft.read_text(str(tmp_path / "missing.txt"))
+
+
+def test_model_path_must_be_llama_or_mistral(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(ValueError, match="not a model directory"):
+        ft.load_model(str(tmp_path), 64, torch.float32)
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="'gpt2' checkpoint; supported: llama, mistral"):
+        ft.load_model(str(tmp_path), 64, torch.float32)
+
+
+def _saved_default(tmp_dir, seq_len=64):
+    torch.manual_seed(0)
+    model = ft.load_model(None, seq_len, torch.float32)
+    model.save_pretrained(tmp_dir, safe_serialization=True)
+    return tmp_dir
+
+
+def _sharded_step(path, seq_len):
+    import hf_ring
+
+    sp = hf_ring.setup_sequence_parallel(None, 2)
+    try:
+        model = ft.load_model(path, seq_len, torch.float32).train()
+        batch = ft.passkey_batch(torch.Generator().manual_seed(1), 2, seq_len)
+        loss = ft.train_step(model, batch, sp)
+        hf_ring.sync_gradients(model, sp)
+        return loss, {n: p.grad for n, p in model.named_parameters()}
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+def test_one_sharded_step_equals_one_process(pools, tmp_path):
+    import hf_ring
+
+    path = _saved_default(str(tmp_path))
+    got = pools(2).run(_sharded_step, path, 64)
+    model = ft.load_model(path, 64, torch.float32).train()
+    sp = hf_ring.setup_sequence_parallel(None)
+    loss = ft.train_step(model, ft.passkey_batch(torch.Generator().manual_seed(1), 2, 64), sp)
+    for g_loss, grads in got:
+        assert abs(g_loss - loss) <= 1e-5 * abs(loss)
+        for name, p in model.named_parameters():
+            assert rel_err(grads[name], p.grad) <= 1e-5, name
+
+
+def test_checkpoint_reload_gives_identical_logits(tmp_path):
+    model = ft.load_model(None, 64, torch.float32)
+    import hf_ring
+
+    hf_ring.configure(model, pattern=hf_ring.DilatedPattern([16, 64], [1, 2]))
+    opt = torch.optim.AdamW(model.parameters())
+    ft.save_checkpoint(model, opt, 3, [{"step": 3, "loss": 1.0}], str(tmp_path))
+    again = ft.load_model(str(tmp_path), 64, torch.float32)
+    ids = ft.passkey_batch(torch.Generator().manual_seed(2), 1, 64)["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(model.eval()(input_ids=ids).logits, again.eval()(input_ids=ids).logits)
+    assert again.config.ring_dilated["dilation_rates"] == [1, 2]
+    state = torch.load(os.path.join(tmp_path, "trainer_state.pt"), weights_only=False)
+    assert state["step"] == 3
+
+
+def test_finetune_runs_under_torchrun_and_resumes(tmp_path):
+    out = str(tmp_path / "ckpt")
+    base = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+            os.path.join(ROOT, "examples", "finetune.py"), "--sp-size", "2", "--seq-len", "96",
+            "--batch-size", "2", "--eval-every", "2", "--eval-batches", "1", "--output", out]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_RING_TIMEOUT="60")
+    first = subprocess.run(base + ["--steps", "3"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["steps"] == 3 and summary["sp_size"] == 2 and summary["accuracy_after"] is not None
+    assert os.path.exists(os.path.join(out, "model.safetensors")) and os.path.exists(os.path.join(out, "accuracy.png"))
+    again = subprocess.run(base + ["--steps", "5", "--resume"], capture_output=True, text=True, timeout=300,
+                           env=env, cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.load(open(os.path.join(out, "summary.json")))["steps"] == 2
+    bad = subprocess.run(base[:-2] + ["--output", out, "--sp-size", "3", "--steps", "1"], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=ROOT)
+    assert bad.returncode != 0 and "does not divide the 2 processes" in (bad.stderr + bad.stdout)
+
+
+def test_generate_answers_from_a_checkpoint(tmp_path, capsys):
+    import generate
+
+    path = _saved_default(str(tmp_path), seq_len=64)
+    accuracy = generate.main(["--model", path, "--seq-len", "64", "--prompts", "3", "--max-new-tokens", "2"])
+    out = capsys.readouterr().out
+    assert 0.0 <= accuracy <= 1.0 and "passkeys recalled from 64-token prompts" in out
+    assert out.count("prompt ") == 3
