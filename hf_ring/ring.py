@@ -447,7 +447,6 @@ def ring_attention(
     (False for padding); it travels with the K/V rows it describes.
     Without a group and without torch.distributed it runs as one process.
     """
-    _check_qkv(q, k, v)
     return attend(q, k, v, _resolve_group(group), layout=layout, seq_len=seq_len, causal=causal,
                   window=window, pattern=pattern, scale=scale, key_mask=key_mask)
 
