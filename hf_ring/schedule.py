@@ -65,7 +65,6 @@ class RankPlan:
     rank: int
     world_size: int
     seq_len: int
-    local_len: int
     steps: Tuple[Step, ...]
 
 
@@ -92,12 +91,12 @@ def _segments(runs, wt: int) -> List[int]:
 @lru_cache(maxsize=4096)
 def pair_plan(
     seq_len: int, dst: int, src: int, world_size: int, layout: str, causal: bool,
-    window: Optional[int], branches: Branches, hq: int, hkv: int, tile: Optional[int] = None,
+    window: Optional[int], branches: Branches, hq: int, hkv: int,
 ) -> PairPlan:
     """What rank ``dst`` computes with the K/V rows of rank ``src``."""
     q_runs = runs_to_local(local_runs(seq_len, dst, world_size, layout))
     k_runs = runs_to_local(local_runs(seq_len, src, world_size, layout))
-    tile = default_tile(window) if tile is None else tile
+    tile = default_tile(window)
     pieces: List[Piece] = []
     index: Dict[Piece, int] = {}
     blocks: List[Blk] = []
@@ -216,5 +215,4 @@ def rank_plan(
             snd = send[i].pieces if i < len(send) else ()
             if r.pieces or snd:
                 steps.append(Step(s, src, dst, r, snd))
-    local_len = sum(n for _, _, n in runs_to_local(local_runs(seq_len, rank, world_size, layout)))
-    return RankPlan(rank, world_size, seq_len, local_len, tuple(steps))
+    return RankPlan(rank, world_size, seq_len, tuple(steps))
