@@ -4,8 +4,10 @@
 """
 from . import patches
 from .attention import register as _register
+from .cache import ShardedCache
 from .config import configure
 from .data import gather_sequence, shard_batch
+from .generation import generate
 from .layout import local_positions, shard_sizes
 from .parallel import SequenceParallel, clear_sequence_parallel, setup_sequence_parallel, sync_gradients
 from .pattern import DilatedPattern
@@ -14,9 +16,11 @@ from .ring import ring_attention
 __all__ = [
     "DilatedPattern",
     "SequenceParallel",
+    "ShardedCache",
     "clear_sequence_parallel",
     "configure",
     "gather_sequence",
+    "generate",
     "local_positions",
     "patches",
     "ring_attention",

@@ -115,6 +115,20 @@ class RingComm:
         _wait(work, what, self.timeout)
         return [x.tolist() for x in out]
 
+    def all_gather(self, tensor: Tensor, what: str) -> Tensor:
+        """Every rank's ``tensor`` stacked by rank, ``(world_size, *tensor.shape)``."""
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        _wait(dist.all_gather(parts, tensor, group=self.group, async_op=True), what, self.timeout)
+        return torch.stack(parts)
+
+    def broadcast(self, tensor: Tensor, src: int, what: str) -> Tensor:
+        """``tensor`` of group rank ``src`` on every rank (in place; other ranks pass a buffer of its shape)."""
+        tensor = tensor.contiguous()
+        work = dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group, async_op=True)
+        _wait(work, what, self.timeout)
+        return tensor
+
     def _device(self) -> torch.device:
         if dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())

@@ -130,6 +130,20 @@ def block_forward(
     return _math_forward(q, k, v, scale, causal, mask)
 
 
+def merge_into(out: Tensor, lse: Tensor, o_blk: Tensor, l_blk: Tensor) -> None:
+    """In-place log-sum-exp merge of one block's result into views of the accumulators.
+
+    ``L = logaddexp(L1, L2)``, ``O = exp(L1-L)·O1 + exp(L2-L)·O2``; rows where
+    neither side saw a key stay ``(0, -inf)`` instead of turning NaN.
+    """
+    new = torch.logaddexp(lse, l_blk)
+    safe = new.masked_fill(torch.isneginf(new), 0.0)
+    o_blk = o_blk.to(out.dtype) if o_blk.dtype != out.dtype else o_blk
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1))
+    out.add_(o_blk.mul_(torch.exp(l_blk - safe).unsqueeze(-1)))
+    lse.copy_(new)
+
+
 def block_backward(
     dout: Tensor,
     q: Tensor,

@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 
 from .blocks import Prog, tiles
 from .comm import Pending, RingComm
-from .kernels import block_backward, block_forward, default_scale
+from .kernels import block_backward, block_forward, default_scale, merge_into
 from .layout import check_layout, infer_seq_len, shard_sizes
 from .pattern import DilatedPattern
 from .schedule import Blk, Piece, RankPlan, Step, message_budget, rank_plan
@@ -163,20 +163,6 @@ def _acc_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _merge_into(out: Tensor, lse: Tensor, o_blk: Tensor, l_blk: Tensor) -> None:
-    """In-place log-sum-exp merge of one block's result into views of the accumulators.
-
-    ``L = logaddexp(L1, L2)``, ``O = exp(L1-L)·O1 + exp(L2-L)·O2``; rows where
-    neither side saw a key stay ``(0, -inf)`` instead of turning NaN.
-    """
-    new = torch.logaddexp(lse, l_blk)
-    safe = new.masked_fill(torch.isneginf(new), 0.0)
-    o_blk = o_blk.to(out.dtype) if o_blk.dtype != out.dtype else o_blk
-    out.mul_(torch.exp(lse - safe).unsqueeze(-1))
-    out.add_(o_blk.mul_(torch.exp(l_blk - safe).unsqueeze(-1)))
-    lse.copy_(new)
-
-
 def _single_block(plan: RankPlan, q: Tensor, k: Tensor) -> Optional[Blk]:
     """The block when one kernel call over all rows and heads is the whole answer."""
     if len(plan.steps) != 1 or len(plan.steps[0].recv.blocks) != 1:
@@ -216,7 +202,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx) -> Tuple[Tensor, Te
                 q[:, hs, rs], pk[:, :, ks], pv[:, :, ks], scale=ctx.scale,
                 **_kernel_args(ctx, blk.q, blk.k_pos, blk.nk, blk.kind, q.device, None if all_valid else pm[:, ks]),
             )
-            _merge_into(out[:, hs, rs], lse[:, hs, rs], o_blk, l_blk)
+            merge_into(out[:, hs, rs], lse[:, hs, rs], o_blk, l_blk)
         del kv
     return out.to(q.dtype), lse
 
@@ -370,6 +356,17 @@ def _check_pattern(pattern, window) -> Optional[DilatedPattern]:
     return pattern
 
 
+def check_options(causal: bool, window, pattern, scale, head_dim: int) -> Tuple[Optional[int], Optional[DilatedPattern], float]:
+    """Validated ``(window, pattern, scale)``; ``scale=None`` becomes ``1/sqrt(head_dim)``."""
+    window = _check_window(window, causal)
+    pattern = _check_pattern(pattern, window)
+    if scale is None:
+        scale = default_scale(head_dim)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {scale!r}")
+    return window, pattern, float(scale)
+
+
 def _resolve_group(group) -> Optional[RingComm]:
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -458,12 +455,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], *, layout:
     """:func:`ring_attention` over an already resolved ring (``None``: this process alone)."""
     _check_qkv(q, k, v)
     check_layout(layout)
-    window = _check_window(window, causal)
-    pattern = _check_pattern(pattern, window)
-    if scale is None:
-        scale = default_scale(q.shape[-1])
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {scale!r}")
+    window, pattern, scale = check_options(causal, window, pattern, scale, q.shape[-1])
     key_mask = _check_key_mask(key_mask, k)
     n, any_padded = agree(comm, q, k, seq_len, layout, key_mask is not None and not bool(key_mask.all()))
     if not any_padded:

@@ -1,0 +1,114 @@
+"""The KV cache of sequence-sharded generation: every rank keeps only its own rows.
+
+Prompt rows stay on the rank the layout gave them. Each generated token goes
+to the rank holding the fewest rows (ties: the lowest rank), so the shards
+stay balanced however long generation runs. Every rank runs the same
+placement on the same counts, so all agree on who stores what without a
+message. The cache records the global position of each of its rows; the
+attention reads them from there (it never sees this object).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .layout import check_layout, local_positions, shard_sizes
+
+Tensor = torch.Tensor
+
+
+def place_tokens(counts: Sequence[int], num_new: int) -> List[int]:
+    """Owner rank of each of ``num_new`` new tokens: always the rank with the fewest rows, ties to the lowest.
+
+    The largest shard then never grows past ``ceil(total / world_size)``
+    unless it already was larger.
+    """
+    counts = list(counts)
+    owners = []
+    for _ in range(num_new):
+        rank = min(range(len(counts)), key=lambda r: (counts[r], r))
+        owners.append(rank)
+        counts[rank] += 1
+    return owners
+
+
+class ShardedLayer(DynamicLayer):
+    """One layer's K/V rows on this rank, ``(B, Hkv, local rows, D)``, grown by concatenation."""
+
+    is_croppable = False  # rows sit on several ranks: dropping the last tokens is not a local operation
+
+
+class ShardedCache(Cache):
+    """A KV cache split over the ranks of a sequence-parallel group.
+
+    Made by :func:`hf_ring.generate`; pass the one it returns
+    (``return_dict_in_generate=True``) back as ``past_key_values`` to continue
+    the same sequences on the same ranks.
+    """
+
+    def __init__(self, rank: int = 0, world_size: int = 1, layout: str = "zigzag"):
+        super().__init__(layer_class_to_replicate=ShardedLayer)
+        self.rank, self.world_size, self.layout = rank, world_size, check_layout(layout)
+        self.seq_len = 0
+        self.counts = [0] * world_size
+        self.index = torch.zeros(0, dtype=torch.long)
+        self._keep: Optional[Tensor] = None  # rows of the running forward's inputs this rank stores
+
+    def begin_prefill(self, seq_len: int) -> Tensor:
+        """Start a forward over the first ``seq_len`` tokens, sharded by the layout; returns this rank's positions."""
+        if self.seq_len:
+            raise ValueError("a sharded prefill needs an empty cache")
+        pos = local_positions(seq_len, self.rank, self.world_size, self.layout)
+        self.index = pos.clone()
+        self.counts = shard_sizes(seq_len, self.world_size, self.layout)
+        self.seq_len = seq_len
+        self._keep = None
+        return pos
+
+    def begin_step(self, num_new: int) -> Tensor:
+        """Start a forward of ``num_new`` tokens that every rank runs; returns their global positions."""
+        owners = place_tokens(self.counts, num_new)
+        mine = [i for i, owner in enumerate(owners) if owner == self.rank]
+        for owner in owners:
+            self.counts[owner] += 1
+        first = self.seq_len
+        self.index = torch.cat([self.index, first + torch.tensor(mine, dtype=torch.long)])
+        self._keep = torch.tensor(mine, dtype=torch.long)
+        self.seq_len += num_new
+        return torch.arange(first, self.seq_len)
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs) -> Tuple[Tensor, Tensor]:
+        """Store this rank's share of the new rows; return all the rows this rank holds."""
+        keep = self._keep
+        if keep is not None:
+            keep = keep.to(key_states.device)
+            key_states, value_states = key_states.index_select(2, keep), value_states.index_select(2, keep)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Global number of tokens seen (on every rank), not this rank's row count."""
+        return self.seq_len
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> Tuple[int, int]:
+        return self.seq_len, 0
+
+    def local_length(self) -> int:
+        """Rows this rank holds."""
+        return int(self.index.numel())
+
+    def nbytes(self) -> int:
+        """Bytes of K and V this rank holds, all layers."""
+        total = 0
+        for layer in self.layers:
+            for t in (layer.keys, layer.values):
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a sharded cache cannot be cropped (its rows sit on several ranks)")
+
+    def same_layout(self, rank: int, world_size: int, layout: str) -> bool:
+        return (self.rank, self.world_size, self.layout) == (rank, world_size, layout)

@@ -1,0 +1,160 @@
+"""Attention of new tokens over cached K/V rows held at arbitrary global positions.
+
+A decode step gives every rank the same few new queries. Each rank attends
+them over the cache rows it holds and gets a partial ``(out, lse)``; the ranks
+merge those with one all-gather of ``B·H·S·(D+1)`` numbers per layer, never the
+cache. Which keys a query sees follows the ring's rules (causal, sliding
+window, dilated branches with per-head offsets) read from global positions,
+so decoding token t reproduces row t of the full forward. Dense attention is
+the one-branch pattern whose segment outlasts any position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .comm import RingComm
+from .kernels import block_forward, merge_into
+from .pattern import head_groups
+
+Tensor = torch.Tensor
+
+DENSE: Tuple[Tuple[int, int], ...] = ((1 << 62, 1),)
+"""Dense attention as a branch: one segment longer than any sequence, rate 1."""
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    """Query heads ``q_heads`` (K/V heads ``kv_heads``) of query rows ``q_rows`` against cache rows ``k_rows``.
+
+    ``None`` rows mean all of them; ``mask`` is ``(len(q_rows), len(k_rows))``
+    bool (True = allowed), ``None`` when every pair is allowed.
+    """
+
+    q_heads: range
+    kv_heads: range
+    q_rows: Optional[Tensor]
+    k_rows: Optional[Tensor]
+    mask: Optional[Tensor]
+
+
+def cached_blocks(
+    q_pos: Tensor, k_pos: Tensor, *, hq: int, hkv: int, causal: bool = True,
+    window: Optional[int] = None, branches: Sequence[Tuple[int, int]] = DENSE,
+) -> List[CachedBlock]:
+    """Kernel calls that attend queries at global positions ``q_pos`` over keys at ``k_pos``.
+
+    Pure index math on position tensors: for branch ``(w, r)`` and head
+    offset ``o`` a query takes part when its in-segment index is ``o`` mod
+    ``r``, and sees the keys of its own segment with the same residue (and
+    ``k <= t``, ``k > t - window`` as asked). Segments are ``p // w``: for any
+    position below the sequence length that equals the full forward's
+    ``p // min(w, N)``, so a cache gives the same rows as the whole sequence.
+    """
+    blocks: List[CachedBlock] = []
+    nq, nk = q_pos.numel(), k_pos.numel()
+    if nq == 0 or nk == 0:
+        return blocks
+    for w, rate in branches:
+        q_seg, k_seg = q_pos // w, k_pos // w
+        q_res, k_res = (q_pos % w) % rate, (k_pos % w) % rate
+        for offset in range(rate):
+            groups = head_groups(hq, hkv, rate, offset)
+            if not groups:
+                continue
+            qi = torch.nonzero(q_res == offset).flatten()
+            if qi.numel() == 0:
+                continue
+            qp, qs = q_pos[qi], q_seg[qi]
+            keep = (k_res == offset) & (k_seg >= qs.min()) & (k_seg <= qs.max())
+            if causal:
+                keep &= k_pos <= qp.max()
+            if window is not None:
+                keep &= k_pos > qp.min() - window
+            ki = torch.nonzero(keep).flatten()
+            if ki.numel() == 0:
+                continue
+            kp = k_pos[ki]
+            allowed = qs[:, None] == k_seg[ki][None, :]
+            if causal:
+                allowed &= kp[None, :] <= qp[:, None]
+            if window is not None:
+                allowed &= kp[None, :] > qp[:, None] - window
+            if not bool(allowed.any()):
+                continue
+            mask = None if bool(allowed.all()) else allowed
+            q_rows = None if qi.numel() == nq else qi
+            k_rows = None if ki.numel() == nk else ki
+            for q_heads, kv_heads in groups:
+                blocks.append(CachedBlock(q_heads, kv_heads, q_rows, k_rows, mask))
+    return blocks
+
+
+def _heads(heads: range) -> slice:
+    return slice(heads.start, heads.stop, heads.step)
+
+
+def _block_mask(blk: CachedBlock, key_mask: Optional[Tensor], sq: int, device) -> Optional[Tensor]:
+    """The block's mask with key padding folded in: ``(S_q, S_k)``, ``(B, 1, S_q, S_k)`` or None."""
+    mask = None if blk.mask is None else blk.mask.to(device)
+    if key_mask is None:
+        return mask
+    keys = key_mask if blk.k_rows is None else key_mask[:, blk.k_rows.to(key_mask.device)]
+    if bool(keys.all()):
+        return mask
+    pad = keys[:, None, None, :].expand(-1, 1, sq, -1)
+    return pad if mask is None else pad & mask
+
+
+def cached_attention(
+    q: Tensor, k: Tensor, v: Tensor, blocks: Sequence[CachedBlock], *, scale: float,
+    key_mask: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """This process's partial attention: ``out`` ``(B, Hq, S, D)`` (fp32, fp64 for fp64) and ``lse`` ``(B, Hq, S)``.
+
+    ``k``/``v`` are the cache rows ``(B, Hkv, L, D)``; ``key_mask`` ``(B, L)``
+    bool marks the rows that may be attended (False for padding). A query
+    with no allowed row here gets ``(0, -inf)``, which a merge ignores.
+    """
+    b, hq, s, d = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(b, hq, s, d, dtype=acc, device=q.device)
+    lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
+    for blk in blocks:
+        hs, ks = _heads(blk.q_heads), _heads(blk.kv_heads)
+        qb, kb, vb = q[:, hs], k[:, ks], v[:, ks]
+        if blk.q_rows is not None:
+            qb = qb[:, :, blk.q_rows.to(q.device)]
+        if blk.k_rows is not None:
+            rows = blk.k_rows.to(k.device)
+            kb, vb = kb.index_select(2, rows), vb.index_select(2, rows)
+        mask = _block_mask(blk, key_mask, qb.shape[2], q.device)
+        o_blk, l_blk = block_forward(qb, kb, vb, scale=scale, mask=mask)
+        if blk.q_rows is None:
+            merge_into(out[:, hs], lse[:, hs], o_blk, l_blk)
+        else:
+            rows = blk.q_rows.to(q.device)
+            o_sub, l_sub = out[:, hs][:, :, rows], lse[:, hs][:, :, rows]
+            merge_into(o_sub, l_sub, o_blk, l_blk)
+            out[:, hs, rows], lse[:, hs, rows] = o_sub, l_sub
+    return out, lse
+
+
+def merge_ranks(out: Tensor, lse: Tensor, comm: Optional[RingComm]) -> Tensor:
+    """Log-sum-exp merge of every rank's partial ``(out, lse)``: one all-gather, the same result on every rank.
+
+    Each rank merges the gathered partials in rank order, so all ranks hold
+    bitwise the same output. Queries no rank could attend come out as 0.
+    """
+    if comm is None or comm.world_size == 1:
+        return out
+    packed = torch.cat([out, lse.to(out.dtype).unsqueeze(-1)], dim=-1)
+    parts = comm.all_gather(packed, "the decode merge across ranks")
+    outs, lses = parts[..., :-1], parts[..., -1]
+    top = lses.amax(0)
+    weights = torch.exp(lses - top.masked_fill(torch.isneginf(top), 0.0))
+    total = weights.sum(0)
+    merged = (weights.unsqueeze(-1) * outs).sum(0)
+    return merged / torch.where(total == 0, torch.ones_like(total), total).unsqueeze(-1)

@@ -1,0 +1,286 @@
+"""Long-context generation: prefill through the ring, decode over a sharded KV cache.
+
+:func:`generate` runs transformers' own ``model.generate`` (so its knobs,
+logits processors, stopping criteria and streamers all apply) with two hooks
+on the model's forward:
+
+- **prefill** (empty cache): each rank keeps only its layout shard of the
+  prompt, attention runs as the ring, and the cache stores the shard's K/V.
+  The rank holding the last prompt token broadcasts its next-token logits.
+- **step** (every later forward): every rank runs the same new token(s); each
+  new row's K/V is stored on one rank only (the least loaded), each rank
+  attends the new queries over its own rows and the ranks merge the partial
+  results with one small all-gather per layer. Rank 0 broadcasts the logits,
+  so every rank picks the same token even if kernels round differently.
+
+Every rank gets the same output sequences; no rank ever holds the whole cache.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import config as ring_config
+from .cache import ShardedCache
+from .comm import RingComm
+from .data import SEQ_LEN_KEY
+from .decode import CachedBlock, cached_blocks
+from .layout import local_positions, shard_sizes
+from .parallel import current
+
+Tensor = torch.Tensor
+
+EXTRAPOLATING_ROPE = ("dynamic",)
+"""RoPE types meant to run past ``max_position_embeddings``; any other is refused there unless allowed."""
+
+_UNSUPPORTED = {
+    "inputs_embeds": "pass input_ids",
+    "assistant_model": "assisted generation rewinds the cache, which a sharded cache cannot do",
+    "prompt_lookup_num_tokens": "prompt-lookup decoding rewinds the cache, which a sharded cache cannot do",
+}
+
+
+@dataclass
+class Generation:
+    """What the attention needs during one :func:`generate` call."""
+
+    cache: ShardedCache
+    comm: Optional[RingComm]
+    mode: str = "idle"  # "prefill": ring over the prompt shards; "step": every rank runs the new tokens
+    q_pos: Optional[Tensor] = None  # global positions of a step's new tokens
+    src: int = 0  # the rank whose logits every rank takes
+    step: int = 0
+    _blocks: Dict[Any, List[CachedBlock]] = field(default_factory=dict)
+
+    def blocks(self, hq: int, hkv: int, causal: bool, window: Optional[int],
+               branches: Sequence[Tuple[int, int]], device: torch.device) -> List[CachedBlock]:
+        """This step's kernel calls; computed by the first layer, reused by the others."""
+        key = (self.step, hq, hkv, causal, window, tuple(branches), str(device))
+        found = self._blocks.get(key)
+        if found is None:
+            self._blocks.clear()
+            found = [
+                CachedBlock(b.q_heads, b.kv_heads, *(None if t is None else t.to(device) for t in (b.q_rows, b.k_rows, b.mask)))
+                for b in cached_blocks(self.q_pos, self.cache.index, hq=hq, hkv=hkv, causal=causal,
+                                       window=window, branches=branches)
+            ]
+            self._blocks[key] = found
+        return found
+
+
+_ACTIVE: Optional[Generation] = None
+
+
+def active() -> Optional[Generation]:
+    """The running :func:`generate` call's state, or None."""
+    return _ACTIVE
+
+
+def _rope_type(config) -> str:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if isinstance(params, dict):
+        return str(params.get("rope_type", params.get("type", "default")))
+    return "default"
+
+
+def check_length(config, prompt_len: int, total_len: int, allow: bool) -> None:
+    """Refuse positions beyond the model's ``max_position_embeddings`` unless its RoPE extrapolates or ``allow``."""
+    limit = getattr(config, "max_position_embeddings", None)
+    rope = _rope_type(config)
+    if allow or limit is None or total_len <= limit or rope in EXTRAPOLATING_ROPE:
+        return
+    raise ValueError(
+        f"the prompt ({prompt_len} tokens) and the new tokens reach {total_len} positions, beyond this model's "
+        f"max_position_embeddings={limit} (RoPE type {rope!r}, which does not extrapolate). Shorten the prompt or "
+        "max_new_tokens, use a model configured for longer positions (e.g. rope_parameters with rope_type='dynamic' "
+        "or a larger max_position_embeddings), or pass allow_beyond_max_positions=True to generate anyway"
+    )
+
+
+def _digest(*tensors: Optional[Tensor]) -> int:
+    """A 62-bit fingerprint of some tensors' values, to compare across ranks in one integer."""
+    h = hashlib.sha1()
+    for t in tensors:
+        h.update(b"none" if t is None else t.detach().to("cpu").contiguous().numpy().tobytes())
+    return int.from_bytes(h.digest()[:8], "little") >> 2
+
+
+def _rng_digest(device: torch.device) -> int:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return _digest(*states)
+
+
+def _agree(comm: RingComm, input_ids: Tensor, attention_mask: Optional[Tensor], cache: ShardedCache,
+           do_sample: bool, device: torch.device) -> None:
+    """Check that every rank generates for the same batch; the same error is raised on all ranks."""
+    mine = [input_ids.shape[0], input_ids.shape[1], _digest(input_ids), _digest(attention_mask),
+            cache.seq_len, int(do_sample), _rng_digest(device) if do_sample else 0]
+    table = comm.all_gather_ints(mine, "the input check before generation")
+    column = lambda i: [row[i] for row in table]  # noqa: E731
+    if len(set(column(0))) > 1:
+        raise ValueError(
+            f"the ranks passed batch sizes {column(0)} (by rank); every rank of a sequence-parallel group "
+            "must pass the same full batch of prompts to hf_ring.generate"
+        )
+    if len(set(column(1))) > 1 or len(set(column(2))) > 1 or len(set(column(3))) > 1:
+        raise ValueError(
+            f"the ranks passed different prompts (lengths {column(1)} by rank); every rank of a sequence-parallel "
+            "group must pass the same full input_ids and attention_mask (hf_ring shards them itself)"
+        )
+    if len(set(column(4))) > 1:
+        raise ValueError(f"the ranks' past_key_values hold different lengths {column(4)}; pass each rank its own "
+                         "cache returned by the same hf_ring.generate call")
+    if any(column(5)) and len(set(column(6))) > 1:
+        raise ValueError(
+            "do_sample=True needs the same random state on every rank, or the ranks would sample different tokens; "
+            "call transformers.set_seed(seed) with one seed on every rank before hf_ring.generate"
+        )
+
+
+def _owner_of_last(n: int, world: int, layout: str) -> int:
+    for r in range(world):
+        pos = local_positions(n, r, world, layout)
+        if pos.numel() and int(pos[-1]) == n - 1:
+            return r
+    raise AssertionError("no rank holds the last position")
+
+
+def _pre_forward(state: Generation):
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            raise ValueError("hf_ring.generate runs on input_ids; inputs_embeds are not supported")
+        cache, world = state.cache, state.cache.world_size
+        b, m = ids.shape
+        state.step += 1
+        if cache.seq_len == 0 and min(shard_sizes(m, world, cache.layout)) > 0:
+            pos = cache.begin_prefill(m).to(ids.device)
+            positions = kwargs.get("position_ids")
+            if positions is None:
+                positions = torch.arange(m, device=ids.device).expand(b, m)
+            kwargs["input_ids"] = ids[:, pos]
+            kwargs["position_ids"] = positions[..., pos]
+            if kwargs.get("attention_mask") is not None:
+                kwargs["attention_mask"] = kwargs["attention_mask"][:, pos]
+            kwargs[SEQ_LEN_KEY] = m
+            state.mode, state.q_pos = "prefill", None
+            state.src = _owner_of_last(m, world, cache.layout)  # its last local row is the prompt's last token
+        else:
+            # Later tokens, and prompts too short to give every rank a row, run on every rank.
+            state.mode, state.q_pos, state.src = "step", cache.begin_step(m), 0
+        return args, kwargs
+
+    return hook
+
+
+def _post_forward(state: Generation):
+    def hook(module, args, kwargs, output):
+        if state.comm is None:
+            return output
+        logits = output.logits[:, -1:].contiguous()
+        output.logits = state.comm.broadcast(logits, state.src, "the next-token logits broadcast")
+        return output
+
+    return hook
+
+
+def _unwrap(model):
+    while not hasattr(model, "generate") and hasattr(model, "module"):
+        model = model.module
+    if not hasattr(model, "generate"):
+        raise TypeError(f"model must be a transformers model with .generate, got {type(model).__name__}")
+    return model
+
+
+def _check_inputs(input_ids, attention_mask) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise TypeError(f"input_ids must be an integer tensor (batch, prompt length), got "
+                        f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids is empty: give at least one prompt token")
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
+                             f"got {getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
+
+
+def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, *,
+             allow_beyond_max_positions: bool = False, **generate_kwargs: Any):
+    """``model.generate`` over a sequence-parallel group, with the KV cache sharded across its ranks.
+
+    Every rank of the group calls this with the same full ``input_ids`` (and
+    ``attention_mask`` for left padding); each keeps only its part of the
+    prompt's K/V, and every rank returns the same sequences. Outside
+    sequence parallelism it is ``model.generate`` with the same semantics.
+    ``generate_kwargs`` are ``model.generate``'s (``max_new_tokens``,
+    ``do_sample``, ``eos_token_id``, ``streamer`` (used on rank 0 only), ...);
+    ``past_key_values`` may be a :class:`hf_ring.ShardedCache` returned by an
+    earlier call (``return_dict_in_generate=True``) on the same ranks.
+    Positions past ``config.max_position_embeddings`` are refused unless the
+    RoPE type is ``dynamic`` or ``allow_beyond_max_positions=True``.
+    """
+    global _ACTIVE
+    model = _unwrap(model)
+    _check_inputs(input_ids, attention_mask)
+    for key, why in _UNSUPPORTED.items():
+        if generate_kwargs.get(key) is not None:
+            raise ValueError(f"hf_ring.generate does not take {key}: {why}")
+    sp = current()
+    sharded = sp is not None and sp.sp_size > 1
+    config = model.config
+    gen_config = generate_kwargs.get("generation_config") or model.generation_config
+    setting = lambda name: generate_kwargs.get(name, getattr(gen_config, name, None))  # noqa: E731
+    n = input_ids.shape[1]
+    max_new = setting("max_new_tokens")
+    total = n + max_new if max_new is not None else max(n, setting("max_length") or n)
+    check_length(config, n, total, allow_beyond_max_positions)
+    if config._attn_implementation != "ring_dilated":
+        if sharded:
+            raise ValueError(
+                f"sharded generation needs attn_implementation='ring_dilated' (this model uses "
+                f"{config._attn_implementation!r}); load it with from_pretrained(..., attn_implementation='ring_dilated')"
+            )
+        return model.generate(input_ids, attention_mask=attention_mask, **generate_kwargs)
+    if setting("use_cache") is False:
+        raise ValueError("hf_ring.generate keeps a sharded KV cache; use_cache=False is not supported")
+    if (setting("num_beams") or 1) > 1:
+        raise ValueError("hf_ring.generate supports greedy decoding and sampling, not beam search (num_beams > 1)")
+
+    from .attention import comm_for
+
+    comm = comm_for(sp.sp_group) if sharded else None
+    rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
+    layout = sp.layout if sharded else ring_config.parse(getattr(config, ring_config.CONFIG_KEY, None)).layout
+    cache = generate_kwargs.pop("past_key_values", None)
+    if cache is None:
+        cache = ShardedCache(rank, world, layout)
+    elif not isinstance(cache, ShardedCache):
+        raise TypeError(
+            f"past_key_values must be a hf_ring.ShardedCache returned by hf_ring.generate, got {type(cache).__name__}"
+        )
+    elif not cache.same_layout(rank, world, layout):
+        raise ValueError(
+            f"past_key_values was made for rank {cache.rank} of {cache.world_size} with layout {cache.layout!r}, "
+            f"but this is rank {rank} of {world} with layout {layout!r}; continue a cache only on the ranks and "
+            "layout that made it"
+        )
+    if comm is not None:
+        _agree(comm, input_ids, attention_mask, cache, bool(setting("do_sample")), model.device)
+    if rank != 0:
+        generate_kwargs.pop("streamer", None)
+
+    state = Generation(cache, comm)
+    hooks = [model.register_forward_pre_hook(_pre_forward(state), with_kwargs=True),
+             model.register_forward_hook(_post_forward(state), with_kwargs=True)]
+    _ACTIVE = state
+    try:
+        return model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)
+    finally:
+        _ACTIVE = None
+        for h in hooks:
+            h.remove()
