@@ -142,19 +142,25 @@ def cached_attention(
     return out, lse
 
 
-def merge_ranks(out: Tensor, lse: Tensor, comm: Optional[RingComm]) -> Tensor:
-    """Log-sum-exp merge of every rank's partial ``(out, lse)``: one all-gather, the same result on every rank.
+def merge_partials(outs: Tensor, lses: Tensor) -> Tensor:
+    """Log-sum-exp merge of stacked partial results ``outs`` ``(P, B, H, S, D)``, ``lses`` ``(P, B, H, S)``.
 
-    Each rank merges the gathered partials in rank order, so all ranks hold
-    bitwise the same output. Queries no rank could attend come out as 0.
+    Queries no partial could attend come out as 0.
     """
-    if comm is None or comm.world_size == 1:
-        return out
-    packed = torch.cat([out, lse.to(out.dtype).unsqueeze(-1)], dim=-1)
-    parts = comm.all_gather(packed, "the decode merge across ranks")
-    outs, lses = parts[..., :-1], parts[..., -1]
     top = lses.amax(0)
     weights = torch.exp(lses - top.masked_fill(torch.isneginf(top), 0.0))
     total = weights.sum(0)
     merged = (weights.unsqueeze(-1) * outs).sum(0)
     return merged / torch.where(total == 0, torch.ones_like(total), total).unsqueeze(-1)
+
+
+def merge_ranks(out: Tensor, lse: Tensor, comm: Optional[RingComm]) -> Tensor:
+    """Every rank's partial ``(out, lse)`` merged: one all-gather, bitwise the same result on every rank.
+
+    Each rank merges the gathered partials in rank order, so all hold the same numbers.
+    """
+    if comm is None or comm.world_size == 1:
+        return out
+    packed = torch.cat([out, lse.to(out.dtype).unsqueeze(-1)], dim=-1)
+    parts = comm.all_gather(packed, "the decode merge across ranks")
+    return merge_partials(parts[..., :-1], parts[..., -1])

@@ -89,3 +89,80 @@ def sp_logits_case(path, n, seed=0):
         return hf_ring.gather_sequence(out.logits, n)
     finally:
         hf_ring.clear_sequence_parallel()
+
+
+class ListStreamer:
+    """A streamer that records what ``generate`` puts into it."""
+
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def sp_generate_case(path, ids, mask=None, *, layout="zigzag", pattern=None, seed=None, stream=False,
+                     ids_by_rank=None, cache_from=None, continue_with=None, **kwargs):
+    """``hf_ring.generate`` with the sequence split over the whole world.
+
+    Returns the sequences (and the step logits when asked), this rank's cache
+    rows after every forward, and what a streamer saw. ``ids_by_rank`` gives
+    each rank its own prompt (to provoke errors); ``cache_from`` passes a cache
+    made for ``(rank, world, layout)``; ``continue_with`` runs a second call on
+    the returned cache with these many more tokens.
+    """
+    from models import load
+    from transformers import set_seed
+
+    rank = dist.get_rank()
+    hf_ring.setup_sequence_parallel(None, layout=layout)
+    try:
+        model = load(path, "ring_dilated")
+        hf_ring.configure(model, pattern=pattern, layout=layout)
+        lengths = []
+        hook = model.register_forward_hook(
+            lambda m, a, o: lengths.append(hf_ring.generation.active().cache.local_length()))
+        if ids_by_rank is not None:
+            ids = ids_by_rank[rank]
+        if cache_from is not None:
+            kwargs["past_key_values"] = hf_ring.ShardedCache(*cache_from)
+        if seed is not None:
+            set_seed(seed)
+        streamer = ListStreamer() if stream else None
+        out = hf_ring.generate(model, ids, attention_mask=mask, streamer=streamer, **kwargs)
+        if continue_with is not None:
+            seq = out.sequences
+            more = None if mask is None else torch.cat([mask, torch.ones_like(seq[:, mask.shape[1]:])], 1)
+            out = hf_ring.generate(model, seq, attention_mask=more, past_key_values=out.past_key_values,
+                                   **dict(kwargs, max_new_tokens=continue_with))
+        hook.remove()
+        res = {"lengths": lengths, "stream": None if streamer is None else (streamer.chunks, streamer.ended)}
+        if isinstance(out, torch.Tensor):
+            res["sequences"] = out
+        else:
+            res["sequences"] = out.sequences
+            res["logits"] = None if out.logits is None else torch.stack(out.logits, 1)
+            res["cache_bytes"] = out.past_key_values.nbytes()
+        return res
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+def unseeded_sampling_case(path, ids):
+    """Sampling with a different random state on each rank (an error)."""
+    torch.manual_seed(100 + dist.get_rank())
+    return sp_generate_case(path, ids, do_sample=True, max_new_tokens=3, pad_token_id=0)
+
+
+def sdpa_sharded_case(path, ids, **kwargs):
+    """hf_ring.generate of an sdpa model under sequence parallelism (an error)."""
+    from models import load
+
+    hf_ring.setup_sequence_parallel(None)
+    try:
+        return hf_ring.generate(load(path, "sdpa"), ids, **kwargs)
+    finally:
+        hf_ring.clear_sequence_parallel()
