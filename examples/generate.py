@@ -1,55 +1,197 @@
-"""Answer passkey prompts with a checkpoint from examples/finetune.py.
+"""Long-context generation with the KV cache split across ranks.
 
-    python examples/generate.py --model checkpoints/passkey --prompts 8
+    torchrun --nproc_per_node 2 examples/generate.py --prompt-file book.txt
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 examples/generate.py --prompt-len 32768
+    python examples/generate.py --model checkpoints/passkey --passkey
 
-Each prompt is a long passkey sequence up to its query token; the model's
-greedy next token is the answer. Runs in one process and recomputes the whole
-sequence per new token (``ring_dilated`` has no KV cache yet), so keep
-``--max-new-tokens`` small.
+Every rank holds only its part of the prompt's K/V: the prompt is prefilled
+through the ring and each new token's K/V is stored on one rank. All ranks get
+the same tokens; rank 0 streams them and prints prefill tokens/s, decode
+tokens/s and the cache bytes each rank holds.
+
+``--model PATH`` loads a local Llama/Mistral checkpoint (its tokenizer too, if
+it has one; otherwise text is read as bytes, the vocabulary of
+examples/finetune.py). Without ``--model`` a tiny random Llama is built and
+saved on the fly, so the script runs on a fresh machine (its output is noise,
+the mechanics are real). Without ``--prompt-file`` the prompt is
+``--prompt-len`` random tokens. ``--passkey`` instead answers passkey prompts
+with a checkpoint from examples/finetune.py and reports the accuracy.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import tempfile
 import time
+from typing import List, Optional
 
 import torch
+import torch.distributed as dist
+
+import hf_ring
+from hf_ring import config as ring_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import finetune as ft  # noqa: E402
 
 
-@torch.no_grad()
-def greedy(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    for _ in range(new_tokens):
-        nxt = model(input_ids=ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
-        ids = torch.cat([ids, nxt], dim=1)
-    return ids
+class TimedStreamer:
+    """Prints tokens as they come (rank 0) and records when each arrives."""
+
+    def __init__(self, tokenizer=None, echo: bool = True):
+        self.tokenizer, self.echo, self.times = tokenizer, echo, []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+        if len(self.times) == 1:  # the prompt itself
+            return
+        if self.echo:
+            print(self._text(value.reshape(-1)[:1].tolist()), end="", flush=True)
+
+    def end(self) -> None:
+        if self.echo:
+            print(flush=True)
+
+    def _text(self, ids: List[int]) -> str:
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(ids)
+        return "".join(chr(i) if 32 <= i < 127 or i == 10 else f"<{i}>" for i in ids)
 
 
-def main(argv=None) -> float:
+def tiny_model_dir(is_main: bool, wait) -> str:
+    """A small random Llama saved with safetensors (made once, by the main process)."""
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.join(tempfile.gettempdir(), "hf_ring_generate_tiny_llama")
+    if is_main and not os.path.isfile(os.path.join(path, "model.safetensors")):
+        torch.manual_seed(0)
+        config = ft.default_config(131072)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(path, safe_serialization=True)
+    wait()
+    return path
+
+
+def load_tokenizer(path: str):
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    except Exception:  # no tokenizer files: byte-level text
+        return None
+
+
+def prompt_ids(args, tokenizer, vocab: int) -> torch.Tensor:
+    if args.prompt_file:
+        text = ft.read_text(args.prompt_file)
+        if tokenizer is not None:
+            ids = tokenizer(text.decode("utf-8", errors="replace"), return_tensors="pt").input_ids
+        elif vocab >= ft.VOCAB:
+            ids = torch.cat([torch.tensor([[ft.BOS]]), torch.frombuffer(bytearray(text), dtype=torch.uint8).long()[None]], 1)
+        else:
+            raise SystemExit(f"the model has no tokenizer and only {vocab} tokens: too few for byte-level text")
+        if args.prompt_len and ids.shape[1] > args.prompt_len:
+            ids = ids[:, -args.prompt_len:]  # the end of the text, so generation continues it
+        return ids
+    gen = torch.Generator().manual_seed(args.seed)
+    return torch.randint(0, min(vocab, ft.N_FILLER), (1, args.prompt_len), generator=gen)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="checkpoints/passkey")
-    ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=1)
+    ap.add_argument("--model", default=None, help="local Llama/Mistral checkpoint (default: a tiny random Llama)")
+    ap.add_argument("--prompt-file", default=None, help=".txt or .jsonl file whose text is the prompt")
+    ap.add_argument("--prompt-len", type=int, default=8192,
+                    help="tokens of the synthetic prompt; with --prompt-file, keep at most this many (0 = all)")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--do-sample", action="store_true")
+    ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=123)
-    args = ap.parse_args(argv)
-    model = ft.load_model(args.model, args.seq_len, torch.float32).eval()
+    ap.add_argument("--sp-size", type=int, default=None, help="ranks per sequence (default: all)")
+    ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
+    ap.add_argument("--segment-lengths", type=int, nargs="*", default=None, help="dilated attention branches")
+    ap.add_argument("--dilation-rates", type=int, nargs="*", default=None)
+    ap.add_argument("--passkey", action="store_true", help="answer passkey prompts (a finetune.py checkpoint)")
+    ap.add_argument("--prompts", type=int, default=8, help="passkey prompts to answer")
+    ap.add_argument("--seq-len", type=int, default=4096, help="length of each passkey prompt")
+    ap.add_argument("--quiet", action="store_true", help="do not stream the tokens")
+    return ap.parse_args(argv)
+
+
+def passkey(model, args, is_main: bool) -> dict:
     batch = ft.passkey_batch(torch.Generator().manual_seed(args.seed), args.prompts, args.seq_len)
     prompts, answers = batch["input_ids"][:, :-1], batch["input_ids"][:, -1]
     t0 = time.perf_counter()
-    out = greedy(model, prompts, args.max_new_tokens)
+    out = hf_ring.generate(model, prompts.to(model.device), max_new_tokens=1, do_sample=False,
+                           pad_token_id=0, eos_token_id=None)
     elapsed = time.perf_counter() - t0
-    got = out[:, prompts.shape[1]]
-    for i, (a, g) in enumerate(zip(answers.tolist(), got.tolist())):
-        print(f"prompt {i}: passkey {a - ft.KEY0:2d}, model says {g - ft.KEY0 if g >= ft.KEY0 else 'a non-key token'}")
+    got = out[:, prompts.shape[1]].cpu()
     accuracy = float((got == answers).float().mean())
-    print(f"{accuracy:.0%} of {args.prompts} passkeys recalled from {args.seq_len}-token prompts "
-          f"(chance {1 / ft.N_KEYS:.0%}), {elapsed:.1f} s")
-    return accuracy
+    if is_main:
+        for i, (a, g) in enumerate(zip(answers.tolist(), got.tolist())):
+            said = g - ft.KEY0 if ft.KEY0 <= g < ft.KEY0 + ft.N_KEYS else "a non-key token"
+            print(f"prompt {i}: passkey {a - ft.KEY0:2d}, model says {said}")
+        print(f"{accuracy:.0%} of {args.prompts} passkeys recalled from {args.seq_len}-token prompts "
+              f"(chance {1 / ft.N_KEYS:.0%}), {elapsed:.1f} s")
+    return {"accuracy": accuracy}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from accelerate import Accelerator
+
+    cuda = torch.cuda.is_available()
+    accelerator = Accelerator(cpu=not cuda)
+    world = accelerator.num_processes
+    sp_size = args.sp_size or world
+    if world % sp_size:
+        raise SystemExit(f"--sp-size {sp_size} does not divide the {world} processes")
+    sp = hf_ring.setup_sequence_parallel(accelerator, sp_size, layout=args.layout)
+    is_main = accelerator.is_main_process
+    try:
+        path = args.model or tiny_model_dir(is_main, accelerator.wait_for_everyone)
+        dtype = torch.bfloat16 if cuda else torch.float32
+        model = ft.load_model(path, args.seq_len, dtype).to(accelerator.device).eval()
+        if args.segment_lengths:
+            pattern = hf_ring.DilatedPattern(args.segment_lengths, args.dilation_rates)
+        else:  # keep the checkpoint's own pattern (config.ring_dilated), only the layout follows --layout
+            pattern = ring_config.parse(getattr(model.config, ring_config.CONFIG_KEY, None)).pattern
+        hf_ring.configure(model, pattern=pattern, layout=args.layout)
+        if args.passkey:
+            return passkey(model, args, is_main)
+        tokenizer = load_tokenizer(path)
+        ids = prompt_ids(args, tokenizer, model.config.vocab_size).to(accelerator.device)
+        streamer = TimedStreamer(tokenizer, echo=not args.quiet)
+        if args.do_sample:
+            from transformers import set_seed
+
+            set_seed(args.seed)  # one seed on every rank: the ranks sample the same tokens
+        out = hf_ring.generate(
+            model, ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+            pad_token_id=0, eos_token_id=getattr(tokenizer, "eos_token_id", None), streamer=streamer,
+            return_dict_in_generate=True,
+        )
+        cache_bytes = [out.past_key_values.nbytes()] * sp_size
+        if sp.sp_group is not None and sp_size > 1:
+            gathered: List[Optional[int]] = [None] * sp_size
+            dist.all_gather_object(gathered, out.past_key_values.nbytes(), group=sp.sp_group)
+            cache_bytes = gathered
+        stats = {"prompt_tokens": ids.shape[1], "new_tokens": out.sequences.shape[1] - ids.shape[1],
+                 "sequences": out.sequences.cpu(), "cache_bytes": cache_bytes}
+        if is_main:
+            t = streamer.times
+            prefill = t[1] - t[0]
+            decode = (t[-1] - t[1]) / max(1, len(t) - 2)
+            stats.update(prefill_s=prefill, prefill_tok_s=ids.shape[1] / prefill,
+                         decode_tok_s=1.0 / decode if len(t) > 2 else float("nan"))
+            print(f"{ids.shape[1]} prompt tokens on {sp_size} rank(s) ({args.layout}): prefill {prefill:.2f} s = "
+                  f"{stats['prefill_tok_s']:.0f} tokens/s; decode {stats['decode_tok_s']:.1f} tokens/s; "
+                  f"KV cache per rank: {', '.join(f'{b / 2**20:.2f} MiB' for b in cache_bytes)}")
+        return stats
+    finally:
+        hf_ring.clear_sequence_parallel()
 
 
 if __name__ == "__main__":

@@ -15,3 +15,29 @@ def test_ring_attention_example_under_torchrun():
     assert done.returncode == 0, done.stderr[-3000:]
     errors = [float(line.rsplit("=", 1)[1]) for line in done.stdout.splitlines() if "max |ring - one process|" in line]
     assert len(errors) == 2 and max(errors) < 1e-5, done.stdout
+
+
+def _generate(nproc, prompt_file, port):
+    script = os.path.join(ROOT, "examples", "generate.py")
+    args = ["--prompt-file", prompt_file, "--max-new-tokens", "8"]
+    cmd = ([sys.executable, script] if nproc == 1 else
+           [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port), script])
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_RING_TIMEOUT="60")
+    done = subprocess.run(cmd + args, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    summary = [i for i, line in enumerate(lines) if "KV cache per rank" in line]
+    assert len(summary) == 1, done.stdout
+    return lines[summary[0] - 1], lines[summary[0]]
+
+
+def test_generate_example_same_text_on_one_and_two_ranks(tmp_path):
+    book = tmp_path / "book.txt"
+    book.write_text("It was a bright cold day in April, and the clocks were striking thirteen. " * 40)
+    text1, summary1 = _generate(1, str(book), None)
+    text2, summary2 = _generate(2, str(book), 29519)
+    assert text1 == text2 and len(text1) > 0
+    assert "2961 prompt tokens on 2 rank(s)" in summary2 and "prefill" in summary2 and "decode" in summary2
+    one = float(summary1.split("KV cache per rank: ")[1].split(" MiB")[0])
+    two = [float(x.split(" MiB")[0]) for x in summary2.split("KV cache per rank: ")[1].split(", ")]
+    assert len(two) == 2 and all(abs(x - one / 2) <= 0.01 * one for x in two)  # each rank holds half the cache

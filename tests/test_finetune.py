@@ -135,7 +135,7 @@ def test_generate_answers_from_a_checkpoint(tmp_path, capsys):
     import generate
 
     path = _saved_default(str(tmp_path), seq_len=64)
-    accuracy = generate.main(["--model", path, "--seq-len", "64", "--prompts", "3", "--max-new-tokens", "2"])
+    accuracy = generate.main(["--model", path, "--passkey", "--seq-len", "64", "--prompts", "3"])["accuracy"]
     out = capsys.readouterr().out
     assert 0.0 <= accuracy <= 1.0 and "passkeys recalled from 64-token prompts" in out
     assert out.count("prompt ") == 3
