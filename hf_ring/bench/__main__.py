@@ -2,7 +2,7 @@
 import importlib
 import sys
 
-BENCHES = {"ring": "hf_ring.bench.ring", "dilated": "hf_ring.bench.dilated"}
+BENCHES = {"ring": "hf_ring.bench.ring", "dilated": "hf_ring.bench.dilated", "generate": "hf_ring.bench.generate"}
 
 
 def main() -> None:

@@ -1,0 +1,135 @@
+"""``python -m hf_ring.bench generate``: long-prompt generation on 1 and 2 ranks.
+
+A small random Llama (built from a config in every process, same seed) reads
+a prompt of each length and generates ``--new-tokens`` greedy tokens with
+:func:`hf_ring.generate`; transformers' own ``generate`` with SDPA and its
+dynamic cache runs alongside as the single-process reference. Reported per
+configuration: prefill time (and its ratio to one process), decode tokens/s,
+the KV cache bytes each rank holds, the resident-set peak per rank, and
+whether the tokens equal the reference's.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Dict, List
+
+import torch
+
+from .common import format_table, peak_rss_mb, rss_mb, run_ranks, save
+
+MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1 << 20, attention_dropout=0.0,
+             tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+def _cache_bytes(cache) -> int:
+    total = 0
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            if t is not None:
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _measure(impl: str, n: int, new_tokens: int, layout: str) -> Dict:
+    """One generate call on this rank: forward start times give prefill and per-token decode time."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import hf_ring
+
+    base = rss_mb()
+    if dist.is_initialized():
+        hf_ring.setup_sequence_parallel(None, layout=layout)
+    torch.manual_seed(0)
+    attn = "sdpa" if impl == "sdpa" else "ring_dilated"
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL), attn_implementation=attn, dtype=torch.float32)
+    model.eval()
+    hf_ring.configure(model, layout=layout)
+    ids = torch.randint(0, MODEL["vocab_size"], (1, n), generator=torch.Generator().manual_seed(1))
+    starts: List[float] = []
+    hook = model.register_forward_pre_hook(lambda m, a: starts.append(time.perf_counter()))
+    kw = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    with torch.no_grad():
+        out = hf_ring.generate(model, ids, **kw) if impl == "ring" else model.generate(ids, **kw)
+    end = time.perf_counter()
+    hook.remove()
+    starts.append(end)
+    hf_ring.clear_sequence_parallel()
+    decode = starts[-1] - starts[1]
+    return {"prefill_s": starts[1] - starts[0], "decode_tok_s": (len(starts) - 2) / decode,
+            "cache_mb": _cache_bytes(out.past_key_values) / 2**20, "peak_mb": peak_rss_mb() - base,
+            "tokens": out.sequences[0, n:].tolist()}
+
+
+def run(sizes: List[int], new_tokens: int, layout: str, reference: bool) -> List[Dict]:
+    rows = []
+    for n in sizes:
+        ref = run_ranks(1, _measure, "sdpa", n, new_tokens, layout)[0] if reference else None
+        one = None
+        for world in (1, 2):
+            res = run_ranks(world, _measure, "ring", n, new_tokens, layout)
+            got = {"prefill_s": max(r["prefill_s"] for r in res), "decode_tok_s": min(r["decode_tok_s"] for r in res),
+                   "cache_mb": max(r["cache_mb"] for r in res), "peak_mb": max(r["peak_mb"] for r in res),
+                   "tokens": res[0]["tokens"], "same_on_ranks": all(r["tokens"] == res[0]["tokens"] for r in res)}
+            one = one or got
+            row = {
+                "n": n, "world": world, "layout": layout if world > 1 else "-",
+                "prefill_s": round(got["prefill_s"], 3), "prefill_ratio": round(got["prefill_s"] / one["prefill_s"], 3),
+                "decode_tok_s": round(got["decode_tok_s"], 1),
+                "cache_mb_per_rank": round(got["cache_mb"], 2),
+                "cache_ratio": round(got["cache_mb"] / one["cache_mb"], 3),
+                "peak_mb_per_rank": round(got["peak_mb"], 1),
+                "same_tokens": got["same_on_ranks"] and got["tokens"] == one["tokens"],
+            }
+            if ref is not None:
+                row.update({
+                    "sdpa_prefill_s": round(ref["prefill_s"], 3), "sdpa_decode_tok_s": round(ref["decode_tok_s"], 1),
+                    "sdpa_cache_mb": round(ref["cache_mb"], 2), "same_tokens_as_sdpa": got["tokens"] == ref["tokens"],
+                })
+            rows.append(row)
+            print(format_table(rows[-1:], list(rows[-1])), flush=True)
+    return rows
+
+
+def _plot(rows: List[Dict]):
+    def draw(path: str) -> None:
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+        panels = ((axes[0], "prefill_s", "prefill time (s)"), (axes[1], "decode_tok_s", "decode tokens/s"),
+                  (axes[2], "cache_mb_per_rank", "KV cache per rank (MiB)"))
+        for ax, key, title in panels:
+            for world in sorted({r["world"] for r in rows}):
+                pts = [(r["n"], r[key]) for r in rows if r["world"] == world]
+                ax.plot(*zip(*pts), marker="o", label=f"hf_ring.generate, p={world}")
+            if key != "cache_mb_per_rank" and "sdpa_prefill_s" in rows[0]:
+                pts = sorted({(r["n"], r[f"sdpa_{key}"]) for r in rows})
+                ax.plot(*zip(*pts), marker="x", ls="--", color="gray", label="model.generate, SDPA")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("prompt length")
+            ax.set_title(title)
+            ax.legend()
+        fig.suptitle("generation, 2-layer Llama (H=4, Hkv=2, D=64, fp32), greedy")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+
+    return draw
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m hf_ring.bench generate", description=__doc__)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
+    ap.add_argument("--no-reference", action="store_true", help="skip the single-process SDPA generate")
+    ap.add_argument("--out", default="bench_results")
+    args = ap.parse_args(argv)
+    rows = run(args.sizes, args.new_tokens, args.layout, not args.no_reference)
+    cols = ["n", "world", "layout", "prefill_s", "prefill_ratio", "decode_tok_s", "cache_mb_per_rank", "cache_ratio",
+            "peak_mb_per_rank", "same_tokens"]
+    if not args.no_reference:
+        cols += ["sdpa_prefill_s", "sdpa_decode_tok_s", "same_tokens_as_sdpa"]
+    print("\n" + format_table(rows, cols))
+    save(args.out, "generate", {"config": vars(args), "model": MODEL, "rows": rows}, _plot(rows))
