@@ -166,3 +166,18 @@ def sdpa_sharded_case(path, ids, **kwargs):
         return hf_ring.generate(load(path, "sdpa"), ids, **kwargs)
     finally:
         hf_ring.clear_sequence_parallel()
+
+
+def sp_cache_forward_case(path):
+    """A forward with transformers' own cache while the sequence is split (an error)."""
+    from models import load
+
+    hf_ring.setup_sequence_parallel(None)
+    try:
+        model = load(path, "ring_dilated")
+        ids = torch.arange(8).view(1, 8)
+        with torch.no_grad():
+            out = model(**dict(hf_ring.shard_batch({"input_ids": ids}), use_cache=True))
+            return model(input_ids=ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+    finally:
+        hf_ring.clear_sequence_parallel()

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import hf_ring
-from cases import ListStreamer, raises_on_rank, sdpa_sharded_case, sp_generate_case, unseeded_sampling_case
+from cases import (ListStreamer, raises_on_rank, sdpa_sharded_case, sp_cache_forward_case, sp_generate_case,
+                   unseeded_sampling_case)
 from helpers import rel_err
 from models import load, saved_model_dir
 
@@ -195,6 +196,11 @@ def test_sdpa_model_under_sequence_parallelism(pools):
     ids, _ = prompts(19, 1, 30)
     for err in pools(2).run(raises_on_rank, sdpa_sharded_case, path, ids, **GREEDY):
         assert err is not None and "attn_implementation='ring_dilated'" in err[1]
+
+
+def test_transformers_cache_under_sequence_parallelism_is_refused(pools):
+    for err in pools(2).run(raises_on_rank, sp_cache_forward_case, saved_model_dir("llama")):
+        assert err is not None and err[0] == "NotImplementedError" and "hf_ring.generate" in err[1]
 
 
 def test_prompt_beyond_max_positions():

@@ -117,10 +117,17 @@ def test_bad_config_is_reported(value, exc, match):
         logits(model, batch(6, 1, 16))
 
 
-def test_kv_cache_is_refused_clearly():
-    model = load(saved_model_dir("llama"), "ring_dilated")
-    data = batch(7, 1, 12)
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_transformers_cache_in_one_process_equals_full_forward(kind):
+    path = saved_model_dir("llama") if kind == "llama" else saved_model_dir("mistral", sliding_window=5)
+    model = load(path, "ring_dilated")
+    ids = batch(7, 2, 16)["input_ids"]
     with torch.no_grad():
-        out = model(input_ids=data["input_ids"], use_cache=True)
-        with pytest.raises(NotImplementedError, match="use_cache=False"):
-            model(input_ids=data["input_ids"][:, :1], past_key_values=out.past_key_values, use_cache=True)
+        full = model(input_ids=ids, use_cache=False).logits
+        out = model(input_ids=ids[:, :10], use_cache=True)
+        steps = [out.logits]
+        cache = out.past_key_values
+        for t in range(10, 16, 3):  # three tokens at a time over transformers' own cache
+            out = model(input_ids=ids[:, t:t + 3], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+    assert rel_err(torch.cat(steps, 1), full) <= 1e-5
