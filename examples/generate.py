@@ -169,7 +169,8 @@ def main(argv=None) -> dict:
 
             set_seed(args.seed)  # one seed on every rank: the ranks sample the same tokens
         out = hf_ring.generate(
-            model, ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+            model, ids, attention_mask=torch.ones_like(ids),  # one unpadded prompt, whatever its token ids
+            max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
             pad_token_id=0, eos_token_id=getattr(tokenizer, "eos_token_id", None), streamer=streamer,
             return_dict_in_generate=True,
         )

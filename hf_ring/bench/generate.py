@@ -47,10 +47,12 @@ def _measure(impl: str, n: int, new_tokens: int, layout: str) -> Dict:
     model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL), attn_implementation=attn, dtype=torch.float32)
     model.eval()
     hf_ring.configure(model, layout=layout)
-    ids = torch.randint(0, MODEL["vocab_size"], (1, n), generator=torch.Generator().manual_seed(1))
+    # Token 0 is the pad token: keep it out of the prompt, or generate would infer padding and mask it.
+    ids = torch.randint(1, MODEL["vocab_size"], (1, n), generator=torch.Generator().manual_seed(1))
     starts: List[float] = []
     hook = model.register_forward_pre_hook(lambda m, a: starts.append(time.perf_counter()))
-    kw = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+              return_dict_in_generate=True)
     with torch.no_grad():
         out = hf_ring.generate(model, ids, **kw) if impl == "ring" else model.generate(ids, **kw)
     end = time.perf_counter()
