@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .blocks import Prog, tiles
+from .blocks import Prog, default_tile, tiles
 from .comm import Pending, RingComm
 from .kernels import block_backward, block_forward, default_scale, merge_into
 from .layout import check_layout, infer_seq_len, shard_sizes
@@ -29,6 +29,10 @@ Tensor = torch.Tensor
 
 BACKWARD_TILE = 1024
 """Rows per side of the tiles the backward works on; bounds its temporaries."""
+
+PADDED_TILE = 2048
+"""Rows per side of forward blocks when keys are padded: each block then needs a built mask, and
+whole-shard blocks would make that mask quadratic in the shard."""
 
 
 @dataclass
@@ -464,7 +468,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], *, layout:
         key_mask = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
     rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
     branches = ((max(n, 1), 1),) if pattern is None else pattern.branches
+    tile = min(default_tile(window), PADDED_TILE) if key_mask is not None else None
     plan = rank_plan(n, rank, world, layout if world > 1 else "contiguous", bool(causal), window,
-                     branches, q.shape[1], k.shape[1], message_budget(n, world, k.shape[1]))
+                     branches, q.shape[1], k.shape[1], message_budget(n, world, k.shape[1]), tile)
     rctx = _Ctx(comm, plan, float(scale), bool(causal), window, key_mask)
     return RingAttentionFunction.apply(q, k, v, rctx)

@@ -91,12 +91,15 @@ def _segments(runs, wt: int) -> List[int]:
 @lru_cache(maxsize=4096)
 def pair_plan(
     seq_len: int, dst: int, src: int, world_size: int, layout: str, causal: bool,
-    window: Optional[int], branches: Branches, hq: int, hkv: int,
+    window: Optional[int], branches: Branches, hq: int, hkv: int, tile: Optional[int] = None,
 ) -> PairPlan:
-    """What rank ``dst`` computes with the K/V rows of rank ``src``."""
+    """What rank ``dst`` computes with the K/V rows of rank ``src``; blocks of at most ``tile`` rows a side.
+
+    ``tile=None`` is :func:`default_tile`: whole blocks, cut only along a window.
+    """
     q_runs = runs_to_local(local_runs(seq_len, dst, world_size, layout))
     k_runs = runs_to_local(local_runs(seq_len, src, world_size, layout))
-    tile = default_tile(window)
+    tile = default_tile(window) if tile is None else tile
     pieces: List[Piece] = []
     index: Dict[Piece, int] = {}
     blocks: List[Blk] = []
@@ -194,6 +197,7 @@ def message_budget(seq_len: int, world_size: int, hkv: int) -> int:
 def rank_plan(
     seq_len: int, rank: int, world_size: int, layout: str, causal: bool,
     window: Optional[int], branches: Branches, hq: int, hkv: int, budget: Optional[int] = None,
+    tile: Optional[int] = None,
 ) -> RankPlan:
     """Every step rank ``rank`` takes part in; step 0 (its own K/V) comes first.
 
@@ -203,12 +207,12 @@ def rank_plan(
     if budget is None:
         budget = message_budget(seq_len, world_size, hkv)
     steps = [Step(0, rank, rank, pair_plan(seq_len, rank, rank, world_size, layout, causal, window,
-                                            branches, hq, hkv), ())]
+                                            branches, hq, hkv, tile), ())]
     for s in range(1, world_size):
         src, dst = (rank - s) % world_size, (rank + s) % world_size
-        recv = chunk_pair(pair_plan(seq_len, rank, src, world_size, layout, causal, window, branches, hq, hkv),
+        recv = chunk_pair(pair_plan(seq_len, rank, src, world_size, layout, causal, window, branches, hq, hkv, tile),
                           budget, causal, window)
-        send = chunk_pair(pair_plan(seq_len, dst, rank, world_size, layout, causal, window, branches, hq, hkv),
+        send = chunk_pair(pair_plan(seq_len, dst, rank, world_size, layout, causal, window, branches, hq, hkv, tile),
                           budget, causal, window)
         for i in range(max(len(recv), len(send))):
             r = recv[i] if i < len(recv) else PairPlan((), ())

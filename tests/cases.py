@@ -14,11 +14,32 @@ def make_qkv(seed, b, hq, hkv, n, d, dtype=torch.float32):
     return [torch.randn(s, generator=g).to(dtype) for s in shapes]
 
 
-def ring_case(seed, b, hq, hkv, n, d, *, dtype=torch.float32, layout="zigzag", message_rows=None, **kw):
+def ring_case(seed, b, hq, hkv, n, d, *, dtype=torch.float32, layout="zigzag", message_rows=None, pad=0,
+              padded_tile=None, **kw):
     """This rank's positions, output and gradients of ring_attention on its shard.
 
     ``message_rows`` shrinks the per-message budget so shards travel in many small messages.
+    ``pad`` masks the first ``pad`` keys of sample 0 (left padding); ``padded_tile`` sets the
+    forward tile used with padding. ``max_mask`` reports the largest mask side any kernel got.
     """
+    if padded_tile is not None:
+        import hf_ring.ring as ring
+
+        saved_tile, saved_forward = ring.PADDED_TILE, ring.block_forward
+        sides = [0]
+
+        def spy(q, k, v, *, mask=None, **kernel_kw):
+            if mask is not None:
+                sides.append(max(mask.shape[-2:]))
+            return saved_forward(q, k, v, mask=mask, **kernel_kw)
+
+        ring.PADDED_TILE, ring.block_forward = padded_tile, spy
+        try:
+            res = ring_case(seed, b, hq, hkv, n, d, dtype=dtype, layout=layout, message_rows=message_rows, pad=pad, **kw)
+        finally:
+            ring.PADDED_TILE, ring.block_forward = saved_tile, saved_forward
+        res["max_mask"] = max(sides)
+        return res
     if message_rows is not None:
         import hf_ring.schedule as schedule
 
@@ -31,6 +52,10 @@ def ring_case(seed, b, hq, hkv, n, d, *, dtype=torch.float32, layout="zigzag", m
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     q, k, v, dout = make_qkv(seed, b, hq, hkv, n, d, dtype)
     pos = hf_ring.local_positions(n, rank, world, layout)
+    if pad:
+        key_mask = torch.ones(b, n, dtype=torch.bool)
+        key_mask[0, :pad] = False
+        kw["key_mask"] = key_mask[:, pos]
     ql, kl, vl = (t[:, :, pos].clone().requires_grad_(True) for t in (q, k, v))
     out = hf_ring.ring_attention(ql, kl, vl, layout=layout, **kw)
     out.backward(dout[:, :, pos])
