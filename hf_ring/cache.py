@@ -34,10 +34,85 @@ def place_tokens(counts: Sequence[int], num_new: int) -> List[int]:
     return owners
 
 
+def cache_nbytes(cache: Cache) -> int:
+    """Bytes allocated for the K and V of a transformers cache, all layers."""
+    total = 0
+    for layer in cache.layers:
+        if hasattr(layer, "nbytes"):
+            total += layer.nbytes()
+            continue
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if t is not None:
+                total += t.numel() * t.element_size()
+    return total
+
+
+GROWTH = 8
+"""A full buffer grows by 1/GROWTH of its rows (at least MIN_GROWTH_ROWS)."""
+MIN_GROWTH_ROWS = 64
+
+
 class ShardedLayer(DynamicLayer):
-    """One layer's K/V rows on this rank, ``(B, Hkv, local rows, D)``, grown by concatenation."""
+    """One layer's K/V rows on this rank, ``(B, Hkv, local rows, D)``.
+
+    Rows live in a buffer with spare room, so storing a decoded token is a
+    write, not a copy of the whole cache (a concatenation per token per layer
+    costs more than the attention itself at long lengths). The prefill is
+    stored without spare room; the room added when the buffer fills is at
+    most 1/8 of it.
+    """
 
     is_croppable = False  # rows sit on several ranks: dropping the last tokens is not a local operation
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._kbuf: Optional[Tensor] = None
+        self._vbuf: Optional[Tensor] = None
+        self.length = 0
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> Tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        need = self.length + key_states.shape[-2]
+        if self._kbuf is None or need > self._kbuf.shape[-2]:
+            room = 0 if self.length == 0 else max(MIN_GROWTH_ROWS, need // GROWTH)
+            self._kbuf, self._vbuf = (self._grown(buf, new, need + room)
+                                      for buf, new in ((self._kbuf, key_states), (self._vbuf, value_states)))
+        self._kbuf[:, :, self.length:need] = key_states
+        self._vbuf[:, :, self.length:need] = value_states
+        self.length = need
+        self.keys, self.values = self._kbuf[:, :, :need], self._vbuf[:, :, :need]
+        return self.keys, self.values
+
+    def _grown(self, buf: Optional[Tensor], like: Tensor, rows: int) -> Tensor:
+        b, h, _, d = like.shape
+        out = like.new_empty((b, h, rows, d))
+        if buf is not None and self.length:
+            out[:, :, :self.length] = buf[:, :, :self.length]
+        return out
+
+    def _rebase(self) -> None:
+        """After an operation replaced ``keys``/``values`` (batch selection), they become the buffers."""
+        if self.is_initialized and self.keys is not None and self.keys.numel():
+            self._kbuf, self._vbuf = self.keys.contiguous(), self.values.contiguous()
+            self.keys, self.values = self._kbuf, self._vbuf
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._rebase()
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._rebase()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._rebase()
+
+    def nbytes(self) -> int:
+        """Bytes allocated for this layer's K and V (spare room included)."""
+        bufs = [t for t in (getattr(self, "_kbuf", None), getattr(self, "_vbuf", None)) if t is not None]
+        return sum(t.numel() * t.element_size() for t in bufs)
 
 
 class ShardedCache(Cache):
@@ -99,13 +174,8 @@ class ShardedCache(Cache):
         return int(self.index.numel())
 
     def nbytes(self) -> int:
-        """Bytes of K and V this rank holds, all layers."""
-        total = 0
-        for layer in self.layers:
-            for t in (layer.keys, layer.values):
-                if t is not None:
-                    total += t.numel() * t.element_size()
-        return total
+        """Bytes allocated for K and V on this rank, all layers."""
+        return cache_nbytes(self)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a sharded cache cannot be cropped (its rows sit on several ranks)")

@@ -16,20 +16,12 @@ from typing import Dict, List
 
 import torch
 
+from ..cache import cache_nbytes
 from .common import format_table, peak_rss_mb, rss_mb, run_ranks, save
 
 MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1 << 20, attention_dropout=0.0,
              tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-
-
-def _cache_bytes(cache) -> int:
-    total = 0
-    for layer in cache.layers:
-        for t in (layer.keys, layer.values):
-            if t is not None:
-                total += t.numel() * t.element_size()
-    return total
 
 
 def _measure(impl: str, n: int, new_tokens: int, layout: str) -> Dict:
@@ -61,7 +53,7 @@ def _measure(impl: str, n: int, new_tokens: int, layout: str) -> Dict:
     hf_ring.clear_sequence_parallel()
     decode = starts[-1] - starts[1]
     return {"prefill_s": starts[1] - starts[0], "decode_tok_s": (len(starts) - 2) / decode,
-            "cache_mb": _cache_bytes(out.past_key_values) / 2**20, "peak_mb": peak_rss_mb() - base,
+            "cache_mb": cache_nbytes(out.past_key_values) / 2**20, "peak_mb": peak_rss_mb() - base,
             "tokens": out.sequences[0, n:].tolist()}
 
 
