@@ -161,3 +161,24 @@ def test_sharded_cache_refuses_crop_and_second_prefill():
         c.begin_prefill(5)
     with pytest.raises(NotImplementedError, match="cannot be cropped"):
         c.crop(-1)
+
+
+def test_cache_layer_appends_without_losing_rows_and_with_bounded_room():
+    cache = ShardedCache(0, 1, "contiguous")
+    cache.begin_prefill(100)
+    k = torch.randn(2, 2, 100, 4)
+    cache.update(k, -k, 0)
+    assert cache.nbytes() == 2 * k.numel() * 4  # the prefill is stored without spare room
+    rows = [k]
+    for _ in range(300):
+        cache.begin_step(1)
+        new = torch.randn(2, 2, 1, 4)
+        rows.append(new)
+        keys, values = cache.update(new, -new, 0)
+    want = torch.cat(rows, 2)
+    assert torch.equal(keys, want) and torch.equal(values, -want)
+    assert cache.nbytes() <= 2 * 2 * 2 * 4 * 4 * (400 + max(64, 400 // 8))
+    cache.batch_select_indices(torch.tensor([1]))
+    cache.begin_step(1)
+    keys, _ = cache.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 0)
+    assert torch.equal(keys[:, :, :400], want[1:]) and keys.shape == (1, 2, 401, 4)
