@@ -62,7 +62,7 @@ def ring_dilated_attention(
 
         patches.check_supported(module.config)
     state = active()
-    if state is not None and state.mode == "step" or query.shape[2] != key.shape[2]:
+    if (state is not None and state.mode == "step") or query.shape[2] != key.shape[2]:
         return _cached(module, query, key, value, attention_mask, scaling, sliding_window, cfg, comm, state), None
     layout = sp.layout if comm is not None else cfg.layout
     if sp is not None and cfg.layout != sp.layout:
