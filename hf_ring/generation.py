@@ -28,7 +28,7 @@ from .cache import ShardedCache
 from .comm import RingComm
 from .data import SEQ_LEN_KEY
 from .decode import CachedBlock, cached_blocks
-from .layout import local_positions, shard_sizes
+from .layout import owner, shard_sizes
 from .parallel import current
 
 Tensor = torch.Tensor
@@ -142,14 +142,6 @@ def _agree(comm: RingComm, input_ids: Tensor, attention_mask: Optional[Tensor], 
         )
 
 
-def _owner_of_last(n: int, world: int, layout: str) -> int:
-    for r in range(world):
-        pos = local_positions(n, r, world, layout)
-        if pos.numel() and int(pos[-1]) == n - 1:
-            return r
-    raise AssertionError("no rank holds the last position")
-
-
 def _pre_forward(state: Generation):
     def hook(module, args, kwargs):
         ids = kwargs.get("input_ids")
@@ -169,7 +161,7 @@ def _pre_forward(state: Generation):
                 kwargs["attention_mask"] = kwargs["attention_mask"][:, pos]
             kwargs[SEQ_LEN_KEY] = m
             state.mode, state.q_pos = "prefill", None
-            state.src = _owner_of_last(m, world, cache.layout)  # its last local row is the prompt's last token
+            state.src = owner(m - 1, m, world, cache.layout)  # its last local row is the prompt's last token
         else:
             # Later tokens, and prompts too short to give every rank a row, run on every rank.
             state.mode, state.q_pos, state.src = "step", cache.begin_step(m), 0

@@ -66,6 +66,16 @@ def shard_sizes(seq_len: int, world_size: int, layout: str = "zigzag") -> List[i
     ]
 
 
+def owner(position: int, seq_len: int, world_size: int, layout: str = "zigzag") -> int:
+    """The rank that holds global ``position`` of a ``seq_len``-long sequence."""
+    if not 0 <= position < seq_len:
+        raise ValueError(f"position must be in [0, {seq_len}), got {position}")
+    for rank in range(world_size):
+        if any(a <= position < b for a, b in local_runs(seq_len, rank, world_size, layout)):
+            return rank
+    raise AssertionError("the layout left a position without a rank")
+
+
 def local_positions(
     seq_len: int, rank: int, world_size: int, layout: str = "zigzag"
 ) -> torch.Tensor:

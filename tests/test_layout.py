@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from hf_ring import local_positions, shard_sizes
-from hf_ring.layout import chunk_bounds, infer_seq_len, local_runs
+from hf_ring.layout import chunk_bounds, infer_seq_len, local_runs, owner
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
@@ -54,3 +54,13 @@ def test_bad_arguments_name_themselves():
         local_positions(10, 2, 2)
     with pytest.raises(ValueError, match="world_size"):
         local_positions(10, 0, 0)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("n,world", [(1, 1), (5, 3), (37, 2), (101, 4), (7, 4)])
+def test_owner_agrees_with_local_positions(layout, n, world):
+    for r in range(world):
+        for p in local_positions(n, r, world, layout).tolist():
+            assert owner(p, n, world, layout) == r
+    with pytest.raises(ValueError, match="position must be in"):
+        owner(n, n, world, layout)
