@@ -56,7 +56,9 @@ def main() -> None:
               f"forward+backward {elapsed:.2f} s, {len(pos)} rows on rank 0")
     if args.check:
         ref_q, ref_k, ref_v = (t.clone().requires_grad_(True) for t in (q, k, v))
-        whole = hf_ring.ring.attend(ref_q, ref_k, ref_v, None, pattern=pattern)  # None: this process alone
+        # A group of this rank alone: the same attention on the whole sequence in one process.
+        alone = [dist.new_group([r]) for r in range(world)][rank] if dist.is_initialized() else None
+        whole = hf_ring.ring_attention(ref_q, ref_k, ref_v, group=alone, pattern=pattern)
         whole.backward(dout)
         err = max((out.detach().cpu() - whole.detach()[:, :, pos]).abs().max().item(),
                   (ql.grad.cpu() - ref_q.grad[:, :, pos]).abs().max().item())

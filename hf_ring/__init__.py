@@ -3,7 +3,7 @@
 ``import hf_ring`` registers ``attn_implementation="ring_dilated"`` with transformers.
 """
 from . import patches
-from .attention import register as _register
+from .backend import register as _register
 from .cache import ShardedCache
 from .config import configure
 from .data import gather_sequence, shard_batch

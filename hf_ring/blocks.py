@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+import torch
+
 
 @dataclass(frozen=True)
 class Prog:
@@ -41,6 +43,19 @@ class Prog:
         if hi < self.pos or first > last:
             return None
         return self.sub(first, last - first + 1)
+
+
+def allowed_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: Optional[int]) -> torch.Tensor:
+    """Bool ``(len(q_pos), len(k_pos))``: the query at ``q`` may see the key at ``k``.
+
+    The one mask rule of the library: ``k <= q`` when causal and ``k > q - window``
+    under a sliding window, from global positions.
+    """
+    q, k = q_pos[:, None], k_pos[None, :]
+    allowed = k <= q if causal else torch.ones(len(q_pos), len(k_pos), dtype=torch.bool, device=q_pos.device)
+    if window is not None:
+        allowed = allowed & (k > q - window)
+    return allowed
 
 
 def classify(q: Prog, k: Prog, causal: bool, window: Optional[int]) -> Optional[str]:

@@ -167,7 +167,12 @@ class ShardedCache(Cache):
         return self.seq_len
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> Tuple[int, int]:
-        return self.seq_len, 0
+        """As for a whole sequence: ``ring_dilated``'s mask function then hands the attention the 2-D padding
+        mask untouched, and the attention masks from the global positions this cache records."""
+        return query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
 
     def local_length(self) -> int:
         """Rows this rank holds."""

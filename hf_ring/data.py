@@ -12,12 +12,17 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from .context import CONTEXT_KEY, ShardedForward
 from .layout import local_positions
 from .parallel import SequenceParallel, current
 
 IGNORE_INDEX = -100
-SEQ_LEN_KEY = "ring_seq_len"
-"""Key ``shard_batch`` adds: the global length. It reaches the attention as a model kwarg."""
+
+
+def fingerprint(ids: torch.Tensor) -> int:
+    """A 31-bit fingerprint of a batch of token ids, computed where they live; equal batches give equal values."""
+    weights = (torch.arange(1, ids.numel() + 1, device=ids.device, dtype=torch.long) * 2654435761) % 2147483647
+    return int((ids.reshape(-1).long() * weights).sum() % 2147483647)
 
 
 def _sp(sp: Optional[SequenceParallel]):
@@ -31,13 +36,15 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
     """This rank's part of ``batch`` (``input_ids``, optional ``labels``, ``attention_mask``, ``position_ids``).
 
     Adds global ``position_ids``, globally shifted ``shift_labels`` and the
-    global ``num_items_in_batch`` when labels are given, and ``ring_seq_len``.
+    global ``num_items_in_batch`` when labels are given, and ``ring_context``:
+    the facts of this forward that every attention layer reads (global
+    length, padding, the group), so the ranks agree on them once per forward.
     Any length works, including one shorter than the number of ranks.
     """
     if not isinstance(batch, Mapping):
         raise TypeError(f"batch must be a mapping such as a dict, got {type(batch).__name__}")
-    if SEQ_LEN_KEY in batch:
-        raise ValueError("this batch is already sharded (it carries 'ring_seq_len'); shard the global batch once")
+    if CONTEXT_KEY in batch:
+        raise ValueError(f"this batch is already sharded (it carries {CONTEXT_KEY!r}); shard the global batch once")
     if "input_ids" not in batch:
         raise ValueError("shard_batch needs 'input_ids' of shape (batch, seq_len)")
     ids = batch["input_ids"]
@@ -67,7 +74,11 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
         out["labels"] = labels[:, pos]
         out["shift_labels"] = shifted[:, pos]
         out["num_items_in_batch"] = int((shifted != IGNORE_INDEX).sum())
-    out[SEQ_LEN_KEY] = n
+    mask = batch.get("attention_mask")
+    out[CONTEXT_KEY] = ShardedForward(
+        n, None if group is None else group.comm, layout, padded=mask is not None and not bool(mask.all()),
+        contents=0 if group is None else fingerprint(ids),
+    )
     out.setdefault("use_cache", False)  # a KV cache of a training shard is never read
     return out
 

@@ -15,14 +15,12 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .blocks import allowed_pairs
 from .comm import RingComm
-from .kernels import block_forward, merge_into
-from .pattern import head_groups
+from .kernels import accumulator_dtype, block_forward, merge_into
+from .pattern import DENSE, head_groups, head_slice
 
 Tensor = torch.Tensor
-
-DENSE: Tuple[Tuple[int, int], ...] = ((1 << 62, 1),)
-"""Dense attention as a branch: one segment longer than any sequence, rate 1."""
 
 
 @dataclass(frozen=True)
@@ -77,11 +75,7 @@ def cached_blocks(
             if ki.numel() == 0:
                 continue
             kp = k_pos[ki]
-            allowed = qs[:, None] == k_seg[ki][None, :]
-            if causal:
-                allowed &= kp[None, :] <= qp[:, None]
-            if window is not None:
-                allowed &= kp[None, :] > qp[:, None] - window
+            allowed = (qs[:, None] == k_seg[ki][None, :]) & allowed_pairs(qp, kp, causal, window)
             if not bool(allowed.any()):
                 continue
             mask = None if bool(allowed.all()) else allowed
@@ -92,45 +86,50 @@ def cached_blocks(
     return blocks
 
 
-def _heads(heads: range) -> slice:
-    return slice(heads.start, heads.stop, heads.step)
-
-
-def _block_mask(blk: CachedBlock, key_mask: Optional[Tensor], sq: int, device) -> Optional[Tensor]:
-    """The block's mask with key padding folded in: ``(S_q, S_k)``, ``(B, 1, S_q, S_k)`` or None."""
+def _block_mask(blk: CachedBlock, key_mask: Optional[Tensor], pair_mask: Optional[Tensor], sq: int,
+                device) -> Optional[Tensor]:
+    """The block's mask with key padding and a per-sample pair mask folded in: ``(S_q, S_k)``, ``(B, 1, S_q, S_k)`` or None."""
     mask = None if blk.mask is None else blk.mask.to(device)
+    if pair_mask is not None:
+        pm = pair_mask.to(device)
+        if blk.q_rows is not None:
+            pm = pm[:, :, blk.q_rows.to(device)]
+        if blk.k_rows is not None:
+            pm = pm[..., blk.k_rows.to(device)]
+        mask = pm if mask is None else pm & mask
     if key_mask is None:
         return mask
     keys = key_mask if blk.k_rows is None else key_mask[:, blk.k_rows.to(key_mask.device)]
     if bool(keys.all()):
         return mask
-    pad = keys[:, None, None, :].expand(-1, 1, sq, -1)
+    pad = keys[:, None, None, :].expand(-1, 1, sq, -1).to(device)
     return pad if mask is None else pad & mask
 
 
 def cached_attention(
     q: Tensor, k: Tensor, v: Tensor, blocks: Sequence[CachedBlock], *, scale: float,
-    key_mask: Optional[Tensor] = None,
+    key_mask: Optional[Tensor] = None, pair_mask: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """This process's partial attention: ``out`` ``(B, Hq, S, D)`` (fp32, fp64 for fp64) and ``lse`` ``(B, Hq, S)``.
 
     ``k``/``v`` are the cache rows ``(B, Hkv, L, D)``; ``key_mask`` ``(B, L)``
-    bool marks the rows that may be attended (False for padding). A query
-    with no allowed row here gets ``(0, -inf)``, which a merge ignores.
+    bool marks the rows that may be attended (False for padding);
+    ``pair_mask`` ``(B, 1, S, L)`` bool, when given, further restricts which
+    query may see which row (a KV cache's own mask). A query with no allowed
+    row here gets ``(0, -inf)``, which a merge ignores.
     """
     b, hq, s, d = q.shape
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = torch.zeros(b, hq, s, d, dtype=acc, device=q.device)
+    out = torch.zeros(b, hq, s, d, dtype=accumulator_dtype(q), device=q.device)
     lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
     for blk in blocks:
-        hs, ks = _heads(blk.q_heads), _heads(blk.kv_heads)
+        hs, ks = head_slice(blk.q_heads), head_slice(blk.kv_heads)
         qb, kb, vb = q[:, hs], k[:, ks], v[:, ks]
         if blk.q_rows is not None:
             qb = qb[:, :, blk.q_rows.to(q.device)]
         if blk.k_rows is not None:
             rows = blk.k_rows.to(k.device)
             kb, vb = kb.index_select(2, rows), vb.index_select(2, rows)
-        mask = _block_mask(blk, key_mask, qb.shape[2], q.device)
+        mask = _block_mask(blk, key_mask, pair_mask, qb.shape[2], q.device)
         o_blk, l_blk = block_forward(qb, kb, vb, scale=scale, mask=mask)
         if blk.q_rows is None:
             merge_into(out[:, hs], lse[:, hs], o_blk, l_blk)

@@ -18,16 +18,15 @@ Every rank gets the same output sequences; no rank ever holds the whole cache.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
 from . import config as ring_config
 from .cache import ShardedCache
 from .comm import RingComm
-from .data import SEQ_LEN_KEY
-from .decode import CachedBlock, cached_blocks
+from .context import CONTEXT_KEY, DecodeStep, ShardedForward
 from .layout import owner, shard_sizes
 from .parallel import current
 
@@ -45,38 +44,11 @@ _UNSUPPORTED = {
 
 @dataclass
 class Generation:
-    """What the attention needs during one :func:`generate` call."""
+    """What the forward hooks of one :func:`generate` call share."""
 
     cache: ShardedCache
     comm: Optional[RingComm]
-    mode: str = "idle"  # "prefill": ring over the prompt shards; "step": every rank runs the new tokens
-    q_pos: Optional[Tensor] = None  # global positions of a step's new tokens
     src: int = 0  # the rank whose logits every rank takes
-    step: int = 0
-    _blocks: Dict[Any, List[CachedBlock]] = field(default_factory=dict)
-
-    def blocks(self, hq: int, hkv: int, causal: bool, window: Optional[int],
-               branches: Sequence[Tuple[int, int]], device: torch.device) -> List[CachedBlock]:
-        """This step's kernel calls; computed by the first layer, reused by the others."""
-        key = (self.step, hq, hkv, causal, window, tuple(branches), str(device))
-        found = self._blocks.get(key)
-        if found is None:
-            self._blocks.clear()
-            found = [
-                CachedBlock(b.q_heads, b.kv_heads, *(None if t is None else t.to(device) for t in (b.q_rows, b.k_rows, b.mask)))
-                for b in cached_blocks(self.q_pos, self.cache.index, hq=hq, hkv=hkv, causal=causal,
-                                       window=window, branches=branches)
-            ]
-            self._blocks[key] = found
-        return found
-
-
-_ACTIVE: Optional[Generation] = None
-
-
-def active() -> Optional[Generation]:
-    """The running :func:`generate` call's state, or None."""
-    return _ACTIVE
 
 
 def _rope_type(config) -> str:
@@ -149,7 +121,6 @@ def _pre_forward(state: Generation):
             raise ValueError("hf_ring.generate runs on input_ids; inputs_embeds are not supported")
         cache, world = state.cache, state.cache.world_size
         b, m = ids.shape
-        state.step += 1
         if cache.seq_len == 0 and min(shard_sizes(m, world, cache.layout)) > 0:
             pos = cache.begin_prefill(m).to(ids.device)
             positions = kwargs.get("position_ids")
@@ -157,14 +128,17 @@ def _pre_forward(state: Generation):
                 positions = torch.arange(m, device=ids.device).expand(b, m)
             kwargs["input_ids"] = ids[:, pos]
             kwargs["position_ids"] = positions[..., pos]
-            if kwargs.get("attention_mask") is not None:
-                kwargs["attention_mask"] = kwargs["attention_mask"][:, pos]
-            kwargs[SEQ_LEN_KEY] = m
-            state.mode, state.q_pos = "prefill", None
+            mask = kwargs.get("attention_mask")
+            if mask is not None:
+                kwargs["attention_mask"] = mask[:, pos]
+            # The ranks already agreed on the prompt (_agree), so the batch fingerprint is not needed here.
+            kwargs[CONTEXT_KEY] = ShardedForward(m, state.comm, cache.layout,
+                                                 padded=mask is not None and not bool(mask.all()))
             state.src = owner(m - 1, m, world, cache.layout)  # its last local row is the prompt's last token
         else:
             # Later tokens, and prompts too short to give every rank a row, run on every rank.
-            state.mode, state.q_pos, state.src = "step", cache.begin_step(m), 0
+            kwargs[CONTEXT_KEY] = DecodeStep(cache, state.comm, cache.begin_step(m))
+            state.src = 0
         return args, kwargs
 
     return hook
@@ -216,7 +190,6 @@ def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, 
     Positions past ``config.max_position_embeddings`` are refused unless the
     RoPE type is ``dynamic`` or ``allow_beyond_max_positions=True``.
     """
-    global _ACTIVE
     model = _unwrap(model)
     _check_inputs(input_ids, attention_mask)
     for key, why in _UNSUPPORTED.items():
@@ -243,9 +216,7 @@ def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, 
     if (setting("num_beams") or 1) > 1:
         raise ValueError("hf_ring.generate supports greedy decoding and sampling, not beam search (num_beams > 1)")
 
-    from .attention import comm_for
-
-    comm = comm_for(sp.sp_group) if sharded else None
+    comm = sp.comm if sharded else None
     rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
     layout = sp.layout if sharded else ring_config.parse(getattr(config, ring_config.CONFIG_KEY, None)).layout
     cache = generate_kwargs.pop("past_key_values", None)
@@ -269,10 +240,8 @@ def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, 
     state = Generation(cache, comm)
     hooks = [model.register_forward_pre_hook(_pre_forward(state), with_kwargs=True),
              model.register_forward_hook(_post_forward(state), with_kwargs=True)]
-    _ACTIVE = state
     try:
         return model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)
     finally:
-        _ACTIVE = None
         for h in hooks:
             h.remove()

@@ -41,15 +41,16 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return bias.masked_fill_(~mask, _NEG_INF)
 
 
-def _math_dtype(q: Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
+def accumulator_dtype(x: Tensor) -> torch.dtype:
+    """Partial results and merges run in fp32 whatever the input, fp64 for fp64 inputs."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _scores(q: Tensor, k: Tensor, scale: float, causal: bool, mask: Optional[Tensor]) -> Tensor:
     """Masked scores ``(B, Hkv, G, S_q, S_k)``: query heads grouped under their K/V head."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    dt = _math_dtype(q)
+    dt = accumulator_dtype(q)
     qg = q.to(dt).reshape(b, hkv, hq // hkv, sq, d)
     s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(dt)) * scale
     if causal:

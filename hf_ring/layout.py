@@ -70,10 +70,13 @@ def owner(position: int, seq_len: int, world_size: int, layout: str = "zigzag") 
     """The rank that holds global ``position`` of a ``seq_len``-long sequence."""
     if not 0 <= position < seq_len:
         raise ValueError(f"position must be in [0, {seq_len}), got {position}")
-    for rank in range(world_size):
-        if any(a <= position < b for a, b in local_runs(seq_len, rank, world_size, layout)):
-            return rank
-    raise AssertionError("the layout left a position without a rank")
+    check_layout(layout)
+    chunks = world_size if layout == "contiguous" or world_size == 1 else 2 * world_size
+    # Chunk boundaries are those of chunk_bounds: the first seq_len % chunks chunks hold one row more.
+    base, extra = divmod(seq_len, chunks)
+    long_rows = extra * (base + 1)
+    chunk = position // (base + 1) if position < long_rows else extra + (position - long_rows) // base
+    return chunk if chunk < world_size else chunks - 1 - chunk
 
 
 def local_positions(

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .comm import RingComm
 from .layout import check_layout
 
 
@@ -27,7 +28,8 @@ class SequenceParallel:
     dp_rank: int
     dp_size: int
     layout: str
-    mesh: Any = None
+    comm: Optional[RingComm] = None
+    """Ring neighbours and bounded collectives over ``sp_group`` (None when the sequence is not split)."""
 
     @property
     def loss_scale(self) -> float:
@@ -105,7 +107,8 @@ def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = No
 
     patches.apply_all()
     _CURRENT = SequenceParallel(
-        sp_group, dp_group, dist.get_rank(sp_group), sp_size, dist.get_rank(dp_group), dp_size, layout, mesh
+        sp_group, dp_group, dist.get_rank(sp_group), sp_size, dist.get_rank(dp_group), dp_size, layout,
+        RingComm(sp_group) if sp_size > 1 else None,
     )
     return _CURRENT
 

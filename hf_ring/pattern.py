@@ -10,7 +10,12 @@ dense attention.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+Branches = Tuple[Tuple[int, int], ...]
+
+DENSE: Branches = ((1 << 62, 1),)
+"""Exact dense attention as a branch: one segment longer than any sequence, rate 1."""
 
 
 def _positive_ints(name: str, values: Any) -> Tuple[int, ...]:
@@ -53,11 +58,6 @@ class DilatedPattern:
     def branches(self) -> Tuple[Tuple[int, int], ...]:
         return tuple(zip(self.segment_lengths, self.dilation_rates))
 
-    @classmethod
-    def dense(cls, seq_len: int) -> "DilatedPattern":
-        """The one-branch pattern equal to exact dense attention over ``seq_len`` tokens."""
-        return cls([max(1, seq_len)], [1])
-
     def to_dict(self) -> Dict[str, List[int]]:
         return {"segment_lengths": list(self.segment_lengths), "dilation_rates": list(self.dilation_rates)}
 
@@ -96,6 +96,16 @@ class DilatedPattern:
 
     def __repr__(self) -> str:
         return f"DilatedPattern({list(self.segment_lengths)}, {list(self.dilation_rates)})"
+
+
+def branches_of(pattern: Optional[DilatedPattern]) -> Branches:
+    """The branches of ``pattern``; ``None`` (dense attention) is the one branch :data:`DENSE`."""
+    return DENSE if pattern is None else pattern.branches
+
+
+def head_slice(heads: range) -> slice:
+    """The heads of a ``range`` as a slice, to index a tensor's head dimension without a copy."""
+    return slice(heads.start, heads.stop, heads.step)
 
 
 def head_groups(hq: int, hkv: int, rate: int, offset: int) -> List[Tuple[range, range]]:

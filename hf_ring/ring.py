@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .blocks import Prog, default_tile, tiles
+from .blocks import Prog, allowed_pairs, default_tile, tiles
 from .comm import Pending, RingComm
-from .kernels import block_backward, block_forward, default_scale, merge_into
-from .layout import check_layout, infer_seq_len, shard_sizes
-from .pattern import DilatedPattern
+from .kernels import accumulator_dtype, block_backward, block_forward, merge_into
+from .checks import agree, check_call, full_key_mask, resolve_group
+from .pattern import DilatedPattern, branches_of, head_slice
 from .schedule import Blk, Piece, RankPlan, Step, message_budget, rank_plan
 
 Tensor = torch.Tensor
@@ -46,12 +46,8 @@ class _Ctx:
     masks: dict = field(default_factory=dict)
 
 
-def _hs(heads: range) -> slice:
-    return slice(heads.start, heads.stop, heads.step)
-
-
 def _piece_view(x: Tensor, piece: Piece) -> Tensor:
-    return x[:, _hs(piece.heads), piece.rows.rows]
+    return x[:, head_slice(piece.heads), piece.rows.rows]
 
 
 def _whole(pieces: Sequence[Piece], x: Tensor) -> bool:
@@ -151,20 +147,14 @@ def _kernel_args(ctx: _Ctx, q: Prog, k_pos: int, nk: int, kind: str, device,
         key = (q.pos, q.count, q.stride, k_pos, nk)
         mask = ctx.masks.get(key)
         if mask is None:
-            qp = torch.arange(q.pos, q.pos + q.count * q.stride, q.stride, device=device)[:, None]
-            kp = torch.arange(k_pos, k_pos + nk * q.stride, q.stride, device=device)[None, :]
-            mask = kp <= qp
-            if ctx.window is not None:
-                mask &= kp > qp - ctx.window
+            qp = torch.arange(q.pos, q.pos + q.count * q.stride, q.stride, device=device)
+            kp = torch.arange(k_pos, k_pos + nk * q.stride, q.stride, device=device)
+            mask = allowed_pairs(qp, kp, ctx.causal, ctx.window)
             if len(ctx.masks) < 64:  # tiles repeat along a sliding window; keep a few
                 ctx.masks[key] = mask
     if key_valid is not None:
         mask = mask[None, None] & key_valid[:, None, None, :]
     return {"causal": False, "mask": mask}
-
-
-def _acc_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _single_block(plan: RankPlan, q: Tensor, k: Tensor) -> Optional[Blk]:
@@ -195,11 +185,11 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx) -> Tuple[Tensor, Te
     only = _single_block(plan, q, k)
     if only is not None and key_mask is None:
         return block_forward(q, k, v, scale=ctx.scale, **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
-    out = torch.zeros(b, hq, s, d, dtype=_acc_dtype(q), device=q.device)
+    out = torch.zeros(b, hq, s, d, dtype=accumulator_dtype(q), device=q.device)
     lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
     for step, kv in _visits(ctx, k, v):
         for blk in step.recv.blocks:
-            hs, rs = _hs(blk.q_heads), blk.q.rows
+            hs, rs = head_slice(blk.q_heads), blk.q.rows
             ks = slice(blk.k_off, blk.k_off + blk.nk)
             pk, pv, pm, all_valid = kv[blk.piece]
             o_blk, l_blk = block_forward(
@@ -228,7 +218,7 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
     if only is not None and key_mask is None:
         return block_backward(dout, q, k, v, out, lse, scale=ctx.scale,
                               **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
-    acc = _acc_dtype(q)
+    acc = accumulator_dtype(q)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros_like(dk)
@@ -242,7 +232,7 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
             flat = [torch.zeros(total, dtype=acc, device=q.device) for _ in range(2)]
             grads = list(zip(_unpack(flat[0], step.recv.pieces, b, d), _unpack(flat[1], step.recv.pieces, b, d)))
         for blk in step.recv.blocks:
-            hs = _hs(blk.q_heads)
+            hs = head_slice(blk.q_heads)
             pk, pv, pm, all_valid = kv[blk.piece]
             gk, gv = grads[blk.piece]
             stride = blk.q.stride
@@ -288,139 +278,15 @@ class RingAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-# ---------------------------------------------------------------- validation
-
-
-def _check_qkv(q, k, v) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype; got q={q.dtype}, k={k.dtype}, v={v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device; got q={q.device}, k={k.device}, v={v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k={tuple(k.shape)}, v={tuple(v.shape)}")
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"batch size differs: q has {q.shape[0]}, k/v have {k.shape[0]}")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"head_dim differs: q has {q.shape[3]}, k/v have {k.shape[3]}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(
-            f"q has {q.shape[2]} local rows but k/v have {k.shape[2]}; ring attention needs each rank's "
-            "own rows of q, k and v (for decoding with a cache use hf_ring.generation)"
-        )
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(
-            f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
-        )
-
-
-def _check_window(window, causal: bool) -> Optional[int]:
-    if window is None:
-        return None
-    if isinstance(window, bool) or not isinstance(window, int):
-        raise TypeError(f"window must be a positive int or None, got {window!r}")
-    if window < 1:
-        raise ValueError(f"window must be >= 1 (query t sees keys t-window < k <= t), got {window}")
-    if not causal:
-        raise ValueError("window is a causal sliding window; pass causal=True with window")
-    return window
-
-
-def _check_key_mask(key_mask, k: Tensor) -> Optional[Tensor]:
-    if key_mask is None:
-        return None
-    if not isinstance(key_mask, torch.Tensor):
-        raise TypeError(f"key_mask must be a bool tensor of shape (batch, local rows) or None, got {type(key_mask).__name__}")
-    expected = (k.shape[0], k.shape[2])
-    if tuple(key_mask.shape) != expected:
-        raise ValueError(f"key_mask must have shape (batch, local rows) = {expected}, got {tuple(key_mask.shape)}")
-    if key_mask.dtype != torch.bool:
-        raise TypeError(f"key_mask must be torch.bool (True = attend), got {key_mask.dtype}")
-    return key_mask.to(k.device)
-
-
-def _check_pattern(pattern, window) -> Optional[DilatedPattern]:
-    if pattern is None:
-        return None
-    if isinstance(pattern, dict):
-        pattern = DilatedPattern.from_dict(pattern)
-    if not isinstance(pattern, DilatedPattern):
-        raise TypeError(
-            f"pattern must be a hf_ring.DilatedPattern, a dict with segment_lengths and dilation_rates, "
-            f"or None; got {type(pattern).__name__}"
-        )
-    if window is not None:
-        raise ValueError("pattern and window cannot be combined: a dilated pattern already bounds what each query sees")
-    return pattern
-
-
-def check_options(causal: bool, window, pattern, scale, head_dim: int) -> Tuple[Optional[int], Optional[DilatedPattern], float]:
-    """Validated ``(window, pattern, scale)``; ``scale=None`` becomes ``1/sqrt(head_dim)``."""
-    window = _check_window(window, causal)
-    pattern = _check_pattern(pattern, window)
-    if scale is None:
-        scale = default_scale(head_dim)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {scale!r}")
-    return window, pattern, float(scale)
-
-
-def _resolve_group(group) -> Optional[RingComm]:
-    if group is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        group = dist.group.WORLD
-    elif not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("group was given but torch.distributed is not initialised; call init_process_group first")
-    if dist.get_rank(group) < 0:
-        raise ValueError(
-            f"this process (global rank {dist.get_rank()}) is not a member of the given group; "
-            "call ring_attention only on the group's ranks"
-        )
-    return RingComm(group)
-
-
-def agree(comm: Optional[RingComm], q: Tensor, k: Tensor, seq_len: Optional[int], layout: str,
-          padded: bool) -> Tuple[int, bool]:
-    """The global length, and whether any rank has padded keys, checked across the ranks.
-
-    One all-gather of a few integers per rank per call: every rank sees every
-    rank's shapes, so a mismatch raises the same error on all of them instead
-    of leaving some waiting in the ring.
-    """
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0):
-        raise ValueError(f"seq_len must be a non-negative int or None, got {seq_len!r}")
-    local_len = q.shape[2]
-    if comm is None or comm.world_size == 1:
-        if seq_len is not None and seq_len != local_len:
-            raise ValueError(f"seq_len={seq_len} but this single process holds {local_len} rows")
-        return local_len, padded
-    mine = [local_len, -1 if seq_len is None else seq_len, int(padded), q.shape[0], q.shape[1], k.shape[1], q.shape[3]]
-    table = comm.all_gather_ints(mine, "the shape check before the ring")
-    for i, name in ((3, "batch size"), (4, "query heads"), (5, "key/value heads"), (6, "head_dim")):
-        values = [row[i] for row in table]
-        if len(set(values)) > 1:
-            raise ValueError(f"the ranks of the ring disagree on {name}: {values} (by rank)")
-    given = sorted({row[1] for row in table})
-    if len(given) > 1:
-        raise ValueError(f"the ranks passed different seq_len values: {[row[1] for row in table]} (-1 = None)")
-    lens = [row[0] for row in table]
-    any_padded = any(row[2] for row in table)
-    if seq_len is None:
-        return infer_seq_len(lens, layout), any_padded
-    expected = shard_sizes(seq_len, comm.world_size, layout)
-    if lens != expected:
-        raise ValueError(
-            f"seq_len={seq_len} with layout={layout!r} over {comm.world_size} ranks needs shard sizes "
-            f"{expected}, but the ranks hold {lens}; shard with hf_ring.local_positions"
-        )
-    return seq_len, any_padded
+def run(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], *, seq_len: int, layout: str, causal: bool,
+        window: Optional[int], pattern: Optional[DilatedPattern], scale: float,
+        key_mask: Optional[Tensor]) -> Tensor:
+    """The ring over validated, agreed arguments; ``key_mask`` only when some rank has padded keys."""
+    rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
+    tile = min(default_tile(window), PADDED_TILE) if key_mask is not None else None
+    plan = rank_plan(seq_len, rank, world, layout if world > 1 else "contiguous", causal, window,
+                     branches_of(pattern), q.shape[1], k.shape[1], message_budget(seq_len, world, k.shape[1]), tile)
+    return RingAttentionFunction.apply(q, k, v, _Ctx(comm, plan, scale, causal, window, key_mask))
 
 
 def ring_attention(
@@ -447,29 +313,12 @@ def ring_attention(
     ``key_mask`` ``(B, S_local)`` bool marks the keys that may be attended
     (False for padding); it travels with the K/V rows it describes.
     Without a group and without torch.distributed it runs as one process.
+    Every argument is validated and the ranks agree on all of them (one small
+    all-gather) before any K/V moves: a mismatch raises the same error on every rank.
     """
-    return attend(q, k, v, _resolve_group(group), layout=layout, seq_len=seq_len, causal=causal,
-                  window=window, pattern=pattern, scale=scale, key_mask=key_mask)
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], *, layout: str = "zigzag",
-           seq_len: Optional[int] = None, causal: bool = True, window: Optional[int] = None,
-           pattern: Union[DilatedPattern, dict, None] = None, scale: Optional[float] = None,
-           key_mask: Optional[Tensor] = None) -> Tensor:
-    """:func:`ring_attention` over an already resolved ring (``None``: this process alone)."""
-    _check_qkv(q, k, v)
-    check_layout(layout)
-    window, pattern, scale = check_options(causal, window, pattern, scale, q.shape[-1])
-    key_mask = _check_key_mask(key_mask, k)
-    n, any_padded = agree(comm, q, k, seq_len, layout, key_mask is not None and not bool(key_mask.all()))
-    if not any_padded:
-        key_mask = None  # an all-valid mask changes nothing; dropping it keeps the unmasked fast paths
-    elif key_mask is None:
-        key_mask = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
-    rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
-    branches = ((max(n, 1), 1),) if pattern is None else pattern.branches
-    tile = min(default_tile(window), PADDED_TILE) if key_mask is not None else None
-    plan = rank_plan(n, rank, world, layout if world > 1 else "contiguous", bool(causal), window,
-                     branches, q.shape[1], k.shape[1], message_budget(n, world, k.shape[1]), tile)
-    rctx = _Ctx(comm, plan, float(scale), bool(causal), window, key_mask)
-    return RingAttentionFunction.apply(q, k, v, rctx)
+    comm = resolve_group(group)
+    opts = check_call(q, k, v, layout=layout, causal=causal, window=window, pattern=pattern, scale=scale,
+                      key_mask=key_mask)
+    n, padded = agree(comm, q, k, seq_len, opts)
+    return run(q, k, v, comm, seq_len=n, layout=opts.layout, causal=opts.causal, window=opts.window,
+               pattern=opts.pattern, scale=opts.scale, key_mask=full_key_mask(opts.key_mask, k, padded))

@@ -16,9 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .blocks import Prog, classify, default_tile, tiles
 from .layout import local_runs, runs_to_local
-from .pattern import head_groups
-
-Branches = Tuple[Tuple[int, int], ...]
+from .pattern import Branches, head_groups
 
 
 @dataclass(frozen=True)

@@ -148,12 +148,11 @@ def sp_generate_case(path, ids, mask=None, *, layout="zigzag", pattern=None, see
         model = load(path, "ring_dilated")
         hf_ring.configure(model, pattern=pattern, layout=layout)
         lengths = []
-        hook = model.register_forward_hook(
-            lambda m, a, o: lengths.append(hf_ring.generation.active().cache.local_length()))
+        cache = hf_ring.ShardedCache(*(cache_from or (rank, dist.get_world_size(), layout)))
+        kwargs["past_key_values"] = cache
+        hook = model.register_forward_hook(lambda m, a, o: lengths.append(cache.local_length()))
         if ids_by_rank is not None:
             ids = ids_by_rank[rank]
-        if cache_from is not None:
-            kwargs["past_key_values"] = hf_ring.ShardedCache(*cache_from)
         if seed is not None:
             set_seed(seed)
         streamer = ListStreamer() if stream else None
@@ -161,8 +160,8 @@ def sp_generate_case(path, ids, mask=None, *, layout="zigzag", pattern=None, see
         if continue_with is not None:
             seq = out.sequences
             more = None if mask is None else torch.cat([mask, torch.ones_like(seq[:, mask.shape[1]:])], 1)
-            out = hf_ring.generate(model, seq, attention_mask=more, past_key_values=out.past_key_values,
-                                   **dict(kwargs, max_new_tokens=continue_with))
+            out = hf_ring.generate(model, seq, attention_mask=more,
+                                   **dict(kwargs, past_key_values=out.past_key_values, max_new_tokens=continue_with))
         hook.remove()
         res = {"lengths": lengths, "stream": None if streamer is None else (streamer.chunks, streamer.ended)}
         if isinstance(out, torch.Tensor):
@@ -206,3 +205,74 @@ def sp_cache_forward_case(path):
             return model(input_ids=ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
     finally:
         hf_ring.clear_sequence_parallel()
+
+
+def counted_collectives_case(path, n, layers, checkpointing=False):
+    """Collectives and host agreements of one sharded training step (forward and backward) under sp = world."""
+    from models import batch, load
+
+    hf_ring.setup_sequence_parallel(None)
+    calls = []
+    originals = {name: getattr(dist, name) for name in ("all_gather", "all_reduce", "broadcast", "all_gather_into_tensor")}
+
+    def spy(name):
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+        return wrapped
+
+    try:
+        model = load(path, "ring_dilated").train()
+        assert model.config.num_hidden_layers == layers
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        sharded = hf_ring.shard_batch(batch(3, 1, n))
+        for name in originals:
+            setattr(dist, name, spy(name))
+        try:
+            out = model(**sharded)
+            forward_calls = list(calls)
+            out.loss.backward()
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+        return {"forward": forward_calls, "step": list(calls), "agreed": sharded["ring_context"].collectives}
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+def unsharded_forward_case(path, n, shard_ranks=()):
+    """A forward under sequence parallelism where the ranks in ``shard_ranks`` shard their batch and the others do not."""
+    from models import batch, load
+
+    hf_ring.setup_sequence_parallel(None)
+    try:
+        model = load(path, "ring_dilated")
+        data = batch(5 + dist.get_rank(), 1, n)  # what a stock Trainer does: each rank its own batch
+        if dist.get_rank() in shard_ranks:
+            data = hf_ring.shard_batch(data)
+        with torch.no_grad():
+            return raises_on_rank(model, **data)
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+def different_batches_case(path, n):
+    """Every rank shards a batch of its own (an error: an sp group must share one batch)."""
+    from models import batch, load
+
+    hf_ring.setup_sequence_parallel(None)
+    try:
+        model = load(path, "ring_dilated")
+        with torch.no_grad():
+            return raises_on_rank(model, **hf_ring.shard_batch(batch(7 + dist.get_rank(), 1, n)))
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+def mixed_dtype_case(n):
+    """ring_attention with fp16 on rank 0 and bf16 elsewhere: same byte size, different numbers (an error)."""
+    dtype = torch.float16 if dist.get_rank() == 0 else torch.bfloat16
+    q, k, v, _ = make_qkv(0, 1, 2, 2, n, 8, dtype)
+    pos = hf_ring.local_positions(n, dist.get_rank(), dist.get_world_size())
+    return raises_on_rank(hf_ring.ring_attention, q[:, :, pos], k[:, :, pos], v[:, :, pos])

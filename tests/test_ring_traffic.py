@@ -68,8 +68,8 @@ def test_no_allgather_and_no_global_length_tensor(pools):
     for layout, window in [("zigzag", None), ("contiguous", None), ("zigzag", 20)]:
         results = pools(3).run(_traffic_case, n, layout, window)
         for res in results:
-            # Only the shape check: a handful of integers per rank, whatever the length.
-            assert all(numel <= 8 for _, numel in res["collectives"]), res["collectives"]
+            # Only the agreement: a handful of integers per rank, whatever the length.
+            assert all(numel <= 16 for _, numel in res["collectives"]), res["collectives"]
             assert any(op == "isend" for op, _ in res["p2p"]), "K/V must travel point-to-point"
             kv_numel = 1 * 2 * max(r["local"] for r in results) * 8
             assert max(numel for _, numel in res["p2p"]) <= kv_numel + 2 * 8, "no message beyond one shard"
@@ -88,7 +88,7 @@ def _sent_bytes(res):
 def test_local_segments_cause_no_traffic(pools):
     pattern = {"segment_lengths": [16, 32], "dilation_rates": [1, 2]}
     for res in pools(4).run(_traffic_case, 128, "contiguous", None, pattern):
-        assert res["p2p"] == [] and all(numel <= 8 for _, numel in res["collectives"])
+        assert res["p2p"] == [] and all(numel <= 16 for _, numel in res["collectives"])
 
 
 def test_dilated_branch_sends_one_rth_of_the_dense_bytes(pools):

@@ -85,7 +85,7 @@ def test_dynamic_rope_sharded_equals_unsharded(pools):
 def test_shard_batch_short_and_uneven_sequences():
     data = batch(1, 2, 3)
     out = hf_ring.shard_batch(data)
-    assert out["ring_seq_len"] == 3 and out["num_items_in_batch"] == 4
+    assert out["ring_context"].seq_len == 3 and out["num_items_in_batch"] == 4
     assert torch.equal(out["shift_labels"][:, :2], data["labels"][:, 1:])
     assert (out["shift_labels"][:, 2] == -100).all()
 
@@ -97,7 +97,7 @@ def test_shard_batch_short_and_uneven_sequences():
         ({"input_ids": torch.zeros(4, dtype=torch.long)}, ValueError, "2-D"),
         ({"input_ids": torch.zeros(1, 4, dtype=torch.long), "labels": torch.zeros(1, 5, dtype=torch.long)},
          ValueError, "labels must have the shape"),
-        ({"input_ids": torch.zeros(1, 4, dtype=torch.long), "ring_seq_len": 4}, ValueError, "already sharded"),
+        ({"input_ids": torch.zeros(1, 4, dtype=torch.long), "ring_context": None}, ValueError, "already sharded"),
         ([1, 2], TypeError, "mapping"),
     ],
 )

@@ -1,0 +1,201 @@
+"""The ``ring_dilated`` attention backend transformers calls, and its mask function.
+
+One plain function, as transformers' own backends are: it takes the layer's
+rotated ``(B, H, S, D)`` query/key/value and returns ``(out (B, S, Hq, D), None)``.
+It dispatches on what the forward carries (see :mod:`hf_ring.context`):
+
+- a :class:`~hf_ring.context.ShardedForward` (from :func:`hf_ring.shard_batch`
+  or a sharded prefill): the ring over the sequence-parallel group, agreed once per forward;
+- a :class:`~hf_ring.context.DecodeStep` (from :func:`hf_ring.generate`): new
+  tokens over this rank's cache rows, merged across the ranks;
+- nothing, in one process: whole sequences run the ring on this process alone,
+  new tokens over transformers' own cache attend the cached rows at the positions
+  the cache reports. Under sequence parallelism a forward without a context is refused.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+
+from . import config as ring_config
+from . import patches
+from .checks import Options, check_options, full_key_mask
+from .context import CONTEXT_KEY, DecodeStep, ShardedForward, refuse_unsharded
+from .decode import CachedBlock, cached_attention, cached_blocks, merge_ranks
+from .parallel import current
+from .pattern import branches_of
+from .ring import run
+
+Tensor = torch.Tensor
+
+NAME = "ring_dilated"
+
+UNSUPPORTED_KWARGS = {
+    "s_aux": "attention sinks (gpt-oss) are not implemented by ring_dilated yet",
+    "softcap": "attention logit soft-capping (Gemma 2) is not implemented by ring_dilated yet",
+    "cu_seq_lens_q": "flash-style varlen (packed) inputs are not taken by ring_dilated yet",
+    "cu_seq_lens_k": "flash-style varlen (packed) inputs are not taken by ring_dilated yet",
+    "head_mask": "head masks are not implemented by ring_dilated",
+}
+"""Keywords that would change the attention's result: refused rather than dropped."""
+
+
+def _key_mask_2d(attention_mask: Any) -> Optional[Tensor]:
+    """The 2-D padding mask of a whole-sequence forward (True = may attend), or None."""
+    if attention_mask is None:
+        return None
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+        return attention_mask.to(torch.bool)
+    raise ValueError(
+        f"ring_dilated takes a 2-D padding mask (batch, keys) and builds causality, windows and dilation itself; "
+        f"got an attention_mask of shape {tuple(getattr(attention_mask, 'shape', ()))}. Pass the 2-D "
+        "attention_mask from the tokenizer (or none) instead of a prepared 4-D mask"
+    )
+
+
+def _refuse_unsupported(dropout: float, training: bool, kwargs: dict) -> None:
+    if dropout and training:
+        raise ValueError(
+            f"ring_dilated does not implement attention dropout (got dropout={dropout}); "
+            "set config.attention_dropout = 0.0"
+        )
+    for name, why in UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"the model passed {name}= to the attention: {why}; use attn_implementation='eager'")
+
+
+def ring_dilated_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs: Any,
+) -> Tuple[Tensor, None]:
+    """transformers attention function for ``attn_implementation="ring_dilated"``."""
+    _refuse_unsupported(dropout, module.training, kwargs)
+    cfg = ring_config.parse(getattr(module.config, ring_config.CONFIG_KEY, None))
+    # transformers' own backends let an explicit is_causal win over the module's attribute.
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    opts = check_options(causal, sliding_window, cfg.pattern, scaling, query.shape[-1], cfg.layout)
+    ctx = kwargs.get(CONTEXT_KEY)
+    sp = current()
+    sharded = sp is not None and sp.sp_size > 1
+    if isinstance(ctx, DecodeStep):
+        out = _decode_step(query, key, value, _key_mask_2d(attention_mask), opts, ctx)
+    elif query.shape[2] != key.shape[2]:
+        if sharded:
+            raise NotImplementedError(
+                "ring_dilated got a KV cache while the sequence is split across ranks; generate with "
+                "hf_ring.generate(model, input_ids, ...), which keeps the cache sharded"
+            )
+        out = _over_cache(query, key, value, attention_mask, opts)
+    elif isinstance(ctx, ShardedForward):
+        out = _sharded(module, query, key, value, _key_mask_2d(attention_mask), opts, ctx)
+    elif sharded:
+        refuse_unsharded(sp.comm, query, key, opts)
+    else:
+        key_valid = _key_mask_2d(attention_mask)
+        key_mask = full_key_mask(key_valid, key, key_valid is not None and not bool(key_valid.all()))
+        out = run(query, key, value, None, seq_len=query.shape[2], layout="contiguous", causal=opts.causal,
+                  window=opts.window, pattern=opts.pattern, scale=opts.scale, key_mask=key_mask)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _sharded(module, query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[Tensor], opts: Options,
+             ctx: ShardedForward) -> Tensor:
+    """The ring over the shards of one forward; the ranks agree once per kind of layer."""
+    if ctx.world_size > 1:
+        if opts.layout != ctx.layout:
+            raise ValueError(
+                f"config.ring_dilated layout {opts.layout!r} differs from the sequence-parallel layout {ctx.layout!r}; "
+                "use one layout for both (hf_ring.configure and hf_ring.setup_sequence_parallel)"
+            )
+        patches.check_supported(module.config)
+    ctx.agree(query, key, opts)
+    key_mask = full_key_mask(key_valid, key, ctx.padded)
+    return run(query, key, value, ctx.comm, seq_len=ctx.seq_len, layout=ctx.layout if ctx.world_size > 1 else "contiguous",
+               causal=opts.causal, window=opts.window, pattern=opts.pattern, scale=opts.scale, key_mask=key_mask)
+
+
+def _is_cache_mask(attention_mask: Any) -> bool:
+    return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
+
+
+def _over_cache(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, opts: Options) -> Tensor:
+    """New tokens over transformers' own cache in one process.
+
+    The mask function gives such a forward the cache's own 4-D mask (what
+    ``sdpa`` uses): it knows where a static, sliding or chunked cache keeps
+    each position, which rows are unwritten, and the padding. Dense attention
+    uses it as it is. A dilated pattern also needs positions: keys are taken
+    to hold positions ``0..kv_len-1`` with the queries last, as a dynamic cache
+    does, and a cache laid out otherwise is refused.
+    """
+    q_len, kv_len = query.shape[2], key.shape[2]
+    mask = attention_mask
+    if mask is not None and not (_is_cache_mask(mask) and mask.dtype == torch.bool):
+        raise ValueError(
+            "over a KV cache ring_dilated expects the boolean 4-D mask its own mask function builds from the 2-D "
+            f"padding mask; got {type(mask).__name__} {tuple(getattr(mask, 'shape', ()))} "
+            f"{getattr(mask, 'dtype', '')}. Pass the 2-D attention_mask from the tokenizer (or none)"
+        )
+    if opts.pattern is None:
+        groups = [(range(query.shape[1]), range(key.shape[1]))]
+        blocks = [CachedBlock(q, k, None, None, None) for q, k in groups]
+    else:
+        if mask is not None and not bool(mask[:, :, -1, -1].all()):
+            raise ValueError(
+                "a dilated ring_dilated pattern over a pre-allocated (static or sliding) transformers cache is not "
+                "supported: its rows do not hold positions 0..n-1 in order. Use the default dynamic cache, or "
+                "hf_ring.generate"
+            )
+        k_pos = torch.arange(kv_len)
+        blocks = cached_blocks(k_pos[kv_len - q_len:], k_pos, hq=query.shape[1], hkv=key.shape[1], causal=opts.causal,
+                               window=opts.window, branches=branches_of(opts.pattern))
+    out, _ = cached_attention(query, key, value, blocks, scale=opts.scale, pair_mask=mask)
+    return out.to(query.dtype)
+
+
+def _decode_step(query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[Tensor], opts: Options,
+                 ctx: DecodeStep) -> Tensor:
+    """New tokens of :func:`hf_ring.generate` over this rank's cache rows, merged across the ranks."""
+    k_pos = ctx.cache.index
+    if k_pos.numel() != key.shape[2]:
+        raise RuntimeError(f"the sharded cache records {k_pos.numel()} rows but the layer returned {key.shape[2]}")
+    blocks = ctx.blocks(query.shape[1], key.shape[1], opts.causal, opts.window, branches_of(opts.pattern), query.device)
+    key_mask = None if key_valid is None else key_valid[:, k_pos.to(key_valid.device)]
+    out, lse = cached_attention(query, key, value, blocks, scale=opts.scale, key_mask=key_mask)
+    return merge_ranks(out, lse, ctx.comm).to(query.dtype)
+
+
+def ring_dilated_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,
+                      mask_function: Any = None, attention_mask: Optional[Tensor] = None,
+                      **kwargs: Any) -> Optional[Tensor]:
+    """Mask function for ``ring_dilated``.
+
+    A whole-sequence forward gets only the 2-D key padding mask (or None):
+    causality, windows and dilation are applied by the attention itself from
+    global positions, and a mask of the whole sequence would be quadratic. A
+    forward over a KV cache gets the cache's own 4-D boolean mask, the one
+    ``sdpa`` would use, since only the cache knows where its rows sit.
+    """
+    over_cache = q_length != kv_length or int(q_offset) != 0 or int(kv_offset) != 0
+    if not over_cache:
+        return None if attention_mask is None else attention_mask.to(torch.bool)
+    kwargs.pop("allow_is_causal_skip", None)
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function or causal_mask_function,
+                     attention_mask, allow_is_causal_skip=False, **kwargs)
+
+
+def register() -> None:
+    """Make ``attn_implementation="ring_dilated"`` available to transformers."""
+    AttentionInterface.register(NAME, ring_dilated_attention)
+    AttentionMaskInterface.register(NAME, ring_dilated_mask)

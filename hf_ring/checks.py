@@ -1,0 +1,264 @@
+"""Argument checks of ring attention and the ranks' agreement on them.
+
+Everything a rank could get wrong on its own (types, shapes, options) is
+checked locally first; everything the ranks must share (shapes, dtype,
+layout, causality, window, pattern, padding, lengths) is then compared in one
+small all-gather, so a mismatch raises the same error on every rank before
+any K/V row moves, instead of leaving some ranks waiting in the ring.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .comm import RingComm
+from .kernels import default_scale
+from .layout import LAYOUTS, check_layout, infer_seq_len, shard_sizes
+from .pattern import DilatedPattern
+
+Tensor = torch.Tensor
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Validated options of one attention call (the same for every layer of a kind)."""
+
+    layout: str
+    causal: bool
+    window: Optional[int]
+    pattern: Optional[DilatedPattern]
+    scale: float
+    key_mask: Optional[Tensor] = None
+
+
+def check_qkv(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype; got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q, k, v must be one of {[str(d) for d in _DTYPES]}, got {q.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got q={q.device}, k={k.device}, v={v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k={tuple(k.shape)}, v={tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"batch size differs: q has {q.shape[0]}, k/v have {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"head_dim differs: q has {q.shape[3]}, k/v have {k.shape[3]}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"q has {q.shape[2]} local rows but k/v have {k.shape[2]}; ring attention needs each rank's "
+            "own rows of q, k and v (for decoding with a cache use hf_ring.generate)"
+        )
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
+        )
+
+
+def _check_window(window, causal: bool) -> Optional[int]:
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"window must be a positive int or None, got {window!r}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1 (query t sees keys t-window < k <= t), got {window}")
+    if not causal:
+        raise ValueError("window is a causal sliding window; pass causal=True with window")
+    return window
+
+
+def check_key_mask(key_mask, k: Tensor) -> Optional[Tensor]:
+    if key_mask is None:
+        return None
+    if not isinstance(key_mask, torch.Tensor):
+        raise TypeError(f"key_mask must be a bool tensor of shape (batch, local rows) or None, got {type(key_mask).__name__}")
+    expected = (k.shape[0], k.shape[2])
+    if tuple(key_mask.shape) != expected:
+        raise ValueError(f"key_mask must have shape (batch, local rows) = {expected}, got {tuple(key_mask.shape)}")
+    if key_mask.dtype != torch.bool:
+        raise TypeError(f"key_mask must be torch.bool (True = attend), got {key_mask.dtype}")
+    return key_mask.to(k.device)
+
+
+def _check_pattern(pattern, window) -> Optional[DilatedPattern]:
+    if pattern is None:
+        return None
+    if isinstance(pattern, dict):
+        pattern = DilatedPattern.from_dict(pattern)
+    if not isinstance(pattern, DilatedPattern):
+        raise TypeError(
+            f"pattern must be a hf_ring.DilatedPattern, a dict with segment_lengths and dilation_rates, "
+            f"or None; got {type(pattern).__name__}"
+        )
+    if window is not None:
+        raise ValueError("pattern and window cannot be combined: a dilated pattern already bounds what each query sees")
+    return pattern
+
+
+def _check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return default_scale(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {scale!r}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite number > 0 (softmax temperature), got {scale!r}")
+    return float(scale)
+
+
+def _check_causal(causal) -> bool:
+    if not isinstance(causal, (bool, int)) or causal not in (0, 1):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    return bool(causal)
+
+
+def check_options(causal, window, pattern, scale, head_dim: int, layout: str = "zigzag") -> Options:
+    """Validated options; ``scale=None`` becomes ``1/sqrt(head_dim)``."""
+    causal = _check_causal(causal)
+    window = _check_window(window, causal)
+    return Options(check_layout(layout), causal, window, _check_pattern(pattern, window), _check_scale(scale, head_dim))
+
+
+def check_call(q, k, v, *, layout: str, causal, window, pattern, scale, key_mask) -> Options:
+    """Every local check of a ring attention call; the options with the key mask."""
+    check_qkv(q, k, v)
+    opts = check_options(causal, window, pattern, scale, q.shape[-1], layout)
+    return Options(opts.layout, opts.causal, opts.window, opts.pattern, opts.scale, check_key_mask(key_mask, k))
+
+
+def resolve_group(group) -> Optional[RingComm]:
+    """The ring of ``group`` (the default group when None), or None for one process without torch.distributed."""
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = dist.group.WORLD
+    elif not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("group was given but torch.distributed is not initialised; call init_process_group first")
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the given group; "
+            "call ring_attention only on the group's ranks"
+        )
+    return RingComm(group)
+
+
+def _digest(value: Any) -> int:
+    """A stable 31-bit fingerprint of a small value (the same on every rank for equal values)."""
+    return zlib.crc32(repr(value).encode()) & 0x7FFFFFFF
+
+
+def _check_seq_len(seq_len) -> Optional[int]:
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0):
+        raise ValueError(f"seq_len must be a non-negative int or None, got {seq_len!r}")
+    return seq_len
+
+
+# Columns of the agreement table: (name in errors, whether every rank must hold the same value).
+_COLUMNS: Tuple[Tuple[str, bool], ...] = (
+    ("local rows", False), ("seq_len", True), ("padded keys", False), ("batch size", True), ("query heads", True),
+    ("key/value heads", True), ("head_dim", True), ("dtype", True), ("layout", True), ("causal", True),
+    ("window", True), ("pattern", True), ("scale", True), ("sharded inputs", True), ("batch contents", True),
+)
+
+
+_SHARDED = [name for name, _ in _COLUMNS].index("sharded inputs")
+
+
+def facts(q: Tensor, k: Tensor, seq_len: Optional[int], opts: Options, padded: bool,
+          sharded: bool = True, contents: int = 0) -> List[int]:
+    """This rank's row of the agreement table (see ``_COLUMNS``)."""
+    return [
+        q.shape[2], -1 if seq_len is None else seq_len, int(padded), q.shape[0], q.shape[1], k.shape[1], q.shape[3],
+        _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, LAYOUTS.index(opts.layout), int(opts.causal),
+        -1 if opts.window is None else opts.window, _digest(opts.pattern), _digest(opts.scale), int(sharded), contents,
+    ]
+
+
+def agree_table(comm: RingComm, mine: Sequence[int]) -> List[List[int]]:
+    """Every rank's row; raises the same ValueError on every rank if a shared column differs."""
+    table = comm.all_gather_ints(list(mine), "the agreement on attention arguments before the ring")
+    sharded = [row[_SHARDED] for row in table]
+    if not all(sharded):
+        raise ValueError(_disagreement("sharded inputs", sharded))
+    for i, (name, shared) in enumerate(_COLUMNS):
+        values = [row[i] for row in table]
+        if shared and len(set(values)) > 1:
+            raise ValueError(_disagreement(name, values))
+    return table
+
+
+def unsharded_message(ranks: Sequence[int]) -> str:
+    return (
+        f"rank(s) {list(ranks)} ran a forward whose inputs were not sharded for sequence parallelism, so each rank "
+        "would attend over a sequence stitched from unrelated rows; pass every batch through hf_ring.shard_batch "
+        "(or hf_ring.prepare_trainer for transformers.Trainer) while sequence parallelism is set up, or call "
+        "hf_ring.clear_sequence_parallel() to run whole sequences"
+    )
+
+
+def _disagreement(name: str, values: List[int]) -> str:
+    if name == "sharded inputs":
+        return unsharded_message([r for r, v in enumerate(values) if not v])
+    if name == "batch contents":
+        return ("the ranks of a sequence-parallel group passed different batches to hf_ring.shard_batch; every rank "
+                "of a group must shard the same global batch (only data-parallel ranks differ)")
+    if name == "dtype":
+        names = [str(_DTYPES[v]) if 0 <= v < len(_DTYPES) else "?" for v in values]
+        return f"the ranks of the ring disagree on dtype: {names} (by rank)"
+    if name == "seq_len":
+        return f"the ranks passed different seq_len values: {values} (by rank; -1 = None)"
+    if name == "layout":
+        return f"the ranks of the ring disagree on layout: {[LAYOUTS[v] for v in values]} (by rank)"
+    return f"the ranks of the ring disagree on {name}: {values} (by rank)"
+
+
+def global_length(table: Sequence[Sequence[int]], seq_len: Optional[int], layout: str) -> int:
+    """The global length the ranks' row counts give (checked against ``seq_len`` when given)."""
+    lens = [row[0] for row in table]
+    if seq_len is None:
+        return infer_seq_len(lens, layout)
+    expected = shard_sizes(seq_len, len(lens), layout)
+    if lens != expected:
+        raise ValueError(
+            f"seq_len={seq_len} with layout={layout!r} over {len(lens)} ranks needs shard sizes "
+            f"{expected}, but the ranks hold {lens}; shard with hf_ring.local_positions"
+        )
+    return seq_len
+
+
+def _padded(key_mask: Optional[Tensor]) -> bool:
+    return key_mask is not None and not bool(key_mask.all())
+
+
+def agree(comm: Optional[RingComm], q: Tensor, k: Tensor, seq_len: Optional[int], opts: Options) -> Tuple[int, bool]:
+    """The global length, and whether any rank has padded keys, agreed by every rank of the ring."""
+    seq_len = _check_seq_len(seq_len)
+    padded = _padded(opts.key_mask)
+    if comm is None or comm.world_size == 1:
+        if seq_len is not None and seq_len != q.shape[2]:
+            raise ValueError(f"seq_len={seq_len} but this single process holds {q.shape[2]} rows")
+        return q.shape[2], padded
+    table = agree_table(comm, facts(q, k, seq_len, opts, padded))
+    return global_length(table, seq_len, opts.layout), any(row[2] for row in table)
+
+
+def full_key_mask(key_mask: Optional[Tensor], k: Tensor, any_padded: bool) -> Optional[Tensor]:
+    """The key mask the ring carries: None when no rank is padded, all-True rows on an unpadded rank otherwise."""
+    if not any_padded:
+        return None  # an all-valid mask changes nothing; dropping it keeps the unmasked fast paths
+    if key_mask is None:
+        return torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
+    return key_mask

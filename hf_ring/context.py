@@ -1,0 +1,108 @@
+"""Facts of one model forward, worked out once and read by every attention layer of that forward.
+
+transformers hands every keyword argument of ``model(...)`` down to each
+attention call, so a context object put into the forward's kwargs (under
+``ring_context``) by :func:`hf_ring.shard_batch` or :func:`hf_ring.generate`
+reaches every layer with no module-level state. What is the same for all
+layers (the parsed configuration, the family check, the ranks' agreement,
+which is one collective) is done by the first layer that runs and kept on
+the object; later layers, and the recomputation of gradient checkpointing,
+reuse it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .cache import ShardedCache
+from .checks import Options, agree_table, facts, global_length, unsharded_message
+from .comm import RingComm
+from .decode import CachedBlock, cached_blocks
+
+Tensor = torch.Tensor
+
+CONTEXT_KEY = "ring_context"
+"""The model keyword under which a forward's context travels to the attention layers."""
+
+
+def _layer_key(q: Tensor, k: Tensor, opts: Options) -> Tuple:
+    """What may differ between the layers of one forward (head counts, windows...), to agree once per kind."""
+    return (tuple(q.shape), k.shape[1], q.dtype, opts.causal, opts.window, opts.pattern, opts.scale)
+
+
+@dataclass(eq=False)
+class ShardedForward:
+    """A forward over sequence shards: a training step, an evaluation, or a prefill.
+
+    ``seq_len`` is the global length; ``padded`` whether any row of the global
+    batch has padded keys; ``contents`` a fingerprint of the global batch, so
+    ranks of one group that were handed different batches are caught.
+    """
+
+    seq_len: int
+    comm: Optional[RingComm]
+    layout: str
+    padded: bool = False
+    contents: int = 0
+    _agreed: Dict[Tuple, bool] = field(default_factory=dict, repr=False)
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.comm is None else self.comm.world_size
+
+    def agree(self, q: Tensor, k: Tensor, opts: Options) -> None:
+        """Check, once per kind of layer, that every rank runs the same attention over its shard of this batch."""
+        key = _layer_key(q, k, opts)
+        if key in self._agreed:
+            return
+        if self.world_size == 1:
+            if q.shape[2] != self.seq_len:
+                raise ValueError(f"the batch was sharded for {self.seq_len} tokens but this process holds {q.shape[2]}")
+        else:
+            table = agree_table(self.comm, facts(q, k, self.seq_len, opts, self.padded, True, self.contents))
+            global_length(table, self.seq_len, self.layout)
+        self._agreed[key] = True
+
+    @property
+    def collectives(self) -> int:
+        """Agreement collectives this forward has issued (one per kind of layer on several ranks)."""
+        return 0 if self.world_size == 1 else len(self._agreed)
+
+
+def refuse_unsharded(comm: RingComm, q: Tensor, k: Tensor, opts: Options) -> None:
+    """A whole-sequence forward under sequence parallelism without sharded inputs: the same error on every rank.
+
+    The ranks still take part in the agreement, so a group where only some
+    ranks forgot to shard fails at once everywhere instead of timing out.
+    """
+    agree_table(comm, facts(q, k, None, opts, False, False))  # raises: this rank's row says unsharded
+    raise ValueError(unsharded_message([comm.rank]))
+
+
+@dataclass(eq=False)
+class DecodeStep:
+    """A forward of new tokens over a sharded KV cache during :func:`hf_ring.generate`.
+
+    Every rank runs the same new tokens at global positions ``q_pos``; each
+    attends them over its own cache rows and the ranks merge the partials.
+    """
+
+    cache: ShardedCache
+    comm: Optional[RingComm]
+    q_pos: Tensor
+    _blocks: Dict[Any, List[CachedBlock]] = field(default_factory=dict, repr=False)
+
+    def blocks(self, hq: int, hkv: int, causal: bool, window: Optional[int],
+               branches: Sequence[Tuple[int, int]], device: torch.device) -> List[CachedBlock]:
+        """This step's kernel calls; computed by the first layer, reused by the others."""
+        key = (hq, hkv, causal, window, tuple(branches), str(device))
+        found = self._blocks.get(key)
+        if found is None:
+            found = self._blocks[key] = [
+                CachedBlock(b.q_heads, b.kv_heads, *(None if t is None else t.to(device) for t in (b.q_rows, b.k_rows, b.mask)))
+                for b in cached_blocks(self.q_pos, self.cache.index, hq=hq, hkv=hkv, causal=causal,
+                                       window=window, branches=branches)
+            ]
+        return found

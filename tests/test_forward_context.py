@@ -1,0 +1,87 @@
+"""Per-forward facts: one agreement per forward, unsharded forwards refused everywhere, options honoured."""
+import pytest
+import torch
+
+import hf_ring
+import hf_ring.backend
+import reference as R
+from cases import (counted_collectives_case, different_batches_case, make_qkv, mixed_dtype_case,
+                   unsharded_forward_case)
+from helpers import rel_err
+from models import saved_model_dir
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_one_agreement_per_forward_not_per_layer(pools, checkpointing):
+    layers = 6
+    path = saved_model_dir("llama", num_hidden_layers=layers)
+    for res in pools(2).run(counted_collectives_case, path, 40, layers, checkpointing):
+        # The ring moves K/V point to point; the only collective is the agreement, once for all six layers,
+        # and neither the backward nor the recomputation of checkpointed layers agrees again.
+        assert res["forward"] == ["all_gather"], res["forward"]
+        assert res["step"] == ["all_gather"], res["step"]
+        assert res["agreed"] == 1
+
+
+def test_unsharded_forward_under_sp_raises_on_every_rank(pools):
+    path = saved_model_dir("llama")
+    for res in pools(2).run(unsharded_forward_case, path, 24):
+        assert res is not None and res[0] == "ValueError", res
+        assert "rank(s) [0, 1]" in res[1] and "hf_ring.shard_batch" in res[1]
+
+
+def test_one_rank_unsharded_raises_the_same_error_on_every_rank(pools):
+    path = saved_model_dir("llama")
+    results = pools(2).run(unsharded_forward_case, path, 24, (0,))
+    assert results[0] == results[1] and results[0][0] == "ValueError", results
+    assert "rank(s) [1]" in results[0][1]
+
+
+def test_ranks_sharding_different_batches_raise(pools):
+    path = saved_model_dir("llama")
+    results = pools(2).run(different_batches_case, path, 24)
+    assert results[0] == results[1] and "different batches" in results[0][1], results
+
+
+def test_dtype_disagreement_is_caught_before_any_exchange(pools):
+    results = pools(2).run(mixed_dtype_case, 20)
+    assert results[0] == results[1], results
+    assert results[0][0] == "ValueError" and "dtype" in results[0][1] and "float16" in results[0][1]
+
+
+class _Attn(torch.nn.Module):
+    is_causal = True
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_is_causal_keyword_wins_over_the_module_attribute(is_causal):
+    """transformers' own backends honour an ``is_causal`` keyword before ``module.is_causal``."""
+    from models import tiny_config
+
+    q, k, v, _ = make_qkv(1, 2, 4, 2, 19, 16)
+    module = _Attn(tiny_config())
+    out, _ = hf_ring.backend.ring_dilated_attention(module, q, k, v, None, scaling=0.25, is_causal=is_causal)
+    ref = R.dense_attention(q, k, v, causal=is_causal, scale=0.25)
+    assert rel_err(out.transpose(1, 2), ref) <= 1e-5
+
+
+def test_prepared_4d_mask_on_a_whole_sequence_is_refused():
+    from models import tiny_config
+
+    q, k, v, _ = make_qkv(1, 1, 2, 2, 6, 8)
+    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    with pytest.raises(ValueError, match="2-D padding mask"):
+        hf_ring.backend.ring_dilated_attention(_Attn(tiny_config()), q, k, v, mask.float())
+
+
+@pytest.mark.parametrize("name", ["s_aux", "softcap", "head_mask"])
+def test_unimplemented_attention_arguments_are_refused_not_dropped(name):
+    from models import tiny_config
+
+    q, k, v, _ = make_qkv(1, 1, 2, 2, 6, 8)
+    with pytest.raises(NotImplementedError, match=name):
+        hf_ring.backend.ring_dilated_attention(_Attn(tiny_config()), q, k, v, None, **{name: torch.ones(2)})
