@@ -262,3 +262,29 @@ def full_key_mask(key_mask: Optional[Tensor], k: Tensor, any_padded: bool) -> Op
     if key_mask is None:
         return torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
     return key_mask
+
+
+_MESSAGE_BYTES = 480
+
+
+def raise_together(comm: Optional[RingComm], error: Optional[Exception], what: str) -> None:
+    """Make one rank's failed local check fail every rank, with the same exception.
+
+    Checks that need no other rank run first on each rank; this exchange (one
+    small all-gather) then tells every rank whether any failed, so no rank
+    raises while the others wait for it in a collective. Every rank raises
+    the first failing rank's error type and message, prefixed with its rank.
+    """
+    if comm is None or comm.world_size == 1:
+        if error is not None:
+            raise error
+        return
+    text = b"" if error is None else f"{type(error).__name__}\0{error}".encode()[:_MESSAGE_BYTES]
+    row = [int(error is not None), len(text)] + list(text) + [0] * (_MESSAGE_BYTES - len(text))
+    table = comm.all_gather_ints(row, what)
+    failed = [r for r, got in enumerate(table) if got[0]]
+    if not failed:
+        return
+    first = table[failed[0]]
+    kind, _, message = bytes(first[2:2 + first[1]]).decode(errors="replace").partition("\0")
+    raise (TypeError if kind == "TypeError" else ValueError)(f"rank {failed[0]}: {message}")

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 
 from . import config as ring_config
 from .cache import ShardedCache
+from .checks import raise_together
 from .comm import RingComm
 from .context import CONTEXT_KEY, DecodeStep, ShardedForward
 from .layout import owner, shard_sizes
@@ -188,55 +189,23 @@ def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, 
     ``past_key_values`` may be a :class:`hf_ring.ShardedCache` returned by an
     earlier call (``return_dict_in_generate=True``) on the same ranks.
     Positions past ``config.max_position_embeddings`` are refused unless the
-    RoPE type is ``dynamic`` or ``allow_beyond_max_positions=True``.
+    RoPE type is ``dynamic`` or ``allow_beyond_max_positions=True``. A bad
+    argument on any rank raises the same error on every rank of the group.
     """
-    model = _unwrap(model)
-    _check_inputs(input_ids, attention_mask)
-    for key, why in _UNSUPPORTED.items():
-        if generate_kwargs.get(key) is not None:
-            raise ValueError(f"hf_ring.generate does not take {key}: {why}")
     sp = current()
-    sharded = sp is not None and sp.sp_size > 1
-    config = model.config
-    gen_config = generate_kwargs.get("generation_config") or model.generation_config
-    setting = lambda name: generate_kwargs.get(name, getattr(gen_config, name, None))  # noqa: E731
-    n = input_ids.shape[1]
-    max_new = setting("max_new_tokens")
-    total = n + max_new if max_new is not None else max(n, setting("max_length") or n)
-    check_length(config, n, total, allow_beyond_max_positions)
-    if config._attn_implementation != "ring_dilated":
-        if sharded:
-            raise ValueError(
-                f"sharded generation needs attn_implementation='ring_dilated' (this model uses "
-                f"{config._attn_implementation!r}); load it with from_pretrained(..., attn_implementation='ring_dilated')"
-            )
+    comm = sp.comm if sp is not None and sp.sp_size > 1 else None
+    try:
+        model, cache = _prepare(model, input_ids, attention_mask, sp, comm, allow_beyond_max_positions, generate_kwargs)
+        error = None
+    except (TypeError, ValueError) as err:
+        error = err
+    raise_together(comm, error, "the argument check before generation")
+    if cache is None:  # not ring_dilated, one process: transformers' own generate
         return model.generate(input_ids, attention_mask=attention_mask, **generate_kwargs)
-    if setting("use_cache") is False:
-        raise ValueError("hf_ring.generate keeps a sharded KV cache; use_cache=False is not supported")
-    if (setting("num_beams") or 1) > 1:
-        raise ValueError("hf_ring.generate supports greedy decoding and sampling, not beam search (num_beams > 1)")
-
-    comm = sp.comm if sharded else None
-    rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
-    layout = sp.layout if sharded else ring_config.parse(getattr(config, ring_config.CONFIG_KEY, None)).layout
-    cache = generate_kwargs.pop("past_key_values", None)
-    if cache is None:
-        cache = ShardedCache(rank, world, layout)
-    elif not isinstance(cache, ShardedCache):
-        raise TypeError(
-            f"past_key_values must be a hf_ring.ShardedCache returned by hf_ring.generate, got {type(cache).__name__}"
-        )
-    elif not cache.same_layout(rank, world, layout):
-        raise ValueError(
-            f"past_key_values was made for rank {cache.rank} of {cache.world_size} with layout {cache.layout!r}, "
-            f"but this is rank {rank} of {world} with layout {layout!r}; continue a cache only on the ranks and "
-            "layout that made it"
-        )
     if comm is not None:
-        _agree(comm, input_ids, attention_mask, cache, bool(setting("do_sample")), model.device)
-    if rank != 0:
-        generate_kwargs.pop("streamer", None)
-
+        _agree(comm, input_ids, attention_mask, cache, bool(_setting(model, generate_kwargs, "do_sample")), model.device)
+        if comm.rank != 0:
+            generate_kwargs.pop("streamer", None)
     state = Generation(cache, comm)
     hooks = [model.register_forward_pre_hook(_pre_forward(state), with_kwargs=True),
              model.register_forward_hook(_post_forward(state), with_kwargs=True)]
@@ -245,3 +214,56 @@ def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, 
     finally:
         for h in hooks:
             h.remove()
+
+
+def _setting(model, generate_kwargs: dict, name: str):
+    """A generation setting: the call's keyword, else the generation config's value."""
+    gen_config = generate_kwargs.get("generation_config") or model.generation_config
+    return generate_kwargs.get(name, getattr(gen_config, name, None))
+
+
+def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], allow_beyond: bool,
+             generate_kwargs: dict) -> Tuple[Any, Optional[ShardedCache]]:
+    """Every check that needs no other rank; the unwrapped model and the cache to generate with.
+
+    The cache is None when the model is not ``ring_dilated`` (then one process
+    runs transformers' own generate). Pops ``past_key_values`` from ``generate_kwargs``.
+    """
+    model = _unwrap(model)
+    _check_inputs(input_ids, attention_mask)
+    for key, why in _UNSUPPORTED.items():
+        if generate_kwargs.get(key) is not None:
+            raise ValueError(f"hf_ring.generate does not take {key}: {why}")
+    config = model.config
+    setting = lambda name: _setting(model, generate_kwargs, name)  # noqa: E731
+    n = input_ids.shape[1]
+    max_new = setting("max_new_tokens")
+    total = n + max_new if max_new is not None else max(n, setting("max_length") or n)
+    check_length(config, n, total, allow_beyond)
+    if config._attn_implementation != "ring_dilated":
+        if comm is not None:
+            raise ValueError(
+                f"sharded generation needs attn_implementation='ring_dilated' (this model uses "
+                f"{config._attn_implementation!r}); load it with from_pretrained(..., attn_implementation='ring_dilated')"
+            )
+        return model, None
+    if setting("use_cache") is False:
+        raise ValueError("hf_ring.generate keeps a sharded KV cache; use_cache=False is not supported")
+    if (setting("num_beams") or 1) > 1:
+        raise ValueError("hf_ring.generate supports greedy decoding and sampling, not beam search (num_beams > 1)")
+    rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
+    layout = sp.layout if comm is not None else ring_config.parse(getattr(config, ring_config.CONFIG_KEY, None)).layout
+    cache = generate_kwargs.pop("past_key_values", None)
+    if cache is None:
+        return model, ShardedCache(rank, world, layout)
+    if not isinstance(cache, ShardedCache):
+        raise TypeError(
+            f"past_key_values must be a hf_ring.ShardedCache returned by hf_ring.generate, got {type(cache).__name__}"
+        )
+    if not cache.same_layout(rank, world, layout):
+        raise ValueError(
+            f"past_key_values was made for rank {cache.rank} of {cache.world_size} with layout {cache.layout!r}, "
+            f"but this is rank {rank} of {world} with layout {layout!r}; continue a cache only on the ranks and "
+            "layout that made it"
+        )
+    return model, cache

@@ -276,3 +276,9 @@ def mixed_dtype_case(n):
     q, k, v, _ = make_qkv(0, 1, 2, 2, n, 8, dtype)
     pos = hf_ring.local_positions(n, dist.get_rank(), dist.get_world_size())
     return raises_on_rank(hf_ring.ring_attention, q[:, :, pos], k[:, :, pos], v[:, :, pos])
+
+
+def one_rank_bad_argument_case(path, ids, bad):
+    """``hf_ring.generate`` where only the last rank passes the keyword arguments ``bad``."""
+    extra = bad if dist.get_rank() == dist.get_world_size() - 1 else {}
+    return raises_on_rank(sp_generate_case, path, ids, **dict(dict(max_new_tokens=3, pad_token_id=0), **extra))

@@ -243,3 +243,17 @@ def test_bad_input_ids(ids, mask, exc, match):
     model = load(saved_model_dir("llama"), "ring_dilated")
     with pytest.raises(exc, match=match):
         hf_ring.generate(model, ids, attention_mask=mask, **GREEDY)
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    ({"num_beams": 2}, "ValueError", "beam search"),
+    ({"use_cache": False}, "ValueError", "use_cache=False"),
+    ({"inputs_embeds": torch.zeros(1, 2, 64)}, "ValueError", "inputs_embeds"),
+])
+def test_bad_argument_on_one_rank_raises_the_same_error_on_every_rank(pools, bad, exc, match):
+    from cases import one_rank_bad_argument_case
+
+    ids, _ = prompts(9, 1, 12)
+    results = pools(2).run(one_rank_bad_argument_case, saved_model_dir("llama"), ids, bad)
+    assert results[0] == results[1], results
+    assert results[0][0] == exc and match in results[0][1] and results[0][1].startswith("rank 1:")
