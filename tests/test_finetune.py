@@ -119,7 +119,7 @@ def test_checkpoint_reload_gives_identical_logits(tmp_path):
 
 def test_finetune_runs_under_torchrun_and_resumes(tmp_path):
     out = str(tmp_path / "ckpt")
-    base = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
             os.path.join(ROOT, "examples", "finetune.py"), "--sp-size", "2", "--seq-len", "96",
             "--batch-size", "2", "--eval-every", "2", "--eval-batches", "1", "--output", out]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_RING_TIMEOUT="60")
