@@ -11,8 +11,8 @@ tokens/s and the cache bytes each rank holds.
 
 ``--model PATH`` loads a local Llama/Mistral checkpoint (its tokenizer too, if
 it has one; otherwise text is read as bytes, the vocabulary of
-examples/finetune.py). Without ``--model`` a tiny random Llama is built and
-saved on the fly, so the script runs on a fresh machine (its output is noise,
+examples/finetune.py). Without ``--model`` a tiny random Llama is
+built in memory, so the script runs on a fresh machine (its output is noise,
 the mechanics are real). Without ``--prompt-file`` the prompt is
 ``--prompt-len`` random tokens. ``--passkey`` instead answers passkey prompts
 with a checkpoint from examples/finetune.py and reports the accuracy.
@@ -22,14 +22,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
 
 import hf_ring
+from hf_ring import comm
 from hf_ring import config as ring_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -60,18 +60,10 @@ class TimedStreamer:
         return "".join(chr(i) if 32 <= i < 127 or i == 10 else f"<{i}>" for i in ids)
 
 
-def tiny_model_dir(is_main: bool, wait) -> str:
-    """A small random Llama saved with safetensors (made once, by the main process)."""
-    from transformers import AutoModelForCausalLM
-
-    path = os.path.join(tempfile.gettempdir(), "hf_ring_generate_tiny_llama")
-    if is_main and not os.path.isfile(os.path.join(path, "model.safetensors")):
-        torch.manual_seed(0)
-        config = ft.default_config(131072)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.save_pretrained(path, safe_serialization=True)
-    wait()
-    return path
+def tiny_model(dtype: torch.dtype):
+    """A small random Llama, built in memory: the same seed on every rank gives every rank the same weights."""
+    torch.manual_seed(0)
+    return ft.load_model(None, 131072, dtype)
 
 
 def load_tokenizer(path: str):
@@ -151,9 +143,9 @@ def main(argv=None) -> dict:
     sp = hf_ring.setup_sequence_parallel(accelerator, sp_size, layout=args.layout)
     is_main = accelerator.is_main_process
     try:
-        path = args.model or tiny_model_dir(is_main, accelerator.wait_for_everyone)
         dtype = torch.bfloat16 if cuda else torch.float32
-        model = ft.load_model(path, args.seq_len, dtype).to(accelerator.device).eval()
+        model = ft.load_model(args.model, args.seq_len, dtype) if args.model else tiny_model(dtype)
+        model = model.to(accelerator.device).eval()
         if args.segment_lengths:
             pattern = hf_ring.DilatedPattern(args.segment_lengths, args.dilation_rates)
         else:  # keep the checkpoint's own pattern (config.ring_dilated), only the layout follows --layout
@@ -161,7 +153,7 @@ def main(argv=None) -> dict:
         hf_ring.configure(model, pattern=pattern, layout=args.layout)
         if args.passkey:
             return passkey(model, args, is_main)
-        tokenizer = load_tokenizer(path)
+        tokenizer = load_tokenizer(args.model) if args.model else None
         ids = prompt_ids(args, tokenizer, model.config.vocab_size).to(accelerator.device)
         streamer = TimedStreamer(tokenizer, echo=not args.quiet)
         if args.do_sample:
@@ -176,9 +168,8 @@ def main(argv=None) -> dict:
         )
         cache_bytes = [out.past_key_values.nbytes()] * sp_size
         if sp.sp_group is not None and sp_size > 1:
-            gathered: List[Optional[int]] = [None] * sp_size
-            dist.all_gather_object(gathered, out.past_key_values.nbytes(), group=sp.sp_group)
-            cache_bytes = gathered
+            mine = torch.tensor([out.past_key_values.nbytes()], dtype=torch.long, device=comm.device_for(sp.sp_group))
+            cache_bytes = comm.all_gather(mine, sp.sp_group, "the cache size report").flatten().tolist()
         stats = {"prompt_tokens": ids.shape[1], "new_tokens": out.sequences.shape[1] - ids.shape[1],
                  "sequences": out.sequences.cpu(), "cache_bytes": cache_bytes}
         if is_main:

@@ -20,6 +20,13 @@ import torch.distributed as dist
 import hf_ring
 
 
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max|got - ref| / max|ref|`` over one tensor (0 when both are zero)."""
+    scale = ref.abs().max().item()
+    diff = (got - ref).abs().max().item()
+    return diff / scale if scale else (0.0 if diff == 0 else float("inf"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-len", type=int, default=4096)
@@ -60,9 +67,10 @@ def main() -> None:
         alone = [dist.new_group([r]) for r in range(world)][rank] if dist.is_initialized() else None
         whole = hf_ring.ring_attention(ref_q, ref_k, ref_v, group=alone, pattern=pattern)
         whole.backward(dout)
-        err = max((out.detach().cpu() - whole.detach()[:, :, pos]).abs().max().item(),
-                  (ql.grad.cpu() - ref_q.grad[:, :, pos]).abs().max().item())
-        print(f"rank {rank}: max |ring - one process| over output and dq = {err:.2e}")
+        errs = [relative_error(mine.detach().cpu(), ref.detach()[:, :, pos])
+                for mine, ref in ((out, whole), (ql.grad, ref_q.grad), (kl.grad, ref_k.grad), (vl.grad, ref_v.grad))]
+        print(f"rank {rank}: max |ring - one process| / max |one process| for out, dq, dk, dv = "
+              + ", ".join(f"{e:.2e}" for e in errs), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -1,12 +1,36 @@
-"""Point-to-point exchanges between ring neighbours, with a bounded wait.
+"""Every exchange between ranks that hf_ring makes, each with a bounded wait.
 
-Every wait has a timeout, so a rank whose peer died or was given other shapes
-raises instead of blocking forever. The timeout is ``HF_RING_TIMEOUT`` seconds
-(default 600), read when a ``RingComm`` is made.
+Point-to-point exchanges between ring neighbours (:class:`RingComm`) and the
+collectives (:func:`all_reduce`, :func:`all_gather`, :func:`broadcast`) are
+all posted asynchronously and then finished by :func:`wait`, the one place a
+rank waits for another. A rank whose peer died, raised, or was given other
+shapes therefore raises :class:`CommTimeoutError` instead of blocking forever.
+
+The bound is ``HF_RING_TIMEOUT`` seconds (default 600): a finite number > 0,
+checked by :func:`comm_timeout` when a ``RingComm`` is made, when a collective
+is issued, and by ``setup_sequence_parallel``.
+
+How the bound is enforced depends on the backend:
+
+* gloo (CPU): ``work.wait(timeout)`` blocks the calling thread with that
+  deadline (gloo waits on its transport with the timeout given), so the
+  wait itself is bounded.
+* NCCL and any other backend: a host-side watchdog. ``work.wait()`` of NCCL
+  only orders the current CUDA stream after the transfer and returns at once
+  unless ``TORCH_NCCL_BLOCKING_WAIT`` is set, so a dead peer would surface
+  much later, at the next host synchronisation. Instead the host polls
+  ``work.is_completed()`` (a non-blocking query of the transfer's CUDA
+  event) until it is true or the deadline passes, and only then calls
+  ``work.wait()`` to order the stream and re-raise any error the backend
+  recorded. This does not depend on ``TORCH_NCCL_BLOCKING_WAIT``. After a
+  timeout the communicator may still hold the stuck transfer: the process
+  should report the error and exit (or abort the group), not reuse it.
 """
 from __future__ import annotations
 
+import math
 import os
+import time
 from datetime import timedelta
 from typing import List, Optional, Sequence, Tuple
 
@@ -15,19 +39,26 @@ import torch.distributed as dist
 
 Tensor = torch.Tensor
 
+TIMEOUT_VAR = "HF_RING_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
+_POLL_MIN_S = 20e-6  # first sleep of the watchdog; doubles up to _POLL_MAX_S
+_POLL_MAX_S = 2e-3
 
 
 def comm_timeout() -> float:
-    raw = os.environ.get("HF_RING_TIMEOUT", "")
-    if not raw:
+    """The wait bound in seconds from ``HF_RING_TIMEOUT`` (default 600); raises ValueError when it is unusable."""
+    raw = os.environ.get(TIMEOUT_VAR, "")
+    if not raw.strip():
         return DEFAULT_TIMEOUT_S
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"HF_RING_TIMEOUT={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"HF_RING_TIMEOUT must be > 0 seconds, got {raw!r}")
+        raise ValueError(f"{TIMEOUT_VAR}={raw!r} is not a number of seconds; set it to e.g. 600") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"{TIMEOUT_VAR}={raw!r} must be a finite number of seconds > 0 (every wait needs a bound); "
+            "set it to e.g. 600"
+        )
     return value
 
 
@@ -35,40 +66,113 @@ class CommTimeoutError(RuntimeError):
     """A point-to-point exchange or collective did not finish in time, or failed."""
 
 
+def _failure(what: str, timeout: float, cause) -> CommTimeoutError:
+    return CommTimeoutError(
+        f"hf_ring: {what} failed or did not finish within {timeout:g} s ({TIMEOUT_VAR}). "
+        "Another rank probably died, raised an error or was given different shapes; "
+        f"look at the other ranks' errors. Cause: {cause}"
+    )
+
+
+def wait(work, what: str, timeout: float, backend: str) -> None:
+    """Finish ``work`` within ``timeout`` seconds or raise :class:`CommTimeoutError` (see the module notes)."""
+    try:
+        if backend == "gloo":
+            ok = work.wait(timedelta(seconds=timeout))
+        else:
+            deadline = time.monotonic() + timeout
+            pause = _POLL_MIN_S
+            while not work.is_completed():
+                if time.monotonic() >= deadline:
+                    raise _failure(what, timeout, "timed out (host-side watchdog)")
+                time.sleep(pause)
+                pause = min(2 * pause, _POLL_MAX_S)
+            ok = work.wait()
+    except CommTimeoutError:
+        raise
+    except RuntimeError as err:  # gloo's timeout, a closed connection, or an error NCCL recorded
+        raise _failure(what, timeout, err) from err
+    if ok is False:
+        raise _failure(what, timeout, "the backend reported the wait as failed")
+
+
+def _post(what: str, timeout: float, post):
+    """Issue an asynchronous operation; an error raised while posting (e.g. a peer already gone) is reported alike."""
+    try:
+        return post()
+    except RuntimeError as err:
+        raise _failure(what, timeout, err) from err
+
+
+def _resolve(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    return group if group is not None else dist.group.WORLD
+
+
+def all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup], what: str,
+               op=dist.ReduceOp.SUM, timeout: Optional[float] = None) -> Tensor:
+    """Reduce ``tensor`` in place over ``group`` (``None``: the world) with a bounded wait; returns it.
+
+    ``what`` names the operation in the error; ``timeout`` defaults to :func:`comm_timeout`.
+    """
+    group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
+    work = _post(what, timeout, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
+    wait(work, what, timeout, dist.get_backend(group))
+    return tensor
+
+
+def all_gather(tensor: Tensor, group: Optional[dist.ProcessGroup], what: str,
+               timeout: Optional[float] = None) -> Tensor:
+    """Every rank's ``tensor`` stacked by group rank, ``(group size, *tensor.shape)``, with a bounded wait."""
+    group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    work = _post(what, timeout, lambda: dist.all_gather(parts, tensor, group=group, async_op=True))
+    wait(work, what, timeout, dist.get_backend(group))
+    return torch.stack(parts)
+
+
+def broadcast(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup], what: str,
+              timeout: Optional[float] = None) -> Tensor:
+    """``tensor`` of group rank ``src`` on every rank (other ranks pass a buffer of its shape), bounded wait."""
+    group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
+    tensor = tensor.contiguous()
+    root = dist.get_global_rank(group, src)
+    work = _post(what, timeout, lambda: dist.broadcast(tensor, src=root, group=group, async_op=True))
+    wait(work, what, timeout, dist.get_backend(group))
+    return tensor
+
+
+def device_for(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """Where small control tensors for ``group`` live: the current GPU under NCCL, else the CPU."""
+    if dist.get_backend(_resolve(group)) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class Pending:
     """Sends and receives in flight; ``wait()`` returns the received tensors."""
 
-    def __init__(self, works, sent: List[Tensor], received: List[Tensor], what: str, timeout: float):
-        self._works, self._received, self._what, self._timeout = works, received, what, timeout
+    def __init__(self, works, sent: List[Tensor], received: List[Tensor], what: str, timeout: float,
+                 backend: str):
+        self._works, self._received, self._what = works, received, what
+        self._timeout, self._backend = timeout, backend
         self._sent = sent  # keep send buffers alive until their transfer completes
 
     def wait(self) -> List[Tensor]:
         for work in self._works:
-            _wait(work, self._what, self._timeout)
+            wait(work, self._what, self._timeout, self._backend)
         self._works, self._sent = [], []
         return self._received
-
-
-def _wait(work, what: str, timeout: float) -> None:
-    try:
-        ok = work.wait(timedelta(seconds=timeout))
-    except RuntimeError as err:
-        raise CommTimeoutError(
-            f"hf_ring: {what} failed or did not finish within {timeout:g} s (HF_RING_TIMEOUT). "
-            "Another rank probably raised an error or was given different shapes; "
-            f"look at the other ranks' errors. Cause: {err}"
-        ) from err
-    if ok is False:
-        raise CommTimeoutError(f"hf_ring: {what} did not finish within {timeout:g} s (HF_RING_TIMEOUT)")
 
 
 class RingComm:
     """Ring neighbours in a process group: rank ``r`` sends to ``r+1`` and receives from ``r-1``."""
 
     def __init__(self, group: Optional[dist.ProcessGroup]):
-        self.group = group if group is not None else dist.group.WORLD
+        self.group = _resolve(group)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+        self.backend = dist.get_backend(self.group)
         self.timeout = comm_timeout()
 
     @property
@@ -103,33 +207,19 @@ class RingComm:
         for i, t in enumerate(received):
             if t.numel():
                 ops.append(dist.P2POp(dist.irecv, t, group=self.group, group_peer=recv_from, tag=tag + i))
-        works = dist.batch_isend_irecv(ops) if ops else []
         what = f"exchange (send to rank {send_to}, receive from rank {recv_from})"
-        return Pending(works, sent, received, what, self.timeout)
+        works = _post(what, self.timeout, lambda: dist.batch_isend_irecv(ops)) if ops else []
+        return Pending(works, sent, received, what, self.timeout, self.backend)
 
     def all_gather_ints(self, values: Sequence[int], what: str) -> List[List[int]]:
         """Every rank's copy of a few small integers, by rank (one tiny all-gather)."""
-        t = torch.tensor(list(values), dtype=torch.long, device=self._device())
-        out = [torch.empty_like(t) for _ in range(self.world_size)]
-        work = dist.all_gather(out, t, group=self.group, async_op=True)
-        _wait(work, what, self.timeout)
-        return [x.tolist() for x in out]
+        t = torch.tensor(list(values), dtype=torch.long, device=device_for(self.group))
+        return [row.tolist() for row in self.all_gather(t, what)]
 
     def all_gather(self, tensor: Tensor, what: str) -> Tensor:
         """Every rank's ``tensor`` stacked by rank, ``(world_size, *tensor.shape)``."""
-        tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        _wait(dist.all_gather(parts, tensor, group=self.group, async_op=True), what, self.timeout)
-        return torch.stack(parts)
+        return all_gather(tensor, self.group, what, timeout=self.timeout)
 
     def broadcast(self, tensor: Tensor, src: int, what: str) -> Tensor:
         """``tensor`` of group rank ``src`` on every rank (in place; other ranks pass a buffer of its shape)."""
-        tensor = tensor.contiguous()
-        work = dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group, async_op=True)
-        _wait(work, what, self.timeout)
-        return tensor
-
-    def _device(self) -> torch.device:
-        if dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return broadcast(tensor, src, self.group, what, timeout=self.timeout)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any, Dict, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 
+from .comm import all_gather
 from .context import CONTEXT_KEY, ShardedForward
 from .layout import local_positions
 from .parallel import SequenceParallel, current
@@ -101,8 +101,7 @@ def gather_sequence(tensor: torch.Tensor, seq_len: int, dim: int = 1,
     longest = max(sizes)
     padded = moved.new_zeros((longest,) + moved.shape[1:])
     padded[: moved.shape[0]] = moved
-    parts = [torch.empty_like(padded) for _ in range(group.sp_size)]
-    dist.all_gather(parts, padded, group=group.sp_group)
+    parts = all_gather(padded, group.sp_group, "the sequence gather")
     full = moved.new_empty((seq_len,) + moved.shape[1:])
     for r, part in enumerate(parts):
         full[local_positions(seq_len, r, group.sp_size, group.layout).to(full.device)] = part[: sizes[r]]

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from . import comm
 from .comm import RingComm
 from .layout import check_layout
 
@@ -113,19 +114,61 @@ def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = No
     return _CURRENT
 
 
+BUCKET_BYTES = 25 * 2**20
+"""Gradients are reduced in flat buckets of about this size: one collective per bucket, not per parameter."""
+
+
 def sync_gradients(model: torch.nn.Module, sp: Optional[SequenceParallel] = None) -> None:
     """Sum parameter gradients over the sp group and average them over the dp group.
 
     For training without DDP. Under DDP use ``loss * sp.loss_scale`` instead.
+    Every rank must pass the same model (same parameters, in the same order).
+    A parameter with ``requires_grad`` whose gradient is ``None`` on some ranks
+    counts as zeros there, so it ends up with the same gradient on every rank;
+    one whose gradient is ``None`` on every rank stays ``None`` (one small
+    reduction of flags decides, so no rank waits for a collective another rank
+    skipped). Gradients travel in flat buckets of about ``BUCKET_BYTES``, one
+    per dtype and device, each reduced once over sp and once over dp.
     """
     sp = sp or current()
-    if sp is None or sp.sp_group is None:
+    if sp is None or sp.sp_group is None or sp.sp_size * sp.dp_size == 1:
         return
-    for p in model.parameters():
-        if p.grad is None:
-            continue
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is not None and p.grad.is_sparse:
+            raise TypeError("sync_gradients needs dense gradients; a parameter has a sparse one (use sparse=False)")
+    device = comm.device_for(sp.sp_group)
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=device)
+    for group, size in ((sp.sp_group, sp.sp_size), (sp.dp_group, sp.dp_size)):
+        if size > 1:
+            comm.all_reduce(has, group, "the gradient presence check", op=dist.ReduceOp.MAX)
+    grads = []
+    for p, present in zip(params, has.tolist()):
+        if present:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+    for bucket in _buckets(grads, BUCKET_BYTES):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
         if sp.sp_size > 1:
-            dist.all_reduce(p.grad, group=sp.sp_group)
+            comm.all_reduce(flat, sp.sp_group, "the gradient sum over the sequence-parallel group")
         if sp.dp_size > 1:
-            dist.all_reduce(p.grad, group=sp.dp_group)
-            p.grad /= sp.dp_size
+            comm.all_reduce(flat, sp.dp_group, "the gradient sum over the data-parallel group")
+            flat /= sp.dp_size
+        for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(part.view_as(g))
+
+
+def _buckets(tensors, limit: int):
+    """``tensors`` in order, grouped by (dtype, device) into lists of at most ``limit`` bytes (or one tensor)."""
+    filling: dict = {}  # (dtype, device) -> [tensors, bytes]
+    for t in tensors:
+        entry = filling.setdefault((t.dtype, t.device), [[], 0])
+        if entry[0] and entry[1] + t.nbytes > limit:
+            yield entry[0]
+            entry[:] = [[], 0]
+        entry[0].append(t)
+        entry[1] += t.nbytes
+    for bucket, _ in filling.values():
+        if bucket:
+            yield bucket

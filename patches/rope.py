@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hf_ring.comm import all_reduce
+
 _ORIGINAL = "_hf_ring_original_forward"
 LENGTH_DEPENDENT = ("dynamic", "longrope")
 
@@ -35,7 +37,7 @@ def patch_rotary(cls) -> None:
         if raw is None or sp is None or sp.sp_size == 1 or not _needs_global_length(self):
             return original(self, x, position_ids, *args, **kwargs)
         longest = position_ids.max().reshape(1).to(torch.long)
-        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=sp.sp_group)
+        all_reduce(longest, sp.sp_group, "the RoPE global length", op=dist.ReduceOp.MAX)
         original(self, x[:1, :1], longest.view(1, 1).to(position_ids.device))  # global-length update only
         return raw(self, x, position_ids, *args, **kwargs)
 

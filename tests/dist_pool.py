@@ -10,6 +10,7 @@ import os
 import queue
 import sys
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 
@@ -99,3 +100,68 @@ class RankPool:
             if p.is_alive():
                 p.kill()
         self._dir.cleanup()
+
+
+def _once_worker(rank, world_size, init_file, sys_path, env, fn, args, results, release):
+    sys.path[:] = sys_path
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    # A long group timeout: only hf_ring's own bound (HF_RING_TIMEOUT in env) may end a wait here.
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=3600))
+    try:
+        results.put((rank, True, fn(*args)))
+    except BaseException as err:
+        results.put((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+    # Stay alive (and connected) until every rank has answered, so a survivor's wait is
+    # ended by the bound, not by its peers exiting.
+    release.wait(RESULT_TIMEOUT_S)
+    os._exit(0)  # the group may be broken: skip its teardown
+
+
+def run_once(world_size: int, fn, *args, env=None, deadline_s: float = RESULT_TIMEOUT_S):
+    """Run ``fn(*args)`` on ``world_size`` fresh gloo ranks (not a pool) and return ``{rank: (ok, result)}``.
+
+    Ranks that die without answering (e.g. killed on purpose) are missing from
+    the result; the second value is ``{rank: exit code}`` of those. Every wait
+    is bounded by ``deadline_s``; all processes are gone when this returns.
+    """
+    ctx = mp.get_context("forkserver")
+    # Fresh processes forked from one server that imported these once: a start costs
+    # milliseconds instead of the seconds importing torch and transformers takes.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "hf_ring", __name__, fn.__module__])
+    results, release = ctx.Queue(), ctx.Event()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [
+            ctx.Process(target=_once_worker, daemon=True,
+                        args=(r, world_size, init_file, list(sys.path), dict(env or {}), fn, args, results, release))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        got, end = {}, time.monotonic() + deadline_s
+        try:
+            while True:
+                dead = {r for r, p in enumerate(procs) if p.exitcode is not None and r not in got}
+                if len(got) + len(dead) == world_size:
+                    break
+                if time.monotonic() > end:
+                    raise RankError(f"ranks {sorted(set(range(world_size)) - set(got) - dead)} did not answer "
+                                    f"within {deadline_s}s")
+                try:
+                    rank, ok, res = results.get(timeout=0.2)
+                    got[rank] = (ok, res)
+                except queue.Empty:
+                    pass
+        finally:
+            release.set()
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=10)
+        return got, {r: p.exitcode for r, p in enumerate(procs) if r not in got}

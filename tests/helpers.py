@@ -1,12 +1,39 @@
+from typing import Optional
+
 import torch
 
-# Inputs in the tests are unit-normal, so outputs and gradients are O(1). When
-# a reference tensor is (nearly) zero, e.g. dq of a row that sees one key, the
-# error is measured against this floor instead of against ~0.
-SCALE_FLOOR = 1.0
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor, zero_scale: Optional[float] = None) -> float:
+    """Relative error of one tensor: ``max|got - ref| / max|ref|``.
+
+    No floor: a tensor of small values (e.g. the gradient of an attention
+    projection, ~1e-4) is held to the same relative bound as one of O(1)
+    values. When the reference is exactly zero there is no scale of its own:
+    the result is 0.0 if ``got`` is exactly zero too and inf otherwise, unless
+    the caller names ``zero_scale``, the size of the terms whose exact
+    cancellation makes the reference zero (floating point cannot cancel them
+    exactly, so ``got`` is measured against them).
+    """
+    if got.shape != ref.shape:
+        raise AssertionError(f"shapes differ: got {tuple(got.shape)}, reference {tuple(ref.shape)}")
+    if not ref.numel():
+        return 0.0
+    diff = (got.double() - ref.double()).abs().max().item()
+    scale = ref.double().abs().max().item()
+    if scale == 0.0:
+        scale = zero_scale or 0.0
+    if scale == 0.0:
+        return 0.0 if diff == 0.0 else float("inf")
+    return diff / scale
 
 
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """Max abs error over the reference's scale (its max abs value, at least SCALE_FLOOR)."""
-    scale = max(ref.abs().max().item() if ref.numel() else 0.0, SCALE_FLOOR)
-    return (got.double() - ref.double()).abs().max().item() / scale
+def dilated_sdpa_mask(n: int, branches, heads: int) -> torch.Tensor:
+    """A 4-D additive mask ``(1, heads, n, n)`` of ``log m`` (LongNet multiplicities, -inf where 0).
+
+    Given as ``attention_mask`` to a transformers ``sdpa`` or ``eager`` model it makes that
+    model compute dilated attention with transformers' own code: an implementation of the
+    dilated model independent of hf_ring (the multiplicities come from tests/reference.py).
+    """
+    from reference import dilated_multiplicity
+
+    return torch.stack([torch.log(dilated_multiplicity(n, branches, h).double()) for h in range(heads)]).float()[None]

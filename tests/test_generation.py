@@ -5,7 +5,7 @@ import torch
 import hf_ring
 from cases import (ListStreamer, raises_on_rank, sdpa_sharded_case, sp_cache_forward_case, sp_generate_case,
                    unseeded_sampling_case)
-from helpers import rel_err
+from helpers import dilated_sdpa_mask, rel_err
 from models import load, saved_model_dir
 
 NEW = 20
@@ -80,11 +80,15 @@ def test_mistral_window_smaller_than_prompt_and_padding(pools):
 
 
 def full_forward_logits(path, seq, n, pattern):
-    """Logits of the whole generated sequence in one forward, at the positions that chose each new token."""
-    model = load(path, "ring_dilated")
-    hf_ring.configure(model, pattern=pattern)
+    """Logits of the whole generated sequence in one forward, at the positions that chose each new token.
+
+    Computed by transformers' sdpa with the LongNet multiplicities as a 4-D mask: independent of hf_ring.
+    """
+    model = load(path, "sdpa")
+    branches = tuple(zip(pattern.segment_lengths, pattern.dilation_rates))
+    mask = dilated_sdpa_mask(seq.shape[1], branches, model.config.num_attention_heads)
     with torch.no_grad():
-        return model(input_ids=seq, use_cache=False).logits[:, n - 1:-1]
+        return model(input_ids=seq, attention_mask=mask, use_cache=False).logits[:, n - 1:-1]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

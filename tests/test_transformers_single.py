@@ -124,11 +124,11 @@ def test_transformers_cache_in_one_process_equals_full_forward(kind):
     model = load(path, "ring_dilated")
     ids = batch(7, 2, 16)["input_ids"]
     with torch.no_grad():
-        full = model(input_ids=ids, use_cache=False).logits
+        full = load(path, "sdpa")(input_ids=ids, use_cache=False).logits
         out = model(input_ids=ids[:, :10], use_cache=True)
         steps = [out.logits]
         cache = out.past_key_values
         for t in range(10, 16, 3):  # three tokens at a time over transformers' own cache
             out = model(input_ids=ids[:, t:t + 3], past_key_values=cache, use_cache=True)
             steps.append(out.logits)
-    assert rel_err(torch.cat(steps, 1), full) <= 1e-5
+    assert rel_err(torch.cat(steps, 1), full) <= TOL

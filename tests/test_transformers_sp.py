@@ -4,20 +4,23 @@ import torch
 
 import hf_ring
 from cases import sp_logits_case, sp_train_case
-from helpers import rel_err
+from helpers import dilated_sdpa_mask, rel_err
 from models import batch, load, saved_model_dir
 
 TOL = 1e-5
 
 
-def single_process(path, attn, seeds, b, n, pattern=None, pad="none"):
-    """Loss, logits per batch and gradients averaged over the batches, in one process."""
+def single_process(path, attn, seeds, b, n, pad="none", mask=None):
+    """Loss, logits per batch and gradients averaged over the batches, in one process.
+
+    ``mask`` replaces the batch's attention mask (e.g. a 4-D dilated mask, see helpers).
+    """
     losses, logits, grads = [], [], None
     for seed in seeds:
         model = load(path, attn).train()
-        if pattern is not None:
-            hf_ring.configure(model, pattern=pattern)
         data = batch(seed, b, n, pad=pad)
+        if mask is not None:
+            data["attention_mask"] = mask
         out = model(**data, use_cache=False)
         out.loss.backward()
         losses.append(float(out.loss.detach()))
@@ -64,11 +67,13 @@ def test_sp2_mistral_sliding_window_across_shards(pools):
     check(results, single_process(path, "sdpa", [40], 1, 33))
 
 
-def test_sp2_dilated_equals_single_process_ring_dilated(pools):
+def test_sp2_dilated_equals_sdpa_with_dilated_mask(pools):
     path = saved_model_dir("llama")
     pattern = {"segment_lengths": [8, 16, 64], "dilation_rates": [1, 2, 4]}
     results = pools(2).run(sp_train_case, path, 2, 50, 1, 45, pattern)
-    check(results, single_process(path, "ring_dilated", [50], 1, 45, pattern=pattern))
+    # The independent run: transformers' sdpa given the LongNet multiplicities as a per-head 4-D mask.
+    mask = dilated_sdpa_mask(45, ((8, 1), (16, 2), (64, 4)), load(path, "sdpa").config.num_attention_heads)
+    check(results, single_process(path, "sdpa", [50], 1, 45, mask=mask))
 
 
 def test_dynamic_rope_sharded_equals_unsharded(pools):

@@ -1,0 +1,218 @@
+"""Every wait is bounded, a dead rank makes every survivor raise, and gradients are synchronised exactly."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hf_ring
+import hf_ring.comm as comm
+import hf_ring.parallel as parallel
+from cases import make_qkv, raises_on_rank
+from dist_pool import run_once
+
+FAULT_TIMEOUT_S = 5.0
+# A survivor may first finish the compute it had queued; a loaded machine slows that down.
+SLACK_S = 30.0
+
+
+# --- HF_RING_TIMEOUT -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "0", "-3", "abc", "1e400", "5s"])
+def test_unusable_timeouts_are_refused(monkeypatch, raw):
+    monkeypatch.setenv("HF_RING_TIMEOUT", raw)
+    with pytest.raises(ValueError, match="HF_RING_TIMEOUT"):
+        comm.comm_timeout()
+
+
+@pytest.mark.parametrize("raw,want", [("", 600.0), ("2.5", 2.5), (" 30 ", 30.0), ("1e-3", 1e-3)])
+def test_usable_timeouts(monkeypatch, raw, want):
+    monkeypatch.setenv("HF_RING_TIMEOUT", raw)
+    assert comm.comm_timeout() == want
+
+
+def bad_timeout_case(what):
+    """Call an hf_ring entry point with HF_RING_TIMEOUT=nan on every rank (set after the setup, except for "setup")."""
+    saved = os.environ["HF_RING_TIMEOUT"]
+    sp = None if what in ("ring", "setup") else hf_ring.setup_sequence_parallel(None)
+    os.environ["HF_RING_TIMEOUT"] = "nan"
+    try:
+        if what == "ring":
+            q = torch.randn(1, 2, 4, 8)
+            return raises_on_rank(hf_ring.ring_attention, q, q, q)
+        if what == "setup":
+            return raises_on_rank(hf_ring.setup_sequence_parallel, None)
+        model = torch.nn.Linear(2, 2)
+        model.weight.grad = torch.ones(2, 2)
+        if what == "sync":
+            return raises_on_rank(hf_ring.sync_gradients, model, sp)
+        return raises_on_rank(hf_ring.gather_sequence, torch.zeros(1, 2, 3), 4, 1, sp)
+    finally:
+        os.environ["HF_RING_TIMEOUT"] = saved
+        hf_ring.clear_sequence_parallel()
+
+
+@pytest.mark.parametrize("what", ["ring", "setup", "sync", "gather"])
+def test_bad_timeout_is_refused_on_every_rank_before_any_wait(pools, what):
+    for err in pools(2).run(bad_timeout_case, what):
+        assert err is not None and err[0] == "ValueError" and "HF_RING_TIMEOUT='nan'" in err[1]
+
+
+# --- sync_gradients against an independent computation ---------------------------------------------------
+
+
+def _grad_value(shape, dtype, rank, salt):
+    """A rank's gradient: small integers, so every sum and the division by dp are exact in floating point."""
+    n = 1
+    for s in shape:
+        n *= s
+    return ((torch.arange(n) * (rank + 3) + salt) % 17 - 8).to(dtype).reshape(shape)
+
+
+SHAPES = {"a": ((3, 4), torch.float32), "b": ((5,), torch.float64), "c": ((700,), torch.float32),
+          "d": ((2,), torch.float32), "e": ((2,), torch.float32), "frozen": ((2,), torch.float32)}
+
+
+def sync_case(sp_size, bucket_bytes):
+    """Gradients after ``sync_gradients``, and how many all-reduces it issued.
+
+    ``d`` has a gradient on global rank 0 only, ``e`` on no rank, ``frozen`` does not require one.
+    """
+    rank = dist.get_rank()
+    sp = hf_ring.setup_sequence_parallel(None, sp_size)
+    model = torch.nn.Module()
+    for i, (name, (shape, dtype)) in enumerate(SHAPES.items()):
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=name != "frozen")
+        setattr(model, name, p)
+        if name in ("a", "b", "c") or (name == "d" and rank == 0):
+            p.grad = _grad_value(shape, dtype, rank, i)
+    calls, real = [], comm.all_reduce
+    saved_bytes = parallel.BUCKET_BYTES
+
+    def counting(tensor, group, what, **kw):
+        calls.append((what, tensor.numel()))
+        return real(tensor, group, what, **kw)
+
+    comm.all_reduce, parallel.BUCKET_BYTES = counting, bucket_bytes
+    try:
+        hf_ring.sync_gradients(model)
+    finally:
+        comm.all_reduce, parallel.BUCKET_BYTES = real, saved_bytes
+        hf_ring.clear_sequence_parallel()
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    return {"grads": grads, "calls": calls}
+
+
+def expected_grads(world, dp):
+    """Sum over the sp group, mean over dp groups: the sum over every rank divided by dp."""
+    out = {}
+    for i, (name, (shape, dtype)) in enumerate(SHAPES.items()):
+        if name in ("a", "b", "c"):
+            out[name] = sum(_grad_value(shape, dtype, r, i) for r in range(world)) / dp
+        elif name == "d":
+            out[name] = _grad_value(shape, dtype, 0, i) / dp
+        else:
+            out[name] = None
+    return out
+
+
+@pytest.mark.parametrize("world,sp_size,bucket_bytes,buckets", [
+    (2, 2, 25 * 2**20, 2),  # one float32 and one float64 bucket
+    (4, 2, 25 * 2**20, 2),
+    (4, 2, 1024, 4),  # a (48 B) | c (2800 B, alone) | d, and b (float64)
+    (4, 1, 1024, 4),  # data parallel only
+])
+def test_sync_gradients_sum_over_sp_mean_over_dp(pools, world, sp_size, bucket_bytes, buckets):
+    dp = world // sp_size
+    want = expected_grads(world, dp)
+    for res in pools(world).run(sync_case, sp_size, bucket_bytes):
+        for name, w in want.items():
+            got = res["grads"][name]
+            if w is None:
+                assert got is None, name
+            else:
+                assert got.dtype == w.dtype and torch.equal(got, w), name  # integers: exact
+        groups = (sp_size > 1) + (dp > 1)
+        assert len(res["calls"]) == groups * (1 + buckets), res["calls"]  # presence flags, then one per bucket
+
+
+# --- a rank that never joins: the bound ends the wait -----------------------------------------------------
+
+
+def absent_peer_case(what):
+    """Rank 1 sets up and then never joins; rank 0 calls ``what`` and reports how it ended."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from models import tiny_config
+
+    hf_ring.setup_sequence_parallel(None, 2)
+    if dist.get_rank() == 1:
+        return None
+    t0 = time.monotonic()
+    if what == "sync":
+        model = torch.nn.Linear(2, 2)
+        model.weight.grad = torch.ones(2, 2)
+        err = raises_on_rank(hf_ring.sync_gradients, model)
+    elif what == "gather":
+        err = raises_on_rank(hf_ring.gather_sequence, torch.zeros(1, 2, 3), 4)
+    else:
+        rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+        emb = LlamaRotaryEmbedding(tiny_config(max_position_embeddings=16, rope_parameters=rope))
+        err = raises_on_rank(emb, torch.zeros(1, 4, 64), torch.arange(4).view(1, 4))
+    return err, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("what", ["sync", "gather", "rope"])
+def test_absent_peer_ends_in_comm_timeout(what):
+    got, died = run_once(2, absent_peer_case, what, env={"HF_RING_TIMEOUT": str(FAULT_TIMEOUT_S)})
+    assert not died and got[1] == (True, None), (got, died)
+    ok, (err, elapsed) = got[0]
+    assert ok and err is not None and err[0] == "CommTimeoutError" and "HF_RING_TIMEOUT" in err[1], err
+    assert FAULT_TIMEOUT_S * 0.9 <= elapsed <= FAULT_TIMEOUT_S + SLACK_S, elapsed
+
+
+# --- a rank killed mid-forward or mid-backward ------------------------------------------------------------
+
+
+def ring_with_killed_rank(victim, phase, n):
+    """Ring attention forward and backward; ``victim`` SIGKILLs itself at its second kernel call of ``phase``."""
+    import hf_ring.ring as ring
+    import hf_ring.schedule as schedule
+
+    schedule.MIN_MESSAGE_ROWS, schedule.MESSAGES_PER_SHARD = 32, 10**9  # many messages: the ring is mid-flight
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == victim:
+        name = "block_forward" if phase == "forward" else "block_backward"
+        kernel, calls = getattr(ring, name), []
+
+        def dying(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return kernel(*args, **kwargs)
+
+        setattr(ring, name, dying)
+    q, k, v, dout = make_qkv(0, 1, 2, 2, n, 16)
+    pos = hf_ring.local_positions(n, rank, world, "zigzag")
+    ql, kl, vl = (t[:, :, pos].clone().requires_grad_(True) for t in (q, k, v))
+    t0 = time.monotonic()
+    err = raises_on_rank(lambda: hf_ring.ring_attention(ql, kl, vl).backward(dout[:, :, pos]))
+    return err, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("world,victim", [(2, 1), (3, 1)])
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_killed_rank_makes_every_survivor_raise(world, victim, phase):
+    got, died = run_once(world, ring_with_killed_rank, victim, phase, 2048,
+                         env={"HF_RING_TIMEOUT": str(FAULT_TIMEOUT_S)})
+    assert died == {victim: -signal.SIGKILL}, (got, died)
+    assert sorted(got) == [r for r in range(world) if r != victim]
+    for rank, (ok, res) in got.items():
+        assert ok, res
+        err, elapsed = res
+        assert err is not None, f"rank {rank} finished although rank {victim} died"
+        assert err[0] == "CommTimeoutError" and "HF_RING_TIMEOUT" in err[1], (rank, err)
+        assert elapsed <= FAULT_TIMEOUT_S + SLACK_S, (rank, elapsed)
