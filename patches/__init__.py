@@ -23,7 +23,7 @@ from typing import Any, List, Tuple
 
 import torch
 
-from . import families, rope, structure
+from . import rope, structure
 from .families import FAMILIES, Family
 
 __all__ = ["FAMILIES", "Family", "apply", "apply_all", "check_supported", "is_applied", "revert", "revert_all",

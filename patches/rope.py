@@ -50,7 +50,8 @@ def is_length_dependent(rope_type: str) -> bool:
 
 def is_rotary(module: torch.nn.Module) -> bool:
     """A rotary embedding module: it has a RoPE type and inverse-frequency buffers."""
-    return bool(rope_types(module)) and any(name.endswith("inv_freq") for name, _ in module.named_buffers(recurse=False))
+    buffers = (name for name, _ in module.named_buffers(recurse=False))
+    return bool(rope_types(module)) and any(name.endswith("inv_freq") for name in buffers)
 
 
 def rotary_modules(model: torch.nn.Module) -> Iterator[torch.nn.Module]:

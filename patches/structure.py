@@ -8,6 +8,7 @@ shard alone and give a silently wrong result, so such models are refused.
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, List, Optional
 
@@ -36,6 +37,11 @@ MULTIMODAL_KEYS = ("vision_config", "audio_config", "speech_config", "vision_tow
 SHOWN = 4
 
 
+def _listed(items) -> str:
+    items = list(items)
+    return ", ".join(str(i) for i in items[:SHOWN]) + (" ..." if len(items) > SHOWN else "")
+
+
 def _layer_types(config) -> Optional[List[str]]:
     for key in ("layer_types", "layers_block_type"):
         value = getattr(config, key, None)
@@ -45,8 +51,13 @@ def _layer_types(config) -> Optional[List[str]]:
 
 
 def _causal_lm_class(config) -> Optional[type]:
+    return _causal_lm_class_of(type(config))
+
+
+@functools.lru_cache(maxsize=None)  # the attention calls the check on every layer: keep the lookup out of that path
+def _causal_lm_class_of(config_type: type) -> Optional[type]:
     try:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        return MODEL_FOR_CAUSAL_LM_MAPPING[config_type]
     except (KeyError, ValueError):
         return None
 
@@ -73,7 +84,7 @@ def config_problems(config) -> List[str]:
         for t in foreign:
             where = [i for i, x in enumerate(types) if x == t]
             why = _LAYER_TYPE_REASONS.get(t, "they are not attention layers ring_dilated can shard")
-            problems.append(f"layers {where[:SHOWN]}{'...' if len(where) > SHOWN else ''} are {t!r}: {why}")
+            problems.append(f"layers [{_listed(where)}] are {t!r}: {why}")
     coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
     if getattr(config, "output_router_logits", False) and coef:
         problems.append(
@@ -86,13 +97,12 @@ def config_problems(config) -> List[str]:
 def module_problems(model: torch.nn.Module) -> List[str]:
     """Reasons, read from the modules, why sharding the sequence would change this model's result."""
     problems = _backend_problems(type(model))
-    convs = sorted({f"{name} ({type(m).__name__})" for name, m in model.named_modules() if isinstance(m, SEQUENCE_CONVS)})
+    convs = [f"{name} ({type(m).__name__})" for name, m in model.named_modules() if isinstance(m, SEQUENCE_CONVS)]
     if convs:
-        problems.append(f"convolutions mix neighbouring tokens: {', '.join(convs[:SHOWN])}"
-                        f"{' ...' if len(convs) > SHOWN else ''}")
+        problems.append(f"convolutions mix neighbouring tokens: {_listed(convs)}")
     mixers = sorted({type(m).__name__ for m in model.modules() if SEQUENCE_MIXER.search(type(m).__name__)})
     if mixers:
-        problems.append(f"non-attention sequence mixers: {', '.join(mixers[:SHOWN])}{' ...' if len(mixers) > SHOWN else ''}")
+        problems.append(f"non-attention sequence mixers: {_listed(mixers)}")
     return problems
 
 

@@ -99,7 +99,8 @@ def test_models_mixing_the_sequence_outside_attention_are_refused_from_the_confi
 def test_convolutions_and_mixers_are_found_in_the_modules_and_other_refusals():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("lfm2", **TINY, layer_types=["conv", "full_attention"]))
+    config = AutoConfig.for_model("lfm2", **TINY, layer_types=["conv", "full_attention"])
+    model = AutoModelForCausalLM.from_config(config)
     model.config.layer_types = ["full_attention", "full_attention"]  # the modules alone still give it away
     with pytest.raises(ValueError, match=r"convolutions mix neighbouring tokens: model.layers.0.conv.conv \(Conv1d\); "
                                          r"non-attention sequence mixers: Lfm2ShortConv"):
