@@ -25,6 +25,24 @@ FAMILY_CONFIG = {
 """Per family, what a 2-layer, hidden-64 model needs beyond the common sizes (few experts for MoE)."""
 
 
+def length_dependent_rope(kind: str) -> dict:
+    """Config overrides giving ``kind`` a RoPE whose frequencies depend on the call's length.
+
+    ``dynamic`` beyond 16 positions; Phi-3 takes only ``longrope`` (long factors past 32
+    positions, between the largest positions two zigzag shards of 40 tokens hold); Gemma 3
+    keeps plain RoPE on its sliding layers and makes the full layers dynamic.
+    """
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    if kind == "phi3":
+        return dict(max_position_embeddings=128, original_max_position_embeddings=32, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * (HEAD_DIM // 2),
+            "long_factor": [1.0 + i for i in range(HEAD_DIM // 2)], "original_max_position_embeddings": 32})
+    if kind == "gemma3_text":
+        return dict(max_position_embeddings=16, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}, "full_attention": dict(dynamic, rope_theta=1e6)})
+    return dict(max_position_embeddings=16, rope_parameters=dynamic)
+
+
 def tiny_config(kind: str = "llama", **overrides):
     """A tiny config of model type ``kind`` (a key of FAMILY_CONFIG)."""
     from transformers import AutoConfig

@@ -2,8 +2,7 @@
 
 Each family is built from a tiny config with what makes it differ from Llama
 switched on: sliding windows smaller than the sequence, a RoPE whose
-frequencies depend on the length (``dynamic``; ``longrope`` for Phi-3; Gemma 3's
-full layers only), attention sharpened so that Gemma 2's soft-capping and
+frequencies depend on the length (models.length_dependent_rope), attention sharpened so that Gemma 2's soft-capping and
 gpt-oss's sinks change the result. Errors are relative per tensor:
 max|got - ref| / max|ref|.
 """
@@ -16,7 +15,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_ring import patches
-from models import FAMILY_CONFIG, batch, load, saved_model_dir
+from models import FAMILY_CONFIG, batch, length_dependent_rope, load, saved_model_dir
 from zoo_cases import zero_if_none, zoo_generate_case, zoo_train_case
 
 TOL = 1e-5
@@ -29,26 +28,19 @@ SOFTCAP = 4.0  # Gemma 2's attention scores reach several times this (see sharpe
 PROJ_GAIN, NORM_GAIN = 12.0, 2.5
 SINK_SCALE = 4.0
 
-DYNAMIC = dict(max_position_embeddings=16, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
-QWEN_WINDOW = dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)  # layer 0 full, layer 1 sliding
-LONGROPE = dict(  # original length between the shards' largest positions and the global one (zigzag, 2 ranks)
-    max_position_embeddings=128, original_max_position_embeddings=32,
-    rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
-                     "long_factor": [1.0 + i for i in range(8)], "original_max_position_embeddings": 32})
-ZOO = {
-    "llama": DYNAMIC,
-    "mistral": dict(DYNAMIC, sliding_window=WINDOW),
-    "qwen2": dict(DYNAMIC, **QWEN_WINDOW),
-    "qwen3": dict(DYNAMIC, **QWEN_WINDOW),
-    "qwen3_moe": dict(DYNAMIC, sliding_window=WINDOW),
-    "gemma2": dict(DYNAMIC, sliding_window=WINDOW, attn_logit_softcapping=SOFTCAP),
-    "gemma3_text": dict(max_position_embeddings=16, sliding_window=WINDOW, rope_parameters={
-        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}),
-    "gpt_oss": dict(DYNAMIC, sliding_window=WINDOW),
-    "phi3": dict(LONGROPE, sliding_window=WINDOW),
-    "olmo2": DYNAMIC,
-}
+QWEN_WINDOW = dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)  # layer 0 full, 1 sliding
+ZOO = {kind: dict(length_dependent_rope(kind), **extra) for kind, extra in {
+    "llama": {},
+    "mistral": dict(sliding_window=WINDOW),
+    "qwen2": QWEN_WINDOW,
+    "qwen3": QWEN_WINDOW,
+    "qwen3_moe": dict(sliding_window=WINDOW),
+    "gemma2": dict(sliding_window=WINDOW, attn_logit_softcapping=SOFTCAP),
+    "gemma3_text": dict(sliding_window=WINDOW),
+    "gpt_oss": dict(sliding_window=WINDOW),
+    "phi3": dict(sliding_window=WINDOW),
+    "olmo2": {},
+}.items()}
 assert set(ZOO) == set(FAMILY_CONFIG) == set(patches.FAMILIES)
 
 ENGINE_PENDING = {
@@ -102,7 +94,7 @@ def eager_step(kind):
     model = load(model_dir(kind), "eager").train()
     out = model(**batch(SEED, B, N), use_cache=False)
     out.loss.backward()
-    return float(out.loss), out.logits.detach(), {k: zero_if_none(p) for k, p in model.named_parameters()}
+    return out.loss.item(), out.logits.detach(), {k: zero_if_none(p) for k, p in model.named_parameters()}
 
 
 def logits(kind, attn, edit=None):
@@ -145,8 +137,10 @@ def test_structure_and_attention_kwargs_match_the_family_table(kind):
                                   for k in seen.values()), seen
     rotary = patches.rotary_modules(model)
     assert len(rotary) == 1 and type(rotary[0]).__name__ in patches.FAMILIES[kind].rotary
-    # the configured RoPE reads the call's length for at least one layer type
-    assert any(patches.rope.is_length_dependent(t) for t in patches.rope.rope_types(rotary[0]))
+    # the configured RoPE reads the call's length (Gemma 3: on its full layers, one module for both types)
+    types = patches.rope.rope_types(rotary[0])
+    assert any(patches.rope.is_length_dependent(t) for t in types)
+    assert kind != "gemma3_text" or sorted(types) == ["default", "dynamic"]
 
 
 @pytest.mark.parametrize("kind", families_marked())

@@ -7,8 +7,8 @@ import torch.distributed as dist
 
 import hf_ring
 from hf_ring import patches
-from hf_ring.patches import families, rope
-from models import FAMILY_CONFIG, batch, load, saved_model_dir, tiny_config
+from hf_ring.patches import families
+from models import FAMILY_CONFIG, batch, length_dependent_rope, load, saved_model_dir, tiny_config
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, pad_token_id=0)
@@ -37,12 +37,11 @@ def test_every_family_entry_point_patches_and_reverts_its_rotary_class():
     assert not any(f.is_applied() for f in patches.FAMILIES.values())
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("kind", sorted(FAMILY_CONFIG))
 def test_apply_and_revert_are_exact_and_leave_unsharded_runs_alone(kind):
-    rope_params = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-    path = saved_model_dir(kind, max_position_embeddings=16, rope_parameters=rope_params)
-    model = load(path, "ring_dilated")
-    rotary_cls = type(model.model.rotary_emb)
+    model = load(saved_model_dir(kind, **length_dependent_rope(kind)), "ring_dilated")
+    (rotary,) = patches.rotary_modules(model)  # Gemma 3's one module serves both layer types
+    rotary_cls = type(rotary)
     original = rotary_cls.forward
     data = batch(0, 1, 40)
     with torch.no_grad():
@@ -53,25 +52,6 @@ def test_apply_and_revert_are_exact_and_leave_unsharded_runs_alone(kind):
         patches.revert(model)
     assert rotary_cls.forward is original and not patches.is_applied(kind)
     assert torch.equal(before, patched)
-
-
-def test_gemma3_rotary_module_serves_both_layer_types_and_is_patched_from_the_instance():
-    from transformers import AutoModelForCausalLM
-
-    rope_params = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-                   "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}
-    model = AutoModelForCausalLM.from_config(tiny_config("gemma3_text", max_position_embeddings=16,
-                                                         rope_parameters=rope_params)).eval()
-    (rotary,) = patches.rotary_modules(model)
-    assert sorted(rope.rope_types(rotary)) == ["default", "dynamic"]
-    data = batch(0, 1, 40)
-    with torch.no_grad():
-        before = model(**data).logits
-        patches.apply(model)
-        assert rope.is_patched(type(rotary))
-        patched = model(**data).logits
-        patches.revert(model)
-    assert not rope.is_patched(type(rotary)) and torch.equal(before, patched)
 
 
 HYBRIDS = {  # model type: (config overrides, words the refusal must contain)
