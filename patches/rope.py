@@ -95,6 +95,8 @@ def patch_rotary(cls: type) -> bool:
         sp = current()
         if sp is None or sp.sp_size == 1 or not _needs_global_length(self, layer_type):
             return original(self, x, position_ids, *args, **kwargs)
+        # Gemma 3 calls once per layer type, in set order that may differ between processes; every call
+        # reduces the same value, so matching the calls in any order gives every rank the same answer.
         longest = position_ids.max().reshape(1).to(torch.long)
         dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=sp.sp_group)
         original(self, x[:1, :1], longest.view(1, 1).to(position_ids.device), *args, **kwargs)  # global-length update only
