@@ -8,8 +8,9 @@ from .cache import ShardedCache
 from .config import configure
 from .data import gather_sequence, shard_batch
 from .generation import generate
+from .groups import SequenceParallel, current
 from .layout import local_positions, shard_sizes
-from .parallel import SequenceParallel, clear_sequence_parallel, setup_sequence_parallel, sync_gradients
+from .parallel import clear_sequence_parallel, setup_sequence_parallel, sync_gradients
 from .pattern import DilatedPattern
 from .ring import ring_attention
 
@@ -19,6 +20,7 @@ __all__ = [
     "ShardedCache",
     "clear_sequence_parallel",
     "configure",
+    "current",
     "gather_sequence",
     "generate",
     "local_positions",

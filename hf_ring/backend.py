@@ -25,7 +25,7 @@ from . import patches
 from .checks import Options, check_options, full_key_mask
 from .context import CONTEXT_KEY, DecodeStep, ShardedForward, refuse_unsharded
 from .decode import CachedBlock, cached_attention, cached_blocks, merge_ranks
-from .parallel import current
+from .groups import current
 from .pattern import branches_of
 from .ring import run
 
@@ -56,7 +56,7 @@ def _key_mask_2d(attention_mask: Any) -> Optional[Tensor]:
     )
 
 
-def _refuse_unsupported(dropout: float, training: bool, kwargs: dict) -> None:
+def _refuse_unsupported(dropout: float, training: bool, kwargs: dict, sharded: bool) -> None:
     if dropout and training:
         raise ValueError(
             f"ring_dilated does not implement attention dropout (got dropout={dropout}); "
@@ -65,6 +65,12 @@ def _refuse_unsupported(dropout: float, training: bool, kwargs: dict) -> None:
     for name, why in UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"the model passed {name}= to the attention: {why}; use attn_implementation='eager'")
+    if sharded and kwargs.get("output_router_logits"):
+        raise ValueError(
+            "output_router_logits=True under sequence parallelism: the router's load-balancing loss is computed from "
+            "all tokens' router logits, which no rank holds; train without it (output_router_logits=False) when the "
+            "sequence is split"
+        )
 
 
 def ring_dilated_attention(
@@ -80,7 +86,6 @@ def ring_dilated_attention(
     **kwargs: Any,
 ) -> Tuple[Tensor, None]:
     """transformers attention function for ``attn_implementation="ring_dilated"``."""
-    _refuse_unsupported(dropout, module.training, kwargs)
     cfg = ring_config.parse(getattr(module.config, ring_config.CONFIG_KEY, None))
     # transformers' own backends let an explicit is_causal win over the module's attribute.
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
@@ -88,6 +93,7 @@ def ring_dilated_attention(
     ctx = kwargs.get(CONTEXT_KEY)
     sp = current()
     sharded = sp is not None and sp.sp_size > 1
+    _refuse_unsupported(dropout, module.training, kwargs, sharded)
     if isinstance(ctx, DecodeStep):
         out = _decode_step(query, key, value, _key_mask_2d(attention_mask), opts, ctx)
     elif query.shape[2] != key.shape[2]:
@@ -112,14 +118,13 @@ def ring_dilated_attention(
 def _sharded(module, query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[Tensor], opts: Options,
              ctx: ShardedForward) -> Tensor:
     """The ring over the shards of one forward; the ranks agree once per kind of layer."""
-    if ctx.world_size > 1:
-        if opts.layout != ctx.layout:
-            raise ValueError(
-                f"config.ring_dilated layout {opts.layout!r} differs from the sequence-parallel layout {ctx.layout!r}; "
-                "use one layout for both (hf_ring.configure and hf_ring.setup_sequence_parallel)"
-            )
-        patches.check_supported(module.config)
-    ctx.agree(query, key, opts)
+    if ctx.world_size > 1 and opts.layout != ctx.layout:
+        raise ValueError(
+            f"config.ring_dilated layout {opts.layout!r} differs from the sequence-parallel layout {ctx.layout!r}; "
+            "use one layout for both (hf_ring.configure and hf_ring.setup_sequence_parallel)"
+        )
+    if ctx.agree(query, key, opts) and ctx.world_size > 1:
+        patches.check_supported(module.config)  # once per forward: the family does not change between layers
     key_mask = full_key_mask(key_valid, key, ctx.padded)
     return run(query, key, value, ctx.comm, seq_len=ctx.seq_len, layout=ctx.layout if ctx.world_size > 1 else "contiguous",
                causal=opts.causal, window=opts.window, pattern=opts.pattern, scale=opts.scale, key_mask=key_mask)

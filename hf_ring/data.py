@@ -14,7 +14,7 @@ import torch
 from .comm import all_gather
 from .context import CONTEXT_KEY, ShardedForward
 from .layout import local_positions
-from .parallel import SequenceParallel, current
+from .groups import SequenceParallel, current
 
 IGNORE_INDEX = -100
 

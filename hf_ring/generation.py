@@ -24,12 +24,13 @@ from typing import Any, Optional, Tuple
 import torch
 
 from . import config as ring_config
+from . import patches
 from .cache import ShardedCache
 from .checks import raise_together
 from .comm import RingComm
 from .context import CONTEXT_KEY, DecodeStep, ShardedForward
 from .layout import owner, shard_sizes
-from .parallel import current
+from .groups import current
 
 Tensor = torch.Tensor
 
@@ -251,6 +252,8 @@ def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], all
         raise ValueError("hf_ring.generate keeps a sharded KV cache; use_cache=False is not supported")
     if (setting("num_beams") or 1) > 1:
         raise ValueError("hf_ring.generate supports greedy decoding and sampling, not beam search (num_beams > 1)")
+    if comm is not None:
+        patches.apply(model)  # the rotary modules of this model see the global length, whatever its family
     rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
     layout = sp.layout if comm is not None else ring_config.parse(getattr(config, ring_config.CONFIG_KEY, None)).layout
     cache = generate_kwargs.pop("past_key_values", None)

@@ -7,48 +7,17 @@ ranks taken from the environment, so nothing assumes a single machine.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from . import comm
+from . import patches
 from .comm import RingComm
+from .groups import SequenceParallel, current, set_current
 from .layout import check_layout
-
-
-@dataclass
-class SequenceParallel:
-    """The groups attention and the data helpers use; made by :func:`setup_sequence_parallel`."""
-
-    sp_group: Any
-    dp_group: Any
-    sp_rank: int
-    sp_size: int
-    dp_rank: int
-    dp_size: int
-    layout: str
-    comm: Optional[RingComm] = None
-    """Ring neighbours and bounded collectives over ``sp_group`` (None when the sequence is not split)."""
-
-    @property
-    def loss_scale(self) -> float:
-        """Multiply the local loss by this before ``backward`` when DDP averages over all ranks.
-
-        Each rank's loss is its shard's share of the sequence loss, so shard
-        gradients must be *summed* over the sp group; DDP averages over the
-        whole world (dp x sp), which divides that sum by ``sp_size`` too many.
-        """
-        return float(self.sp_size)
-
-
-_CURRENT: Optional[SequenceParallel] = None
-
-
-def current() -> Optional[SequenceParallel]:
-    """The active sequence-parallel setup, or None when the sequence is not split."""
-    return _CURRENT
 
 
 _MESHES: dict = {}
@@ -56,10 +25,7 @@ _MESHES: dict = {}
 
 def clear_sequence_parallel() -> None:
     """Stop splitting sequences: attention runs on whole sequences again and model patches are reverted."""
-    global _CURRENT
-    _CURRENT = None
-    from hf_ring import patches
-
+    set_current(None)
     patches.revert_all()
 
 
@@ -72,7 +38,6 @@ def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = No
     defaults to the whole world. Returns the setup and makes it the one
     ``ring_dilated`` attention and :func:`hf_ring.shard_batch` use.
     """
-    global _CURRENT
     check_layout(layout)
     if accelerator is not None:
         # accelerate initialises torch.distributed (gloo on CPU, NCCL on GPU) for multi-process runs.
@@ -83,7 +48,7 @@ def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = No
                 f"sp_size={sp_size} needs several processes; launch with `accelerate launch --num_processes N` "
                 "or `torchrun --nproc_per_node N`"
             )
-        _CURRENT = None
+        set_current(None)
         return SequenceParallel(None, None, 0, 1, 0, 1, layout)
     world = dist.get_world_size()
     sp_size = world if sp_size is None else sp_size
@@ -97,21 +62,18 @@ def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = No
     dp_size = world // sp_size
     backend = dist.get_backend()
     device_type = "cuda" if backend == "nccl" else "cpu"
-    from torch.distributed.device_mesh import init_device_mesh
-
     key = (device_type, dp_size, sp_size)
     if key not in _MESHES:  # groups are made once: creating one is a collective over the world
         _MESHES[key] = init_device_mesh(device_type, (dp_size, sp_size), mesh_dim_names=("dp", "sp"))
     mesh = _MESHES[key]
     sp_group, dp_group = mesh.get_group("sp"), mesh.get_group("dp")
-    from hf_ring import patches
-
     patches.apply_all()
-    _CURRENT = SequenceParallel(
+    sp = SequenceParallel(
         sp_group, dp_group, dist.get_rank(sp_group), sp_size, dist.get_rank(dp_group), dp_size, layout,
         RingComm(sp_group) if sp_size > 1 else None,
     )
-    return _CURRENT
+    set_current(sp)
+    return sp
 
 
 BUCKET_BYTES = 25 * 2**20

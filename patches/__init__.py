@@ -1,60 +1,129 @@
-"""Per-model-family patches for sequence-sharded runs (shipped as ``hf_ring.patches``).
+"""What a model needs for sequence-sharded runs (shipped as ``hf_ring.patches``).
 
-One module per family, one registry from ``config.model_type`` to its patch.
-Patches are applied when sequence parallelism is set up and reverted when it
-is cleared; unsharded runs behave exactly like the unpatched model.
+Two questions, both answered from the model itself where possible:
+
+* Can its sequence be split? :func:`check_supported` refuses models whose
+  layers mix tokens other than through attention (state-space and
+  linear-attention hybrids, convolutions, attention outside transformers'
+  interface) with a ValueError naming the model type and the reason.
+* What must change while it is split? Length-dependent RoPE (``dynamic``,
+  ``longrope``) must see the global length: :func:`apply` patches the class of
+  every rotary module of a model (:mod:`.rope`), reversibly. Outside sequence
+  parallelism the patched classes behave exactly like the unpatched ones.
+
+The tested families (:mod:`.families`) are patched up front by
+:func:`apply_all`, which ``setup_sequence_parallel`` calls before any model is
+loaded; a model of another family is checked the same way, and gets a
+warning that it is untested.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Tuple
+import warnings
+from typing import Any, List, Tuple
 
-from . import llama, mistral
+import torch
 
-PATCHES: Dict[str, Tuple[Callable[[], None], Callable[[], None], Callable[[], bool]]] = {
-    "llama": (llama.apply_ring_to_llama, llama.revert_ring_from_llama, llama.is_applied),
-    "mistral": (mistral.apply_ring_to_mistral, mistral.revert_ring_from_mistral, mistral.is_applied),
-}
+from . import rope, structure
+from .families import FAMILIES, Family
+
+__all__ = ["FAMILIES", "Family", "apply", "apply_all", "check_supported", "is_applied", "revert", "revert_all",
+           "rotary_modules", "supported"]
 
 
 def supported() -> Tuple[str, ...]:
-    return tuple(sorted(PATCHES))
+    """Model types tested under sequence parallelism (others pass :func:`check_supported` with a warning)."""
+    return tuple(sorted(FAMILIES))
 
 
-def _model_type(model_or_type: Any) -> str:
-    if isinstance(model_or_type, str):
-        return model_or_type
-    config = getattr(model_or_type, "config", model_or_type)
-    return getattr(config, "model_type", type(model_or_type).__name__)
+def _config(model_or_config: Any):
+    return model_or_config.config if isinstance(model_or_config, torch.nn.Module) else model_or_config
 
 
-def check_supported(model_or_type: Any) -> str:
-    model_type = _model_type(model_or_type)
-    if model_type not in PATCHES:
-        raise ValueError(
-            f"model type {model_type!r} has no hf_ring patch for sequence-sharded runs; "
-            f"supported: {', '.join(supported())}"
-        )
+def _model_type(model_or_config: Any) -> str:
+    if isinstance(model_or_config, str):
+        return model_or_config
+    config = _config(model_or_config)
+    return getattr(config, "model_type", None) or type(model_or_config).__name__
+
+
+def check_supported(model_or_config: Any) -> str:
+    """Return the model type if its sequence can be split; raise ValueError naming the type and the reason.
+
+    Takes a model (config and modules are checked) or its config (the config,
+    and whether its causal-LM class uses transformers' attention interface).
+    """
+    model_type = _model_type(model_or_config)
+    if isinstance(model_or_config, str):
+        if model_type not in FAMILIES:
+            raise ValueError(f"model type {model_type!r} is not a tested family ({', '.join(supported())}); "
+                             "pass the model or its config so that its structure can be checked")
+        return model_type
+    found = structure.problems(model_or_config)
+    if isinstance(model_or_config, torch.nn.Module):
+        found += _rotary_problems(model_or_config)
+    if found:
+        raise ValueError(f"model type {model_type!r} cannot run with its sequence split across ranks: "
+                         + "; ".join(found))
+    if model_type not in FAMILIES:
+        warnings.warn(f"model type {model_type!r} passes hf_ring's structural checks but is not among the tested "
+                      f"families ({', '.join(supported())}); compare a sharded run with an unsharded one before "
+                      "relying on it", stacklevel=2)
     return model_type
 
 
+def _rotary_problems(model: torch.nn.Module) -> List[str]:
+    """Rotary modules whose length-dependent RoPE the global-length patch cannot reach."""
+    return [
+        f"{type(m).__name__} has RoPE type {t!r}, which reads the call's length, but its forward is not "
+        "transformers' dynamic_rope_update, so the shards' lengths cannot be made global"
+        for m in rotary_modules(model) for t in rope.rope_types(m)
+        if rope.is_length_dependent(t) and not rope.reads_call_length(type(m))
+    ]
+
+
+def rotary_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """Every rotary embedding module of ``model``."""
+    return list(rope.rotary_modules(model))
+
+
+def _rotary_classes(model_or_type: Any) -> Tuple[type, ...]:
+    if isinstance(model_or_type, torch.nn.Module):
+        return tuple(dict.fromkeys(type(m) for m in rope.rotary_modules(model_or_type)))
+    model_type = _model_type(model_or_type)
+    if model_type not in FAMILIES:
+        raise ValueError(f"model type {model_type!r} is not a tested family ({', '.join(supported())}); "
+                         "pass the model instance, whose rotary modules are found from its structure")
+    return FAMILIES[model_type].rotary_classes()
+
+
 def apply(model_or_type: Any) -> None:
-    """Apply the patch for ``model.config.model_type`` (or a model type string)."""
-    PATCHES[check_supported(model_or_type)][0]()
+    """Give every rotary module class of a model (or of a tested family by type/config) the global length.
+
+    A model is checked with :func:`check_supported` first. Reversible with :func:`revert`, idempotent.
+    """
+    if isinstance(model_or_type, torch.nn.Module):
+        check_supported(model_or_type)
+    for cls in _rotary_classes(model_or_type):
+        rope.patch_rotary(cls)
 
 
 def revert(model_or_type: Any) -> None:
-    PATCHES[check_supported(model_or_type)][1]()
+    """Undo :func:`apply` for this model's (or family's) rotary classes."""
+    for cls in _rotary_classes(model_or_type):
+        rope.unpatch_rotary(cls)
 
 
 def is_applied(model_or_type: Any) -> bool:
-    return PATCHES[check_supported(model_or_type)][2]()
+    """Whether every rotary class that reads the call's length is patched."""
+    return all(rope.is_patched(cls) for cls in _rotary_classes(model_or_type) if rope.reads_call_length(cls))
 
 
 def apply_all() -> None:
-    for patch, _, _ in PATCHES.values():
-        patch()
+    """Patch the rotary classes of every tested family (before any model exists)."""
+    for family in FAMILIES.values():
+        family.apply()
 
 
 def revert_all() -> None:
-    for _, undo, _ in PATCHES.values():
-        undo()
+    """Undo every rotary patch made through this package."""
+    rope.unpatch_all()

@@ -6,63 +6,127 @@ disagree with the other ranks (and with an unsharded run). The patched
 forward first takes the maximum over the sequence-parallel group, lets the
 model's own update run on that one position, then computes cos/sin for the
 shard with the updated frequencies.
+
+Rotary modules are recognised by structure, not by name: transformers gives
+each one a ``rope_type`` (one string, or one per layer type as in Gemma 3)
+and ``inv_freq`` buffers, and wraps its ``forward`` in
+``modeling_rope_utils.dynamic_rope_update``, which is where the length is read.
 """
 from __future__ import annotations
+
+import weakref
+from typing import Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from transformers.modeling_rope_utils import dynamic_rope_update
+
 from hf_ring.comm import all_reduce
+from hf_ring.groups import current
 
 _ORIGINAL = "_hf_ring_original_forward"
+_MARK = "_hf_ring_global_length"
 LENGTH_DEPENDENT = ("dynamic", "longrope")
+# Every forward transformers wraps with dynamic_rope_update runs this one code object (``functools.wraps``
+# copies names, not code), so it identifies the wrapper that reads the call's length.
+_ROPE_UPDATE_CODE = dynamic_rope_update(lambda self, x, position_ids: None).__code__
+
+# Classes patched by this module, so that reverting everything needs no list of families.
+_PATCHED: "weakref.WeakSet[type]" = weakref.WeakSet()
 
 
-def _needs_global_length(module) -> bool:
+def rope_types(module: torch.nn.Module) -> Tuple[str, ...]:
+    """The RoPE type(s) of a rotary module: one, or one per layer type it serves."""
+    rope_type = getattr(module, "rope_type", None)
+    if isinstance(rope_type, dict):
+        return tuple(str(t) for t in rope_type.values())
+    return () if rope_type is None else (str(rope_type),)
+
+
+def is_length_dependent(rope_type: str) -> bool:
+    """Whether frequencies of this RoPE type depend on the call's largest position (transformers' own test)."""
+    return any(kind in rope_type for kind in LENGTH_DEPENDENT)
+
+
+def is_rotary(module: torch.nn.Module) -> bool:
+    """A rotary embedding module: it has a RoPE type and inverse-frequency buffers."""
+    buffers = (name for name, _ in module.named_buffers(recurse=False))
+    return bool(rope_types(module)) and any(name.endswith("inv_freq") for name in buffers)
+
+
+def rotary_modules(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Every rotary embedding module of ``model`` (Gemma 3's serves its local and global layers)."""
+    return (m for m in model.modules() if is_rotary(m))
+
+
+def _undecorated(forward) -> Optional[object]:
+    """The forward inside transformers' ``dynamic_rope_update`` wrapper (under any outer decorators such as
+    ``torch.no_grad``), or None when there is no such wrapper."""
+    while forward is not None:
+        if getattr(forward, "__code__", None) is _ROPE_UPDATE_CODE:
+            return getattr(forward, "__wrapped__", None)
+        forward = getattr(forward, "__wrapped__", None)
+    return None
+
+
+def reads_call_length(cls: type) -> bool:
+    """Whether ``cls.forward`` is transformers' length-reading wrapper, patched or not."""
+    return is_patched(cls) or _undecorated(cls.forward) is not None
+
+
+def _needs_global_length(module, layer_type) -> bool:
     rope_type = getattr(module, "rope_type", "default")
-    return isinstance(rope_type, str) and any(t in rope_type for t in LENGTH_DEPENDENT)
+    if isinstance(rope_type, dict):
+        rope_type = rope_type.get(layer_type, "default")
+    return isinstance(rope_type, str) and is_length_dependent(rope_type)
 
 
-def patch_rotary(cls) -> None:
-    """Wrap ``cls.forward`` (idempotent)."""
-    if hasattr(cls, _ORIGINAL):
-        return
+def patch_rotary(cls: type) -> bool:
+    """Wrap ``cls.forward`` (idempotent); False when its forward does not read the call's length."""
+    if is_patched(cls):
+        return True
     original = cls.forward
-    raw = getattr(original, "__wrapped__", None)
+    raw = _undecorated(original)
+    if raw is None:
+        return False
 
     def forward(self, x, position_ids, *args, **kwargs):
-        from hf_ring.parallel import current
-
+        layer_type = args[0] if args else kwargs.get("layer_type")
         sp = current()
-        if raw is None or sp is None or sp.sp_size == 1 or not _needs_global_length(self):
+        if sp is None or sp.sp_size == 1 or not _needs_global_length(self, layer_type):
             return original(self, x, position_ids, *args, **kwargs)
+        # Gemma 3 calls once per layer type, in set order that may differ between processes; every call
+        # reduces the same value, so matching the calls in any order gives every rank the same answer.
         longest = position_ids.max().reshape(1).to(torch.long)
         all_reduce(longest, sp.sp_group, "the RoPE global length", op=dist.ReduceOp.MAX)
-        original(self, x[:1, :1], longest.view(1, 1).to(position_ids.device))  # global-length update only
-        return raw(self, x, position_ids, *args, **kwargs)
+        original(self, x[:1, :1], longest.view(1, 1).to(position_ids.device), *args, **kwargs)  # global-length update only
+        with torch.no_grad():  # as the decorated original; raw must not redo the update with the shard's length
+            return raw(self, x, position_ids, *args, **kwargs)
 
     forward.__wrapped__ = raw
+    setattr(forward, _MARK, True)
     setattr(cls, _ORIGINAL, original)
     cls.forward = forward
+    _PATCHED.add(cls)
+    return True
 
 
-def unpatch_rotary(cls) -> None:
-    original = cls.__dict__.get(_ORIGINAL)
-    if original is not None:
-        cls.forward = original
-        delattr(cls, _ORIGINAL)
+def unpatch_rotary(cls: type) -> None:
+    """Undo :func:`patch_rotary` on ``cls`` or the base class that holds the patch."""
+    for owner in cls.__mro__:
+        original = owner.__dict__.get(_ORIGINAL)
+        if original is not None:
+            owner.forward = original
+            delattr(owner, _ORIGINAL)
+            _PATCHED.discard(owner)
+            return
 
 
-def is_patched(cls) -> bool:
-    return _ORIGINAL in cls.__dict__
+def unpatch_all() -> None:
+    for cls in list(_PATCHED):
+        unpatch_rotary(cls)
 
 
-def rotary_patch(module: str, name: str):
-    """``(apply, revert, is_applied)`` for the rotary embedding class ``module.name``, imported on use."""
-
-    def cls():
-        import importlib
-
-        return getattr(importlib.import_module(module), name)
-
-    return (lambda: patch_rotary(cls())), (lambda: unpatch_rotary(cls())), (lambda: is_patched(cls()))
+def is_patched(cls: type) -> bool:
+    return bool(getattr(cls.forward, _MARK, False))

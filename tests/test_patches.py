@@ -1,25 +1,47 @@
-"""Model-family patches: registry, reversibility, and unchanged unsharded behaviour."""
+"""Model-family patches: registry, structural refusal, reversibility, and unchanged unsharded behaviour."""
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import hf_ring
 from hf_ring import patches
-from models import batch, load, saved_model_dir
+from hf_ring.patches import families
+from models import FAMILY_CONFIG, batch, length_dependent_rope, load, saved_model_dir, tiny_config
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, pad_token_id=0)
 
 
-def test_registry_lists_supported_types():
-    assert patches.supported() == ("llama", "mistral")
-    with pytest.raises(ValueError, match="supported: llama, mistral"):
+def test_registry_lists_tested_families():
+    assert patches.supported() == tuple(sorted(FAMILY_CONFIG))
+    with pytest.raises(ValueError, match="'gpt2' is not a tested family"):
         patches.apply("gpt2")
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_every_family_entry_point_patches_and_reverts_its_rotary_class():
+    for model_type, family in patches.FAMILIES.items():
+        name = "gemma3" if model_type == "gemma3_text" else model_type
+        apply, revert = getattr(families, f"apply_ring_to_{name}"), getattr(families, f"revert_ring_from_{name}")
+        (cls,) = family.rotary_classes()
+        original = cls.forward
+        apply()
+        apply()  # idempotent
+        assert family.is_applied() and cls.forward is not original and patches.is_applied(model_type)
+        revert()
+        assert cls.forward is original and not family.is_applied()
+    patches.apply_all()
+    assert all(f.is_applied() for f in patches.FAMILIES.values())
+    patches.revert_all()
+    assert not any(f.is_applied() for f in patches.FAMILIES.values())
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILY_CONFIG))
 def test_apply_and_revert_are_exact_and_leave_unsharded_runs_alone(kind):
-    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-    path = saved_model_dir(kind, max_position_embeddings=16, rope_parameters=rope)
-    model = load(path, "ring_dilated")
-    rotary_cls = type(model.model.rotary_emb)
+    model = load(saved_model_dir(kind, **length_dependent_rope(kind)), "ring_dilated")
+    (rotary,) = patches.rotary_modules(model)  # Gemma 3's one module serves both layer types
+    rotary_cls = type(rotary)
     original = rotary_cls.forward
     data = batch(0, 1, 40)
     with torch.no_grad():
@@ -32,15 +54,65 @@ def test_apply_and_revert_are_exact_and_leave_unsharded_runs_alone(kind):
     assert torch.equal(before, patched)
 
 
+HYBRIDS = {  # model type: (config overrides, words the refusal must contain)
+    "lfm2": (dict(layer_types=["conv", "full_attention"]), "'conv': convolution"),
+    "qwen3_next": (dict(layer_types=["linear_attention", "full_attention"]), "'linear_attention': recurrent"),
+    "jamba": (dict(attn_layer_period=2, attn_layer_offset=1), "'linear_attention': recurrent"),
+    "falcon_h1": ({}, "'hybrid'"),
+    "zamba": (dict(num_hidden_layers=4), "recurrent"),
+    "llama4_text": (dict(layer_types=["chunked_attention", "full_attention"]), "chunked attention"),
+    "minimax": (dict(layer_types=["linear_attention", "full_attention"]), "'linear_attention'"),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(HYBRIDS))
+def test_models_mixing_the_sequence_outside_attention_are_refused_from_the_config(model_type):
+    from transformers import AutoConfig
+
+    overrides, words = HYBRIDS[model_type]
+    config = AutoConfig.for_model(model_type, **dict(TINY, **overrides))
+    with pytest.raises(ValueError, match=f"model type '{model_type}' cannot run with its sequence split") as err:
+        patches.check_supported(config)
+    assert words in str(err.value)
+
+
+def test_convolutions_and_mixers_are_found_in_the_modules_and_other_refusals():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("lfm2", **TINY, layer_types=["conv", "full_attention"])
+    model = AutoModelForCausalLM.from_config(config)
+    model.config.layer_types = ["full_attention", "full_attention"]  # the modules alone still give it away
+    with pytest.raises(ValueError, match=r"convolutions mix neighbouring tokens: model.layers.0.conv.conv \(Conv1d\); "
+                                         r"non-attention sequence mixers: Lfm2ShortConv"):
+        patches.check_supported(model)
+    with pytest.raises(ValueError, match="BloomForCausalLM does not route its attention"):
+        patches.check_supported(AutoConfig.for_model("bloom", n_layer=2, hidden_size=64, n_head=4))
+    with pytest.raises(ValueError, match="multimodal"):
+        patches.check_supported(AutoConfig.for_model("gemma3"))
+    with pytest.raises(ValueError, match="output_router_logits=False"):
+        patches.check_supported(tiny_config("qwen3_moe", output_router_logits=True))
+    patches.check_supported(tiny_config("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.0))
+
+
+def test_untested_family_passes_with_a_warning():
+    from transformers import AutoConfig
+
+    with pytest.warns(UserWarning, match="'gpt2' passes hf_ring's structural checks but is not among the tested"):
+        assert patches.check_supported(AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2)) == "gpt2"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert patches.check_supported(tiny_config("llama")) == "llama"
+
+
 def _unsupported_model_sharded():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from cases import raises_on_rank
 
     hf_ring.setup_sequence_parallel(None, 2)
     try:
-        cfg = GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50, n_positions=64)
-        model = GPT2LMHeadModel(cfg).eval()
+        cfg = AutoConfig.for_model("lfm2", **TINY, layer_types=["conv", "full_attention"])
+        model = AutoModelForCausalLM.from_config(cfg).eval()
         model.set_attn_implementation("ring_dilated")
         data = hf_ring.shard_batch({"input_ids": torch.zeros(1, 10, dtype=torch.long)})
         return raises_on_rank(model, **data)
@@ -68,7 +140,7 @@ def _layout_mismatch(path):
 
 def test_sharded_run_of_unsupported_model_is_refused(pools):
     for res in pools(2).run(_unsupported_model_sharded):
-        assert res[0] == "ValueError" and "'gpt2'" in res[1] and "llama, mistral" in res[1]
+        assert res[0] == "ValueError" and "'lfm2'" in res[1] and "'conv': convolution" in res[1]
 
 
 def test_sp_size_must_divide_world(pools):
@@ -83,7 +155,7 @@ def test_layout_of_config_and_sequence_parallel_must_agree(pools):
 
 def test_single_process_setup_without_distributed():
     sp = hf_ring.setup_sequence_parallel(None)
-    assert sp.sp_size == 1 and hf_ring.parallel.current() is None
+    assert sp.sp_size == 1 and hf_ring.current() is None
     with pytest.raises(ValueError, match="needs several processes"):
         hf_ring.setup_sequence_parallel(None, 2)
     assert not dist.is_initialized()

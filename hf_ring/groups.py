@@ -1,0 +1,53 @@
+"""The sequence-parallel setup of this process: its groups, and which one is active.
+
+Made by :func:`hf_ring.setup_sequence_parallel` and read by everything that
+must know whether sequences are split (the attention backend, the data
+helpers, the model patches). Like torch.distributed's default group, the
+active setup belongs to the process, so it has one owner here, below every
+module that reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .comm import RingComm
+
+
+@dataclass
+class SequenceParallel:
+    """The groups attention and the data helpers use; made by :func:`setup_sequence_parallel`."""
+
+    sp_group: Any
+    dp_group: Any
+    sp_rank: int
+    sp_size: int
+    dp_rank: int
+    dp_size: int
+    layout: str
+    comm: Optional[RingComm] = None
+    """Ring neighbours and bounded collectives over ``sp_group`` (None when the sequence is not split)."""
+
+    @property
+    def loss_scale(self) -> float:
+        """Multiply the local loss by this before ``backward`` when DDP averages over all ranks.
+
+        Each rank's loss is its shard's share of the sequence loss, so shard
+        gradients must be *summed* over the sp group; DDP averages over the
+        whole world (dp x sp), which divides that sum by ``sp_size`` too many.
+        """
+        return float(self.sp_size)
+
+
+_CURRENT: Optional[SequenceParallel] = None
+
+
+def current() -> Optional[SequenceParallel]:
+    """The active sequence-parallel setup, or None when the sequence is not split."""
+    return _CURRENT
+
+
+def set_current(sp: Optional[SequenceParallel]) -> None:
+    """Make ``sp`` the active setup (None: sequences are not split)."""
+    global _CURRENT
+    _CURRENT = sp

@@ -1,0 +1,84 @@
+"""The decoder families tested under sequence parallelism, one ``apply_ring_to_<family>`` each.
+
+A model instance needs none of this: :func:`hf_ring.patches.apply` finds its
+rotary modules itself. The table serves the time before a model exists
+(``setup_sequence_parallel`` patches these classes up front) and records what
+each family's attention passes to the backend, which ``tests/test_model_zoo.py``
+checks against the installed transformers.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Dict, Tuple
+
+from . import rope
+
+
+@dataclass(frozen=True)
+class Family:
+    """A tested family: where its classes live and what its attention asks of the backend."""
+
+    model_type: str
+    module: str  # transformers.models.<module>.modeling_<module>
+    rotary: Tuple[str, ...]  # rotary embedding classes
+    attention_kwargs: Tuple[str, ...]  # keywords beyond (mask, dropout, scaling) that change the math
+    layers: str  # which layers attend how
+    rope: str  # RoPE types of released checkpoints
+
+    def rotary_classes(self) -> Tuple[type, ...]:
+        # Imported on use: ``import hf_ring`` should not load every family's modeling code.
+        module = importlib.import_module(f"transformers.models.{self.module}.modeling_{self.module}")
+        return tuple(getattr(module, name) for name in self.rotary)
+
+    def apply(self) -> None:
+        for cls in self.rotary_classes():
+            rope.patch_rotary(cls)
+
+    def revert(self) -> None:
+        for cls in self.rotary_classes():
+            rope.unpatch_rotary(cls)
+
+    def is_applied(self) -> bool:
+        return all(rope.is_patched(cls) for cls in self.rotary_classes())
+
+
+FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
+    Family("llama", "llama", ("LlamaRotaryEmbedding",), (), "all full", "default, llama3, linear, dynamic, yarn"),
+    Family("mistral", "mistral", ("MistralRotaryEmbedding",), ("sliding_window",),
+           "all sliding when config.sliding_window is set, else full", "default"),
+    Family("qwen2", "qwen2", ("Qwen2RotaryEmbedding",), ("sliding_window",),
+           "config.layer_types (sliding from max_window_layers when use_sliding_window)", "default, yarn, dynamic"),
+    Family("qwen3", "qwen3", ("Qwen3RotaryEmbedding",), ("sliding_window",),
+           "config.layer_types (sliding from max_window_layers when use_sliding_window)", "default, yarn"),
+    Family("qwen3_moe", "qwen3_moe", ("Qwen3MoeRotaryEmbedding",), ("sliding_window",),
+           "all sliding when config.sliding_window is set, else full", "default, yarn"),
+    Family("gemma2", "gemma2", ("Gemma2RotaryEmbedding",), ("sliding_window", "softcap"),
+           "config.layer_types: sliding and full alternate", "default"),
+    Family("gemma3_text", "gemma3", ("Gemma3RotaryEmbedding",), ("sliding_window",),
+           "config.layer_types: 5 sliding to 1 full; one rotary module with a RoPE per layer type",
+           "sliding: default; full: linear"),
+    Family("gpt_oss", "gpt_oss", ("GptOssRotaryEmbedding",), ("sliding_window", "s_aux"),
+           "config.layer_types: sliding and full alternate", "yarn"),
+    Family("phi3", "phi3", ("Phi3RotaryEmbedding",), ("sliding_window",),
+           "all sliding when config.sliding_window is set, else full", "default, longrope"),
+    Family("olmo2", "olmo2", ("Olmo2RotaryEmbedding",), (), "all full", "default"),
+)}
+
+
+def _pair(model_type: str) -> Tuple[Callable[[], None], Callable[[], None]]:
+    family = FAMILIES[model_type]
+    return family.apply, family.revert
+
+
+# Liger-Kernel style entry points: patch (and unpatch) one family's classes, reversible and idempotent.
+apply_ring_to_llama, revert_ring_from_llama = _pair("llama")
+apply_ring_to_mistral, revert_ring_from_mistral = _pair("mistral")
+apply_ring_to_qwen2, revert_ring_from_qwen2 = _pair("qwen2")
+apply_ring_to_qwen3, revert_ring_from_qwen3 = _pair("qwen3")
+apply_ring_to_qwen3_moe, revert_ring_from_qwen3_moe = _pair("qwen3_moe")
+apply_ring_to_gemma2, revert_ring_from_gemma2 = _pair("gemma2")
+apply_ring_to_gemma3, revert_ring_from_gemma3 = _pair("gemma3_text")
+apply_ring_to_gpt_oss, revert_ring_from_gpt_oss = _pair("gpt_oss")
+apply_ring_to_phi3, revert_ring_from_phi3 = _pair("phi3")
+apply_ring_to_olmo2, revert_ring_from_olmo2 = _pair("olmo2")

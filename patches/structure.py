@@ -1,0 +1,113 @@
+"""What a model does along the sequence besides attention, read from its config and modules.
+
+Sequence parallelism splits every layer's input along the sequence; only the
+attention exchanges rows between ranks. Anything else that carries
+information along the sequence (a state-space scan, linear attention, a
+convolution over tokens, attention the backend never sees) would run on each
+shard alone and give a silently wrong result, so such models are refused.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any, List, Optional
+
+import torch
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Layer types the ring attention computes exactly (a sliding window is applied on global positions)."""
+TOKENWISE_LAYER_TYPES = ("moe", "mlp", "dense", "sparse")
+"""Layer types that act on each token alone (hybrid configs list feed-forward layers among the mixers)."""
+
+_LAYER_TYPE_REASONS = {
+    "linear_attention": "recurrent layers (state-space or linear attention) carry a state along the sequence",
+    "mamba": "Mamba layers carry a state along the sequence",
+    "hybrid": "hybrid layers run a state-space mixer beside attention",
+    "hybrid_sliding": "hybrid layers run a linear-attention mixer beside attention",
+    "conv": "convolution layers mix neighbouring tokens",
+    "chunked_attention": "chunked attention restricts keys to fixed chunks, which ring_dilated does not apply",
+}
+
+SEQUENCE_MIXER = re.compile(r"Mamba|Mixer|DeltaNet|DeltaAttention|LinearAttention|Lightning|Rglru|Recurrent|ShortConv|"
+                            r"Rwkv|Hyena|SSM")
+"""Class names of transformers' non-attention sequence mixers (a safety net beside the layer types)."""
+SEQUENCE_CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+MULTIMODAL_KEYS = ("vision_config", "audio_config", "speech_config", "vision_tower_config")
+SHOWN = 4
+
+
+def _listed(items) -> str:
+    items = list(items)
+    return ", ".join(str(i) for i in items[:SHOWN]) + (" ..." if len(items) > SHOWN else "")
+
+
+def _layer_types(config) -> Optional[List[str]]:
+    for key in ("layer_types", "layers_block_type"):
+        value = getattr(config, key, None)
+        if isinstance(value, (list, tuple)) and value:
+            return [str(v) for v in value]
+    return None
+
+
+def _causal_lm_class(config) -> Optional[type]:
+    return _causal_lm_class_of(type(config))
+
+
+@functools.lru_cache(maxsize=None)  # the attention calls the check on every layer: keep the lookup out of that path
+def _causal_lm_class_of(config_type: type) -> Optional[type]:
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[config_type]
+    except (KeyError, ValueError):
+        return None
+
+
+def _backend_problems(cls: Optional[type]) -> List[str]:
+    if cls is None or getattr(cls, "_supports_attention_backend", True):
+        return []
+    return [f"{cls.__name__} does not route its attention through transformers' attention interface, "
+            "so ring_dilated would never see the other shards"]
+
+
+def config_problems(config) -> List[str]:
+    """Reasons, read from the config, why sharding the sequence would change this model's result."""
+    problems = []
+    multimodal = [k for k in MULTIMODAL_KEYS if getattr(config, k, None) is not None]
+    if multimodal:
+        problems.append(
+            f"it is multimodal ({', '.join(multimodal)}): image/audio tokens get masks and towers ring_dilated "
+            "does not shard; load the text model alone (e.g. AutoModelForCausalLM from the text config)"
+        )
+    types = _layer_types(config)
+    if types is not None:
+        foreign = [t for t in dict.fromkeys(types) if t not in ATTENTION_LAYER_TYPES + TOKENWISE_LAYER_TYPES]
+        for t in foreign:
+            where = [i for i, x in enumerate(types) if x == t]
+            why = _LAYER_TYPE_REASONS.get(t, "they are not attention layers ring_dilated can shard")
+            problems.append(f"layers [{_listed(where)}] are {t!r}: {why}")
+    coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+    if getattr(config, "output_router_logits", False) and coef:
+        problems.append(
+            f"output_router_logits=True adds the router load-balancing loss (coefficient {coef}), a product of "
+            "means over all tokens that a shard cannot compute; set config.output_router_logits=False"
+        )
+    return problems
+
+
+def module_problems(model: torch.nn.Module) -> List[str]:
+    """Reasons, read from the modules, why sharding the sequence would change this model's result."""
+    problems = _backend_problems(type(model))
+    convs = [f"{name} ({type(m).__name__})" for name, m in model.named_modules() if isinstance(m, SEQUENCE_CONVS)]
+    if convs:
+        problems.append(f"convolutions mix neighbouring tokens: {_listed(convs)}")
+    mixers = sorted({type(m).__name__ for m in model.modules() if SEQUENCE_MIXER.search(type(m).__name__)})
+    if mixers:
+        problems.append(f"non-attention sequence mixers: {_listed(mixers)}")
+    return problems
+
+
+def problems(model_or_config: Any) -> List[str]:
+    """All reasons found for ``model_or_config`` (a model or a config); empty when it can be sharded."""
+    if isinstance(model_or_config, torch.nn.Module):
+        return config_problems(model_or_config.config) + module_problems(model_or_config)
+    return config_problems(model_or_config) + _backend_problems(_causal_lm_class(model_or_config))
