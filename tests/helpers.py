@@ -37,3 +37,17 @@ def dilated_sdpa_mask(n: int, branches, heads: int) -> torch.Tensor:
     from reference import dilated_multiplicity
 
     return torch.stack([torch.log(dilated_multiplicity(n, branches, h).double()) for h in range(heads)]).float()[None]
+
+
+def cancelling_scale(name, q, k, v, dout):
+    """The size of the terms that cancel when dq or dk is exactly zero (e.g. one key per query).
+
+    With one key per softmax row, dS = P * (dout·v - rowsum(dout * out)) is the difference
+    of two equal O(|dout||v|) numbers: exactly 0, but fp32 leaves rounding of that size,
+    times the scaled q or k it multiplies. Only used where the reference is exactly zero.
+    """
+    if name not in ("dq", "dk"):
+        return None
+    other = k if name == "dq" else q
+    terms = (dout.double() * v.double().repeat_interleave(q.shape[1] // v.shape[1], 1)).sum(-1).abs().max()
+    return float(terms * other.double().abs().max() / q.shape[-1] ** 0.5)

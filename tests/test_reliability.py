@@ -61,6 +61,45 @@ def test_bad_timeout_is_refused_on_every_rank_before_any_wait(pools, what):
         assert err is not None and err[0] == "ValueError" and "HF_RING_TIMEOUT='nan'" in err[1]
 
 
+# --- the host-side watchdog used for NCCL (no GPU needed: a stand-in for its Work object) ---------------
+
+
+class FakeWork:
+    """Completes after ``polls`` queries of ``is_completed``; like NCCL's, its ``wait()`` never blocks the host."""
+
+    def __init__(self, polls, error=None):
+        self.polls, self.error, self.waited = polls, error, False
+
+    def is_completed(self):
+        self.polls -= 1
+        return self.polls < 0
+
+    def wait(self, timeout=None):
+        self.waited = True
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+
+def test_watchdog_waits_for_completion_then_joins_the_stream():
+    work = FakeWork(polls=5)
+    comm.wait(work, "a test collective", 5.0, "nccl")
+    assert work.waited and work.polls < 0
+
+
+def test_watchdog_raises_at_the_deadline():
+    work = FakeWork(polls=10**9)
+    t0 = time.monotonic()
+    with pytest.raises(comm.CommTimeoutError, match="a test collective .* within 0.3 s .*HF_RING_TIMEOUT"):
+        comm.wait(work, "a test collective", 0.3, "nccl")
+    assert 0.3 <= time.monotonic() - t0 < 5.0 and not work.waited
+
+
+def test_watchdog_reports_a_recorded_backend_error():
+    with pytest.raises(comm.CommTimeoutError, match="NCCL error: remote process exited"):
+        comm.wait(FakeWork(polls=0, error="NCCL error: remote process exited"), "a test collective", 5.0, "nccl")
+
+
 # --- sync_gradients against an independent computation ---------------------------------------------------
 
 

@@ -4,7 +4,7 @@ import torch
 
 import reference as R
 from cases import assemble, make_qkv, ring_case
-from helpers import rel_err
+from helpers import cancelling_scale, rel_err
 
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2
@@ -31,20 +31,6 @@ def check_against_reference(got, seed, b, hq, hkv, n, d, tol, dtype=torch.float3
     errs = {name: rel_err(got[name], ref[name], zero_scale=cancelling_scale(name, q, k, v, dout)) for name in ref}
     assert max(errs.values()) <= tol, errs
     return errs
-
-
-def cancelling_scale(name, q, k, v, dout):
-    """The size of the terms that cancel when dq or dk is exactly zero (``window=1``: one key per query).
-
-    With one key per softmax row, dS = P * (dout·v - rowsum(dout * out)) is the difference
-    of two equal O(|dout||v|) numbers: exactly 0, but fp32 leaves rounding of that size,
-    times the scaled q or k it multiplies. Only used where the reference is exactly zero.
-    """
-    if name not in ("dq", "dk"):
-        return None
-    other = k if name == "dq" else q
-    terms = (dout.double() * v.double().repeat_interleave(q.shape[1] // v.shape[1], 1)).sum(-1).abs().max()
-    return float(terms * other.double().abs().max() / q.shape[-1] ** 0.5)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
