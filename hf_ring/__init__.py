@@ -5,6 +5,7 @@
 from . import patches
 from .backend import register as _register
 from .cache import ShardedCache
+from .comm import CommTimeoutError
 from .config import configure
 from .data import gather_sequence, shard_batch
 from .generation import generate
@@ -15,6 +16,7 @@ from .pattern import DilatedPattern
 from .ring import ring_attention
 
 __all__ = [
+    "CommTimeoutError",
     "DilatedPattern",
     "SequenceParallel",
     "ShardedCache",

@@ -39,6 +39,7 @@ def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = No
     ``ring_dilated`` attention and :func:`hf_ring.shard_batch` use.
     """
     check_layout(layout)
+    comm.comm_timeout()  # an unusable HF_RING_TIMEOUT is refused now, before any wait
     if accelerator is not None:
         # accelerate initialises torch.distributed (gloo on CPU, NCCL on GPU) for multi-process runs.
         _ = accelerator.state
