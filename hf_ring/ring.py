@@ -8,9 +8,20 @@ rows go straight back to their owner, where they are summed. Each block's
 backward uses the merged output and LSE, so gradients are exact. Dense
 attention is the schedule of the one-branch pattern ``(N, 1)``; a dilated
 pattern only changes which rows travel and which blocks run.
+
+Documents packed into a row keep the row-index schedule, cut into tiles of
+about half the longest document: tiles whose rows share no document are
+never computed nor sent, and a tile that straddles a document border gets a
+same-document mask. Dilation inside documents counts segments and residues
+from each document's start, so it runs on the dense tiled schedule with a
+per-tile bias ``log m`` (m = branches allowing the pair). Attention sinks
+join the merged result once per query row; ``softcap`` runs the exact math
+kernels on bounded tiles.
 """
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -20,8 +31,10 @@ from torch.autograd.function import once_differentiable
 
 from .blocks import Prog, default_tile, tiles
 from .comm import Pending, RingComm
-from .kernels import block_backward, block_forward, default_scale, merge_into
-from .layout import check_layout, infer_seq_len, shard_sizes
+from .documents import (Documents, check_documents, dilated_multiplicity, document_starts, longest, same_document,
+                        within_one)
+from .kernels import add_sinks, block_backward, block_forward, default_scale, merge_into, sinks_backward
+from .layout import check_layout, infer_seq_len, local_positions, shard_sizes
 from .pattern import DilatedPattern
 from .schedule import Blk, Piece, RankPlan, Step, message_budget, rank_plan
 
@@ -34,6 +47,15 @@ PADDED_TILE = 2048
 """Rows per side of forward blocks when keys are padded: each block then needs a built mask, and
 whole-shard blocks would make that mask quadratic in the shard."""
 
+SOFTCAP_TILE = 512
+"""Rows per side of blocks with ``softcap``: the exact math kernel holds several score tiles at once."""
+
+DOCUMENT_TILE = 1024
+"""Most rows per side of tiles over documents (the tile is about half the longest document)."""
+
+DILATED_DOCUMENT_TILE = 512
+"""Most rows per side of tiles of dilated attention over documents: each carries a per-head bias."""
+
 
 @dataclass
 class _Ctx:
@@ -44,6 +66,10 @@ class _Ctx:
     window: Optional[int]
     key_mask: Optional[Tensor] = None  # (B, S_local) bool, True where a key may be attended
     masks: dict = field(default_factory=dict)
+    documents: Optional[Documents] = None  # global start rows of the documents, per batch row
+    dilated: Optional[Tuple[Tuple[int, int], ...]] = None  # branches counted inside documents
+    softcap: Optional[float] = None
+    backward_tile: int = BACKWARD_TILE
 
 
 def _hs(heads: range) -> slice:
@@ -139,10 +165,24 @@ def _kv_views(step: Step, k: Tensor, v: Tensor, key_mask: Optional[Tensor], got:
 
 
 def _kernel_args(ctx: _Ctx, q: Prog, k_pos: int, nk: int, kind: str, device,
-                 key_valid: Optional[Tensor] = None) -> dict:
-    """Kernel mask arguments of one block; ``key_valid`` ``(B, nk)`` adds key padding."""
-    if kind != "mask" and key_valid is None:
-        return {"causal": kind == "causal", "mask": None}
+                 key_valid: Optional[Tensor] = None, heads: Optional[range] = None) -> Optional[dict]:
+    """Kernel arguments of one block (``heads``: its query heads); ``key_valid`` ``(B, nk)`` adds key padding.
+
+    None when documents leave the block no allowed pair.
+    """
+    docs = ctx.documents
+    if docs is not None and ctx.dilated is not None:
+        m = dilated_multiplicity(docs, q.pos, q.count, k_pos, nk, ctx.dilated, heads, ctx.causal, device)
+        if key_valid is not None:
+            m = m * key_valid[:, None, None, :]
+        if not bool(m.any()):
+            return None
+        return {"causal": False, "mask": torch.log(m.to(torch.float32)), "softcap": ctx.softcap}
+    doc_mask = None
+    if docs is not None and not within_one(docs, q.pos, q.last_pos, k_pos, k_pos + nk - 1):
+        doc_mask = same_document(docs, q.pos, q.count, k_pos, nk, device)
+    if kind != "mask" and key_valid is None and doc_mask is None:
+        return {"causal": kind == "causal", "mask": None, "softcap": ctx.softcap}
     if kind == "full":
         mask = torch.ones(q.count, nk, dtype=torch.bool, device=device)
     elif kind == "causal":
@@ -160,7 +200,11 @@ def _kernel_args(ctx: _Ctx, q: Prog, k_pos: int, nk: int, kind: str, device,
                 ctx.masks[key] = mask
     if key_valid is not None:
         mask = mask[None, None] & key_valid[:, None, None, :]
-    return {"causal": False, "mask": mask}
+    if doc_mask is not None:
+        mask = mask & doc_mask
+        if not bool(mask.any()):
+            return None
+    return {"causal": False, "mask": mask, "softcap": ctx.softcap}
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
@@ -189,12 +233,15 @@ def _visits(ctx: _Ctx, k: Tensor, v: Tensor) -> Iterator[Tuple[Step, list]]:
         del got  # the visiting rows are done with; only the next step's stay in memory
 
 
-def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx) -> Tuple[Tensor, Tensor]:
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """This rank's rows of the output (``q.dtype``) and their LSE, with the sinks (if any) joined once per row."""
     plan, key_mask = ctx.plan, ctx.key_mask
     b, hq, s, d = q.shape
     only = _single_block(plan, q, k)
-    if only is not None and key_mask is None:
-        return block_forward(q, k, v, scale=ctx.scale, **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
+    if only is not None and key_mask is None and ctx.documents is None:
+        out, lse = block_forward(q, k, v, scale=ctx.scale,
+                                 **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
+        return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
     out = torch.zeros(b, hq, s, d, dtype=_acc_dtype(q), device=q.device)
     lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
     for step, kv in _visits(ctx, k, v):
@@ -202,12 +249,15 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx) -> Tuple[Tensor, Te
             hs, rs = _hs(blk.q_heads), blk.q.rows
             ks = slice(blk.k_off, blk.k_off + blk.nk)
             pk, pv, pm, all_valid = kv[blk.piece]
-            o_blk, l_blk = block_forward(
-                q[:, hs, rs], pk[:, :, ks], pv[:, :, ks], scale=ctx.scale,
-                **_kernel_args(ctx, blk.q, blk.k_pos, blk.nk, blk.kind, q.device, None if all_valid else pm[:, ks]),
-            )
+            args = _kernel_args(ctx, blk.q, blk.k_pos, blk.nk, blk.kind, q.device,
+                                None if all_valid else pm[:, ks], blk.q_heads)
+            if args is None:
+                continue
+            o_blk, l_blk = block_forward(q[:, hs, rs], pk[:, :, ks], pv[:, :, ks], scale=ctx.scale, **args)
             merge_into(out[:, hs, rs], lse[:, hs, rs], o_blk, l_blk)
         del kv
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
@@ -225,7 +275,7 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
     plan, comm, key_mask = ctx.plan, ctx.comm, ctx.key_mask
     b, hq, s, d = q.shape
     only = _single_block(plan, q, k)
-    if only is not None and key_mask is None:
+    if only is not None and key_mask is None and ctx.documents is None:
         return block_backward(dout, q, k, v, out, lse, scale=ctx.scale,
                               **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
     acc = _acc_dtype(q)
@@ -247,12 +297,15 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
             gk, gv = grads[blk.piece]
             stride = blk.q.stride
             k_prog = Prog(blk.k_off * stride, blk.k_pos, blk.nk, stride)
-            for qt, kt, kind in tiles(blk.q, k_prog, ctx.causal, ctx.window, BACKWARD_TILE):
+            for qt, kt, kind in tiles(blk.q, k_prog, ctx.causal, ctx.window, ctx.backward_tile):
                 rs, ks = qt.rows, slice(kt.local // stride, kt.local // stride + kt.count)
+                args = _kernel_args(ctx, qt, kt.pos, kt.count, kind, q.device,
+                                    None if all_valid else pm[:, ks], blk.q_heads)
+                if args is None:
+                    continue
                 dq_b, dk_b, dv_b = block_backward(
                     dout[:, hs, rs], q[:, hs, rs], pk[:, :, ks], pv[:, :, ks], out[:, hs, rs], lse[:, hs, rs],
-                    scale=ctx.scale,
-                    **_kernel_args(ctx, qt, kt.pos, kt.count, kind, q.device, None if all_valid else pm[:, ks]),
+                    scale=ctx.scale, **args,
                 )
                 dq[:, hs, rs].add_(dq_b)  # add_ on the view: `+=` on an index would copy the rows back
                 gk[:, :, ks].add_(dk_b)
@@ -271,21 +324,28 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: saves ``(q, k, v, out, lse)`` and runs the ring backward."""
+    """Autograd wrapper: saves ``(q, k, v, out, lse, sinks)`` and runs the ring backward.
+
+    Block gradients use the output and LSE with the sinks joined, which makes
+    them exact; the sinks' gradient is this rank's rows' share (summing it over
+    the ranks, as for every other parameter, gives the whole).
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, rctx: _Ctx):
-        out, lse = ring_forward(q, k, v, rctx)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, sinks, rctx: _Ctx):
+        out, lse = ring_forward(q, k, v, rctx, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.rctx = rctx
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.rctx)
-        return dq, dk, dv, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.rctx)
+        dsinks = None if sinks is None else sinks_backward(dout, out, lse, sinks)
+        return dq, dk, dv, dsinks, None
 
 
 # ---------------------------------------------------------------- validation
@@ -360,6 +420,50 @@ def _check_pattern(pattern, window) -> Optional[DilatedPattern]:
     return pattern
 
 
+def check_softcap(softcap) -> Optional[float]:
+    """``softcap`` as a float, or None; it must be a finite number > 0."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float > 0 or None (scores -> softcap·tanh(scores/softcap)), got {softcap!r}")
+    if not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
+    return float(softcap)
+
+
+def check_sinks(sinks, q: Tensor) -> Optional[Tensor]:
+    """``sinks``: one float logit per query head, shape ``(Hq,)``, or None."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a float tensor of shape (query heads,) = ({q.shape[1]},) or None, "
+                        f"got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"sinks must have shape (query heads,) = ({q.shape[1]},): one logit per query head, "
+                         f"got {tuple(sinks.shape)}")
+    return sinks
+
+
+def check_position_ids(position_ids, q: Tensor, documents) -> Optional[Tensor]:
+    """This rank's rows' position ids ``(B, S_local)`` (integers), or None."""
+    if position_ids is None:
+        return None
+    if documents is not None:
+        raise ValueError("pass either position_ids (the ranks then learn the documents) or documents, not both")
+    if not isinstance(position_ids, torch.Tensor):
+        raise TypeError(f"position_ids must be an integer tensor of shape (batch, local rows) or None, "
+                        f"got {type(position_ids).__name__}")
+    if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
+        raise TypeError(f"position_ids must be an integer tensor (torch.long), got {position_ids.dtype}")
+    expected = (q.shape[0], q.shape[2])
+    if tuple(position_ids.shape) != expected:
+        raise ValueError(f"position_ids must have shape (batch, local rows) = {expected} (this rank's rows, in "
+                         f"local_positions order), got {tuple(position_ids.shape)}")
+    return position_ids
+
+
 def check_options(causal: bool, window, pattern, scale, head_dim: int) -> Tuple[Optional[int], Optional[DilatedPattern], float]:
     """Validated ``(window, pattern, scale)``; ``scale=None`` becomes ``1/sqrt(head_dim)``."""
     window = _check_window(window, causal)
@@ -386,12 +490,35 @@ def _resolve_group(group) -> Optional[RingComm]:
     return RingComm(group)
 
 
+_NONE = -(1 << 62)
+
+
+def _float_code(x: Optional[float]) -> int:
+    """A float as an integer every rank can compare exactly (its IEEE bits); None is a value no float has."""
+    return _NONE if x is None else struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _shown(name: str, code: int):
+    if code == _NONE:
+        return None
+    return struct.unpack("<d", struct.pack("<q", code))[0] if name == "softcap" else code
+
+
+def option_codes(softcap: Optional[float], sinks: Optional[Tensor], position_ids: Optional[Tensor],
+                 documents: Optional[Documents]) -> List[Tuple[str, int]]:
+    """The options every rank must share, as integers for the agreement step."""
+    return [("softcap", _float_code(softcap)), ("sinks", _NONE if sinks is None else 1),
+            ("position_ids", _NONE if position_ids is None else 1),
+            ("documents", _NONE if documents is None else hash(documents) & ((1 << 61) - 1))]
+
+
 def agree(comm: Optional[RingComm], q: Tensor, k: Tensor, seq_len: Optional[int], layout: str,
-          padded: bool) -> Tuple[int, bool]:
+          padded: bool, same: Sequence[Tuple[str, int]] = ()) -> Tuple[int, bool]:
     """The global length, and whether any rank has padded keys, checked across the ranks.
 
     One all-gather of a few integers per rank per call: every rank sees every
-    rank's shapes, so a mismatch raises the same error on all of them instead
+    rank's shapes, and the ``same`` options (name, integer code) every rank
+    must share, so a mismatch raises the same error on all of them instead
     of leaving some waiting in the ring.
     """
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0):
@@ -402,11 +529,16 @@ def agree(comm: Optional[RingComm], q: Tensor, k: Tensor, seq_len: Optional[int]
             raise ValueError(f"seq_len={seq_len} but this single process holds {local_len} rows")
         return local_len, padded
     mine = [local_len, -1 if seq_len is None else seq_len, int(padded), q.shape[0], q.shape[1], k.shape[1], q.shape[3]]
-    table = comm.all_gather_ints(mine, "the shape check before the ring")
+    table = comm.all_gather_ints(mine + [code for _, code in same], "the shape check before the ring")
     for i, name in ((3, "batch size"), (4, "query heads"), (5, "key/value heads"), (6, "head_dim")):
         values = [row[i] for row in table]
         if len(set(values)) > 1:
             raise ValueError(f"the ranks of the ring disagree on {name}: {values} (by rank)")
+    for i, (name, _) in enumerate(same, start=len(mine)):
+        values = [row[i] for row in table]
+        if len(set(values)) > 1:
+            shown = [_shown(name, c) if name == "softcap" or c == _NONE else "given" for c in values]
+            raise ValueError(f"the ranks passed different {name}: {shown} (by rank); pass the same on every rank")
     given = sorted({row[1] for row in table})
     if len(given) > 1:
         raise ValueError(f"the ranks passed different seq_len values: {[row[1] for row in table]} (-1 = None)")
@@ -423,6 +555,32 @@ def agree(comm: Optional[RingComm], q: Tensor, k: Tensor, seq_len: Optional[int]
     return seq_len, any_padded
 
 
+def gather_documents(comm: Optional[RingComm], position_ids: Tensor, seq_len: int, layout: str,
+                     device: torch.device) -> Documents:
+    """Global document starts from every rank's rows' ``position_ids`` (one bounded all-gather)."""
+    if comm is None or comm.world_size == 1 or seq_len == 0:
+        return document_starts(position_ids)
+    sizes = shard_sizes(seq_len, comm.world_size, layout)
+    b = position_ids.shape[0]
+    mine = torch.zeros(b, max(sizes), dtype=torch.long, device=device)
+    mine[:, : position_ids.shape[1]] = position_ids.to(device=device, dtype=torch.long)
+    parts = comm.all_gather(mine, "the exchange of position_ids (document starts)").cpu()
+    whole = torch.empty(b, seq_len, dtype=torch.long)
+    for r, size in enumerate(sizes):
+        whole[:, local_positions(seq_len, r, comm.world_size, layout)] = parts[r, :, :size]
+    return document_starts(whole)
+
+
+def document_tile(documents: Documents, seq_len: int, dilated: bool) -> int:
+    """Tile side over documents: about half the longest document, a multiple of 64, bounded.
+
+    Work is then about ``n·(longest + 2·tile)`` pairs, whatever the number of documents.
+    """
+    half = -(-longest(documents, seq_len) // 2)
+    side = max(64, -(-half // 64) * 64)
+    return min(side, DILATED_DOCUMENT_TILE if dilated else DOCUMENT_TILE)
+
+
 def ring_attention(
     q: Tensor,
     k: Tensor,
@@ -436,6 +594,9 @@ def ring_attention(
     pattern: Union[DilatedPattern, dict, None] = None,
     scale: Optional[float] = None,
     key_mask: Optional[Tensor] = None,
+    position_ids: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -446,30 +607,61 @@ def ring_attention(
     (:class:`hf_ring.DilatedPattern`); ``None`` is exact dense attention.
     ``key_mask`` ``(B, S_local)`` bool marks the keys that may be attended
     (False for padding); it travels with the K/V rows it describes.
+    ``position_ids`` ``(B, S_local)``: this rank's rows' position ids; a row
+    then holds several documents (each maximal run of ids increasing by one),
+    and a query sees only its own document, with causality, window and
+    dilation counted from the document's start. ``softcap`` caps the scores,
+    ``softcap·tanh(s/softcap)``; ``sinks`` ``(Hq,)`` adds one logit per query
+    head to the softmax denominator with a zero value (its gradient is this
+    rank's rows' share: sum it over the ranks like any parameter's).
     Without a group and without torch.distributed it runs as one process.
     """
     return attend(q, k, v, _resolve_group(group), layout=layout, seq_len=seq_len, causal=causal,
-                  window=window, pattern=pattern, scale=scale, key_mask=key_mask)
+                  window=window, pattern=pattern, scale=scale, key_mask=key_mask, position_ids=position_ids,
+                  softcap=softcap, sinks=sinks)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], *, layout: str = "zigzag",
            seq_len: Optional[int] = None, causal: bool = True, window: Optional[int] = None,
            pattern: Union[DilatedPattern, dict, None] = None, scale: Optional[float] = None,
-           key_mask: Optional[Tensor] = None) -> Tensor:
-    """:func:`ring_attention` over an already resolved ring (``None``: this process alone)."""
+           key_mask: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
+           documents: Optional[Documents] = None, softcap: Optional[float] = None,
+           sinks: Optional[Tensor] = None) -> Tensor:
+    """:func:`ring_attention` over an already resolved ring (``None``: this process alone).
+
+    ``documents``: the global document starts per batch row
+    (:func:`hf_ring.documents.document_starts` of the global position ids),
+    for a caller that knows them already; no collective is then needed to
+    learn them. ``None`` (and no ``position_ids``) is one document per row.
+    """
     _check_qkv(q, k, v)
     check_layout(layout)
     window, pattern, scale = check_options(causal, window, pattern, scale, q.shape[-1])
     key_mask = _check_key_mask(key_mask, k)
-    n, any_padded = agree(comm, q, k, seq_len, layout, key_mask is not None and not bool(key_mask.all()))
+    softcap = check_softcap(softcap)
+    sinks = check_sinks(sinks, q)
+    position_ids = check_position_ids(position_ids, q, documents)
+    n, any_padded = agree(comm, q, k, seq_len, layout, key_mask is not None and not bool(key_mask.all()),
+                          option_codes(softcap, sinks, position_ids, documents))
     if not any_padded:
         key_mask = None  # an all-valid mask changes nothing; dropping it keeps the unmasked fast paths
     elif key_mask is None:
         key_mask = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
     rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
+    if position_ids is not None:
+        documents = gather_documents(comm, position_ids, n, layout, k.device)
+    documents = check_documents(documents, q.shape[0], n)
     branches = ((max(n, 1), 1),) if pattern is None else pattern.branches
+    dilated = None
     tile = min(default_tile(window), PADDED_TILE) if key_mask is not None else None
+    if documents is not None:
+        if pattern is not None:  # dilation counts from each document's start: a dense plan with per-tile bias
+            dilated, branches = pattern.branches, ((max(n, 1), 1),)
+        tile = min(tile or default_tile(window), document_tile(documents, n, dilated is not None))
+    if softcap is not None:
+        tile = min(tile or default_tile(window), SOFTCAP_TILE)
     plan = rank_plan(n, rank, world, layout if world > 1 else "contiguous", bool(causal), window,
-                     branches, q.shape[1], k.shape[1], message_budget(n, world, k.shape[1]), tile)
-    rctx = _Ctx(comm, plan, float(scale), bool(causal), window, key_mask)
-    return RingAttentionFunction.apply(q, k, v, rctx)
+                     branches, q.shape[1], k.shape[1], message_budget(n, world, k.shape[1]), tile, documents)
+    rctx = _Ctx(comm, plan, float(scale), bool(causal), window, key_mask, documents=documents, dilated=dilated,
+                softcap=softcap, backward_tile=min(BACKWARD_TILE, tile or BACKWARD_TILE))
+    return RingAttentionFunction.apply(q, k, v, sinks, rctx)
