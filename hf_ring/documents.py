@@ -73,26 +73,30 @@ def _bounds(starts: Sequence[int], d: int, seq_len: int) -> Tuple[int, int]:
     return starts[d], (starts[d + 1] if d + 1 < len(starts) else seq_len)
 
 
-def share(documents: Documents, seq_len: int, q_lo: int, q_hi: int, k_lo: int, k_hi: int,
-          causal: bool, window: Optional[int]) -> bool:
-    """Whether query rows ``[q_lo, q_hi]`` and key rows ``[k_lo, k_hi]`` hold an allowed pair of one document.
+def key_span(documents: Documents, seq_len: int, q_lo: int, q_hi: int, k_lo: int, k_hi: int,
+             causal: bool, window: Optional[int]) -> Optional[Tuple[int, int]]:
+    """First and last key row in ``[k_lo, k_hi]`` that some query row in ``[q_lo, q_hi]`` may see, or None.
 
-    Allowed means in one document of some batch row, with ``k <= q`` when
-    causal and ``k > q - window`` with a window.
+    A query may see a key of its own document (in some batch row), not later
+    than itself when causal, and less than ``window`` rows back with a window.
     """
+    first_key, last_key = None, None
     for starts in documents:
-        first = max(_doc(starts, q_lo), _doc(starts, k_lo))
-        last = min(_doc(starts, q_hi), _doc(starts, k_hi))
-        for d in range(first, last + 1):
-            lo, hi = _bounds(starts, d, seq_len)
-            a, b = max(q_lo, lo), min(q_hi, hi - 1)  # queries of the document in the tile
-            c, e = max(k_lo, lo), min(k_hi, hi - 1)  # keys of the document in the tile
-            if causal and c > b:
+        lo_doc = max(_doc(starts, q_lo), _doc(starts, k_lo))
+        hi_doc = min(_doc(starts, q_hi), _doc(starts, k_hi))
+        for d in range(lo_doc, hi_doc + 1):
+            start, stop = _bounds(starts, d, seq_len)
+            a, b = max(q_lo, start), min(q_hi, stop - 1)  # the document's queries in the tile
+            lo, hi = max(k_lo, start), min(k_hi, stop - 1)  # and its keys
+            if causal:
+                hi = min(hi, b)
+            if window is not None:
+                lo = max(lo, a - window + 1)
+            if a > b or lo > hi:
                 continue
-            if window is not None and e <= a - window:
-                continue
-            return True
-    return False
+            first_key = lo if first_key is None else min(first_key, lo)
+            last_key = hi if last_key is None else max(last_key, hi)
+    return None if first_key is None else (first_key, last_key)
 
 
 def within_one(documents: Documents, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> bool:

@@ -224,6 +224,32 @@ def _warn_fallback(err: Exception) -> None:
         warnings.warn(f"hf_ring: the CUDA flash kernel refused a block ({err}); using the exact math path", stacklevel=3)
 
 
+def check_softcap(softcap) -> Optional[float]:
+    """``softcap`` as a float, or None; it must be a finite number > 0."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float > 0 or None (scores -> softcap·tanh(scores/softcap)), got {softcap!r}")
+    if not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
+    return float(softcap)
+
+
+def check_sinks(sinks, hq: int) -> Optional[Tensor]:
+    """``sinks``: one float logit per query head, shape ``(Hq,)``, or None."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a float tensor of shape (query heads,) = ({hq},) or None, "
+                        f"got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+    if tuple(sinks.shape) != (hq,):
+        raise ValueError(f"sinks must have shape (query heads,) = ({hq},): one logit per query head, "
+                         f"got {tuple(sinks.shape)}")
+    return sinks
+
+
 def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tuple[Tensor, Tensor]:
     """Join one sink logit per query head to the softmax denominator, with a zero value vector.
 

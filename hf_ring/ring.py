@@ -33,7 +33,8 @@ from .blocks import Prog, default_tile, tiles
 from .comm import Pending, RingComm
 from .documents import (Documents, check_documents, dilated_multiplicity, document_starts, longest, same_document,
                         within_one)
-from .kernels import add_sinks, block_backward, block_forward, default_scale, merge_into, sinks_backward
+from .kernels import (add_sinks, block_backward, block_forward, check_sinks, check_softcap, default_scale, merge_into,
+                      sinks_backward)
 from .layout import check_layout, infer_seq_len, local_positions, shard_sizes
 from .pattern import DilatedPattern
 from .schedule import Blk, Piece, RankPlan, Step, message_budget, rank_plan
@@ -420,32 +421,6 @@ def _check_pattern(pattern, window) -> Optional[DilatedPattern]:
     return pattern
 
 
-def check_softcap(softcap) -> Optional[float]:
-    """``softcap`` as a float, or None; it must be a finite number > 0."""
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float > 0 or None (scores -> softcap·tanh(scores/softcap)), got {softcap!r}")
-    if not math.isfinite(softcap) or softcap <= 0:
-        raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
-    return float(softcap)
-
-
-def check_sinks(sinks, q: Tensor) -> Optional[Tensor]:
-    """``sinks``: one float logit per query head, shape ``(Hq,)``, or None."""
-    if sinks is None:
-        return None
-    if not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"sinks must be a float tensor of shape (query heads,) = ({q.shape[1]},) or None, "
-                        f"got {type(sinks).__name__}")
-    if not sinks.is_floating_point():
-        raise TypeError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
-    if tuple(sinks.shape) != (q.shape[1],):
-        raise ValueError(f"sinks must have shape (query heads,) = ({q.shape[1]},): one logit per query head, "
-                         f"got {tuple(sinks.shape)}")
-    return sinks
-
-
 def check_position_ids(position_ids, q: Tensor, documents) -> Optional[Tensor]:
     """This rank's rows' position ids ``(B, S_local)`` (integers), or None."""
     if position_ids is None:
@@ -639,7 +614,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], *, layout:
     window, pattern, scale = check_options(causal, window, pattern, scale, q.shape[-1])
     key_mask = _check_key_mask(key_mask, k)
     softcap = check_softcap(softcap)
-    sinks = check_sinks(sinks, q)
+    sinks = check_sinks(sinks, q.shape[1])
     position_ids = check_position_ids(position_ids, q, documents)
     n, any_padded = agree(comm, q, k, seq_len, layout, key_mask is not None and not bool(key_mask.all()),
                           option_codes(softcap, sinks, position_ids, documents))

@@ -18,7 +18,7 @@ from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
 from .blocks import Prog, classify, default_tile, tiles
-from .documents import Documents, share
+from .documents import Documents, key_span
 from .layout import local_runs, runs_to_local
 from .pattern import head_groups
 
@@ -92,6 +92,17 @@ def _segments(runs, wt: int) -> List[int]:
     return sorted(segs)
 
 
+def _within_documents(found, documents: Documents, seq_len: int, causal: bool, window: Optional[int]):
+    """The tiles whose rows share a document, each cut to the key rows its queries may see there."""
+    kept = []
+    for qp, (qt, kt, _) in found:
+        span = key_span(documents, seq_len, qt.pos, qt.last_pos, kt.pos, kt.last_pos, causal, window)
+        if span is not None:
+            kt = kt.clip(*span)
+            kept.append((qp, (qt, kt, classify(qt, kt, causal, window))))
+    return kept
+
+
 @lru_cache(maxsize=4096)
 def pair_plan(
     seq_len: int, dst: int, src: int, world_size: int, layout: str, causal: bool,
@@ -137,9 +148,7 @@ def pair_plan(
                         continue
                     found = [(qp, t) for qp in q_progs for t in tiles(qp, kp, causal, window, tile)]
                     if documents is not None:
-                        found = [(qp, t) for qp, t in found
-                                 if share(documents, seq_len, t[0].pos, t[0].last_pos, t[1].pos, t[1].last_pos,
-                                          causal, window)]
+                        found = _within_documents(found, documents, seq_len, causal, window)
                         if found:  # send only the key rows the kept tiles read
                             kp = kp.clip(min(t[1].pos for _, t in found), max(t[1].last_pos for _, t in found))
                     if not found:

@@ -10,3 +10,10 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     """Max abs error over the reference's scale (its max abs value, at least SCALE_FLOOR)."""
     scale = max(ref.abs().max().item() if ref.numel() else 0.0, SCALE_FLOOR)
     return (got.double() - ref.double()).abs().max().item() / scale
+
+
+def strict_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max abs error over the reference's max abs value; a reference exactly zero must be matched exactly."""
+    diff = (got.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    return diff / scale if scale > 0 else diff
