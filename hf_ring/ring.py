@@ -487,14 +487,21 @@ def option_codes(softcap: Optional[float], sinks: Optional[Tensor], position_ids
             ("documents", _NONE if documents is None else hash(documents) & ((1 << 61) - 1))]
 
 
+def _digest(same: Sequence[Tuple[str, int]]) -> int:
+    """One integer standing for all the options (hash of a tuple of ints: the same in every process)."""
+    return hash(tuple(code for _, code in same)) & ((1 << 62) - 1)
+
+
 def agree(comm: Optional[RingComm], q: Tensor, k: Tensor, seq_len: Optional[int], layout: str,
           padded: bool, same: Sequence[Tuple[str, int]] = ()) -> Tuple[int, bool]:
     """The global length, and whether any rank has padded keys, checked across the ranks.
 
     One all-gather of a few integers per rank per call: every rank sees every
-    rank's shapes, and the ``same`` options (name, integer code) every rank
-    must share, so a mismatch raises the same error on all of them instead
-    of leaving some waiting in the ring.
+    rank's shapes and a digest of the ``same`` options (name, integer code)
+    every rank must share, so a mismatch raises the same error on all of them
+    instead of leaving some waiting in the ring. Only when the digests differ
+    do the ranks (all of them, having seen the same table) gather the options
+    themselves, to say which one differs.
     """
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0):
         raise ValueError(f"seq_len must be a non-negative int or None, got {seq_len!r}")
@@ -503,17 +510,20 @@ def agree(comm: Optional[RingComm], q: Tensor, k: Tensor, seq_len: Optional[int]
         if seq_len is not None and seq_len != local_len:
             raise ValueError(f"seq_len={seq_len} but this single process holds {local_len} rows")
         return local_len, padded
-    mine = [local_len, -1 if seq_len is None else seq_len, int(padded), q.shape[0], q.shape[1], k.shape[1], q.shape[3]]
-    table = comm.all_gather_ints(mine + [code for _, code in same], "the shape check before the ring")
+    mine = [local_len, -1 if seq_len is None else seq_len, int(padded), q.shape[0], q.shape[1], k.shape[1], q.shape[3],
+            _digest(same)]
+    table = comm.all_gather_ints(mine, "the shape check before the ring")
     for i, name in ((3, "batch size"), (4, "query heads"), (5, "key/value heads"), (6, "head_dim")):
         values = [row[i] for row in table]
         if len(set(values)) > 1:
             raise ValueError(f"the ranks of the ring disagree on {name}: {values} (by rank)")
-    for i, (name, _) in enumerate(same, start=len(mine)):
-        values = [row[i] for row in table]
-        if len(set(values)) > 1:
-            shown = [_shown(name, c) if name == "softcap" or c == _NONE else "given" for c in values]
-            raise ValueError(f"the ranks passed different {name}: {shown} (by rank); pass the same on every rank")
+    if len({row[7] for row in table}) > 1:
+        options = comm.all_gather_ints([code for _, code in same], "the option check before the ring")
+        for i, (name, _) in enumerate(same):
+            values = [row[i] for row in options]
+            if len(set(values)) > 1:
+                shown = [_shown(name, c) if name == "softcap" or c == _NONE else "given" for c in values]
+                raise ValueError(f"the ranks passed different {name}: {shown} (by rank); pass the same on every rank")
     given = sorted({row[1] for row in table})
     if len(given) > 1:
         raise ValueError(f"the ranks passed different seq_len values: {[row[1] for row in table]} (-1 = None)")
