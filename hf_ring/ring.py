@@ -20,7 +20,6 @@ kernels on bounded tiles.
 """
 from __future__ import annotations
 
-import math
 import struct
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple, Union
