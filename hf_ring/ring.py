@@ -521,6 +521,9 @@ def agree(comm: Optional[RingComm], q: Tensor, k: Tensor, seq_len: Optional[int]
         for i, (name, _) in enumerate(same):
             values = [row[i] for row in options]
             if len(set(values)) > 1:
+                if _NONE not in values and name != "softcap":
+                    raise ValueError(f"the ranks passed different {name} (every rank gave some, not the same); "
+                                     "pass the same on every rank")
                 shown = [_shown(name, c) if name == "softcap" or c == _NONE else "given" for c in values]
                 raise ValueError(f"the ranks passed different {name}: {shown} (by rank); pass the same on every rank")
     given = sorted({row[1] for row in table})

@@ -5,6 +5,9 @@ import torch
 import torch.distributed as dist
 
 import hf_ring
+from hf_ring.comm import RingComm
+from hf_ring.documents import document_starts
+from hf_ring.ring import attend
 
 
 def make_qkv(seed, b, hq, hkv, n, d, dtype=torch.float32):
@@ -209,12 +212,14 @@ def sp_cache_forward_case(path):
 
 
 def packed_case(seed, b, hq, hkv, n, d, *, position_ids=None, sinks=None, layout="zigzag", pad=0, spy=False,
-                message_rows=None, **kw):
+                message_rows=None, known_starts=False, **kw):
     """This rank's rows and gradients of ring_attention with packed documents, soft-capping and/or sinks.
 
     ``position_ids`` ``(B, n)`` are the global position ids (this rank passes
     its rows'); ``sinks`` ``(Hq,)`` the global sink logits, whose gradient
-    comes back as this rank's share ``dsinks``. ``pad`` masks the first
+    comes back as this rank's share ``dsinks``; ``known_starts`` passes the
+    documents as their global starts to ``attend`` (no gather), as the
+    transformers backend does. ``pad`` masks the first
     ``pad`` keys of sample 0. ``spy`` counts the kernel calls, the (query,
     key) pairs they computed, and the bytes this rank sent. ``message_rows``
     shrinks the per-message budget so shards travel in many small messages.
@@ -227,7 +232,7 @@ def packed_case(seed, b, hq, hkv, n, d, *, position_ids=None, sinks=None, layout
         schedule.MIN_MESSAGE_ROWS, schedule.MESSAGES_PER_SHARD = message_rows, 10**9
         try:
             return packed_case(seed, b, hq, hkv, n, d, position_ids=position_ids, sinks=sinks, layout=layout,
-                               pad=pad, spy=spy, **kw)
+                               pad=pad, spy=spy, known_starts=known_starts, **kw)
         finally:
             schedule.MIN_MESSAGE_ROWS, schedule.MESSAGES_PER_SHARD = saved
 
@@ -238,7 +243,9 @@ def packed_case(seed, b, hq, hkv, n, d, *, position_ids=None, sinks=None, layout
         key_mask = torch.ones(b, n, dtype=torch.bool)
         key_mask[0, :pad] = False
         kw["key_mask"] = key_mask[:, pos]
-    if position_ids is not None:
+    if position_ids is not None and known_starts:
+        kw["documents"] = document_starts(position_ids)
+    elif position_ids is not None:
         kw["position_ids"] = position_ids[:, pos]
     sk = None if sinks is None else sinks.clone().requires_grad_(True)
     ql, kl, vl = (t[:, :, pos].clone().requires_grad_(True) for t in (q, k, v))
@@ -258,7 +265,8 @@ def packed_case(seed, b, hq, hkv, n, d, *, position_ids=None, sinks=None, layout
     if spy:
         ring.block_forward, dist.batch_isend_irecv = count_forward, count_batch
     try:
-        out = hf_ring.ring_attention(ql, kl, vl, layout=layout, sinks=sk, **kw)
+        comm = RingComm(None) if dist.is_initialized() else None
+        out = attend(ql, kl, vl, comm, layout=layout, sinks=sk, **kw)
         out.backward(dout[:, :, pos])
     finally:
         ring.block_forward, dist.batch_isend_irecv = saved_forward, saved_batch
@@ -274,4 +282,4 @@ def options_case(options_by_rank):
     pos = hf_ring.local_positions(8, rank, dist.get_world_size())
     if kw.get("position_ids") is not None:
         kw["position_ids"] = kw["position_ids"][:, pos]
-    return raises_on_rank(hf_ring.ring_attention, q[:, :, pos], k[:, :, pos], v[:, :, pos], **kw)
+    return raises_on_rank(attend, q[:, :, pos], k[:, :, pos], v[:, :, pos], RingComm(None), **kw)

@@ -112,6 +112,15 @@ def test_documents_in_small_messages_and_tiles(pools):
         check(got, reference(args, pos, **ref_kw(MODES[mode])))
 
 
+@pytest.mark.parametrize("mode", ["causal", "dilated"])
+def test_known_starts_on_ranks_need_no_gather(pools, mode):
+    """attend(documents=global starts), as the transformers backend calls it, on 2 ranks."""
+    pos = packed(SPLITS["two-rows"], N)
+    args = (12, 2, 4, 2, N, 8)
+    got, _ = run(pools, 2, args, position_ids=pos, known_starts=True, **engine_kw(MODES[mode]))
+    check(got, reference(args, pos, **ref_kw(MODES[mode])))
+
+
 def test_one_document_per_row_is_the_unpacked_path():
     """position_ids without a restart change nothing: bit for bit the same as no position_ids."""
     q, k, v, _ = make_qkv(1, 2, 4, 2, 64, 8)
@@ -203,6 +212,8 @@ def test_ranks_disagreeing_on_documents_fail_alike(pools):
     from cases import options_case
 
     ids = torch.arange(8)[None]
-    for per_rank, word in [([{"position_ids": ids}, {}], "position_ids")]:
+    for per_rank, word in [([{"position_ids": ids}, {}], "position_ids"),
+                           ([{"documents": ((0, 3),)}, {"documents": ((0, 4),)}], "documents"),
+                           ([{"documents": ((0, 3),)}, {}], "documents")]:
         res = pools(2).run(options_case, per_rank)
         assert res[0] == res[1] and res[0][0] == "ValueError" and word in res[0][1], res
