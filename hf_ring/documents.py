@@ -73,6 +73,13 @@ def _bounds(starts: Sequence[int], d: int, seq_len: int) -> Tuple[int, int]:
     return starts[d], (starts[d + 1] if d + 1 < len(starts) else seq_len)
 
 
+def reach(documents: Documents, seq_len: int, lo: int, hi: int) -> Tuple[int, int]:
+    """First and last row of the documents (in any batch row) that hold rows ``lo`` and ``hi``."""
+    first = min(s[_doc(s, lo)] for s in documents)
+    last = max(_bounds(s, _doc(s, hi), seq_len)[1] - 1 for s in documents)
+    return first, last
+
+
 def key_span(documents: Documents, seq_len: int, q_lo: int, q_hi: int, k_lo: int, k_hi: int,
              causal: bool, window: Optional[int]) -> Optional[Tuple[int, int]]:
     """First and last key row in ``[k_lo, k_hi]`` that some query row in ``[q_lo, q_hi]`` may see, or None.

@@ -18,7 +18,7 @@ from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
 from .blocks import Prog, classify, default_tile, tiles
-from .documents import Documents, key_span
+from .documents import Documents, key_span, reach
 from .layout import local_runs, runs_to_local
 from .pattern import head_groups
 
@@ -92,14 +92,26 @@ def _segments(runs, wt: int) -> List[int]:
     return sorted(segs)
 
 
-def _within_documents(found, documents: Documents, seq_len: int, causal: bool, window: Optional[int]):
-    """The tiles whose rows share a document, each cut to the key rows its queries may see there."""
+def _document_tiles(q_progs: List[Prog], kp: Prog, tile: int, documents: Documents, seq_len: int, causal: bool,
+                    window: Optional[int]) -> List[Tuple[Prog, Tuple[Prog, Prog, str]]]:
+    """Tiles whose rows share a document, each cut to the key rows its queries may see there.
+
+    Each query tile is paired only with keys of the documents it touches, so
+    planning costs about ``n/tile · (longest/tile + 2)`` tiles, not ``(n/tile)²``.
+    """
     kept = []
-    for qp, (qt, kt, _) in found:
-        span = key_span(documents, seq_len, qt.pos, qt.last_pos, kt.pos, kt.last_pos, causal, window)
-        if span is not None:
-            kt = kt.clip(*span)
-            kept.append((qp, (qt, kt, classify(qt, kt, causal, window))))
+    for qp in q_progs:
+        for first in range(0, qp.count, tile):
+            q_tile = qp.sub(first, min(tile, qp.count - first))
+            lo, hi = reach(documents, seq_len, q_tile.pos, q_tile.last_pos)
+            near = kp.clip(lo, q_tile.last_pos if causal else hi)
+            if near is None:
+                continue
+            for qt, kt, _ in tiles(q_tile, near, causal, window, tile):
+                span = key_span(documents, seq_len, qt.pos, qt.last_pos, kt.pos, kt.last_pos, causal, window)
+                if span is not None:
+                    kt = kt.clip(*span)
+                    kept.append((qp, (qt, kt, classify(qt, kt, causal, window))))
     return kept
 
 
@@ -146,9 +158,10 @@ def pair_plan(
                     kp = kp.clip(need_lo, need_hi) if kp else None
                     if kp is None:
                         continue
-                    found = [(qp, t) for qp in q_progs for t in tiles(qp, kp, causal, window, tile)]
-                    if documents is not None:
-                        found = _within_documents(found, documents, seq_len, causal, window)
+                    if documents is None:
+                        found = [(qp, t) for qp in q_progs for t in tiles(qp, kp, causal, window, tile)]
+                    else:
+                        found = _document_tiles(q_progs, kp, tile, documents, seq_len, causal, window)
                         if found:  # send only the key rows the kept tiles read
                             kp = kp.clip(min(t[1].pos for _, t in found), max(t[1].last_pos for _, t in found))
                     if not found:

@@ -217,3 +217,39 @@ def test_ranks_disagreeing_on_documents_fail_alike(pools):
                            ([{"documents": ((0, 3),)}, {}], "documents")]:
         res = pools(2).run(options_case, per_rank)
         assert res[0] == res[1] and res[0][0] == "ValueError" and word in res[0][1], res
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("mode", ["causal", "window", "full"])
+@pytest.mark.parametrize("budget", [None, 3])
+def test_plan_covers_each_same_document_pair_once(world, layout, mode, budget):
+    """Pure index math: the blocks of every rank, restricted to what the reference allows, cover each pair once."""
+    from hf_ring import local_positions
+    from hf_ring.ring import document_tile
+    from hf_ring.schedule import rank_plan
+
+    n, hq, hkv = N, 4, 2
+    pos = packed(SPLITS["two-rows"], n)
+    causal, window = MODES[mode]["causal"], MODES[mode].get("window")
+    allowed = torch.isfinite(R.packed_bias(pos, 1, causal=causal, window=window))[:, 0]  # (B, n, n)
+    docs = document_starts(pos)
+    tile = document_tile(docs, n, False)
+    cover = torch.zeros(pos.shape[0], hq, n, n, dtype=torch.long)
+    for rank in range(world):
+        qpos = local_positions(n, rank, world, layout)
+        plan = rank_plan(n, rank, world, layout if world > 1 else "contiguous", causal, window, ((n, 1),),
+                         hq, hkv, budget, tile, docs)
+        for step in plan.steps:
+            kpos = local_positions(n, step.src, world, layout)
+            for blk in step.recv.blocks:
+                piece = step.recv.pieces[blk.piece]
+                t = qpos[blk.q.rows]
+                ks = kpos[piece.rows.rows][blk.k_off:blk.k_off + blk.nk]
+                assert torch.equal(ks, torch.arange(blk.k_pos, blk.k_pos + blk.nk))
+                sub = allowed[:, t[:, None], ks[None, :]]
+                # (messages cut blocks after planning; a cut part may share nothing and is skipped when it runs)
+                assert budget is not None or bool(sub.any()), "a block with no same-document pair was planned"
+                for h in blk.q_heads:
+                    cover[:, h, t[:, None], ks[None, :]] += sub.long()
+    assert torch.equal(cover, allowed[:, None].long().expand_as(cover))
