@@ -103,6 +103,14 @@ def test_documents_with_key_padding(pools, world, mode):
     check(got, reference(args, pos, pad=13, **ref_kw(MODES[mode])))
 
 
+def test_dilated_non_causal_documents(pools):
+    pos = packed(SPLITS["many"], N)
+    args = (13, 1, 4, 2, N, 8)
+    branches = ((8, 1), (16, 2), (32, 4))
+    got, _ = run(pools, 2, args, position_ids=pos, causal=False, pattern=pat(branches))
+    check(got, reference(args, pos, causal=False, branches=branches))
+
+
 def test_documents_in_small_messages_and_tiles(pools):
     """Messages cut across tiles: a cut tile that shares no document any more is skipped, not miscomputed."""
     pos = packed([[17, 3, 40, 1, 9]], N)
