@@ -22,7 +22,9 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from . import config as ring_config
 from . import patches
-from .checks import Options, check_options, full_key_mask
+from .checks import Options, check_options, full_key_mask, option_codes
+from .documents import Documents, check_documents, document_starts
+from .kernels import check_sinks, check_softcap
 from .context import CONTEXT_KEY, DecodeStep, ShardedForward, refuse_unsharded
 from .decode import CachedBlock, cached_attention, cached_blocks, merge_ranks
 from .groups import current
@@ -34,13 +36,14 @@ Tensor = torch.Tensor
 NAME = "ring_dilated"
 
 UNSUPPORTED_KWARGS = {
-    "s_aux": "attention sinks (gpt-oss) are not implemented by ring_dilated yet",
-    "softcap": "attention logit soft-capping (Gemma 2) is not implemented by ring_dilated yet",
-    "cu_seq_lens_q": "flash-style varlen (packed) inputs are not taken by ring_dilated yet",
-    "cu_seq_lens_k": "flash-style varlen (packed) inputs are not taken by ring_dilated yet",
     "head_mask": "head masks are not implemented by ring_dilated",
+    "sliding_window_pattern": "per-call sliding window patterns are not implemented by ring_dilated",
+    "attention_chunk_size": "chunked attention is not implemented by ring_dilated",
+    "block_sequence_ids": "bidirectional blocks inside a causal sequence are not implemented by ring_dilated",
 }
-"""Keywords that would change the attention's result: refused rather than dropped."""
+"""Keywords that would change the attention's result and are not implemented: refused rather than dropped.
+``s_aux`` (attention sinks), ``softcap``, ``position_ids``/``cu_seq_lens_q``/``cu_seq_lens_k`` (packed
+documents) and ``is_causal`` are honoured."""
 
 
 def _key_mask_2d(attention_mask: Any) -> Optional[Tensor]:
@@ -90,51 +93,83 @@ def ring_dilated_attention(
     # transformers' own backends let an explicit is_causal win over the module's attribute.
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     opts = check_options(causal, sliding_window, cfg.pattern, scaling, query.shape[-1], cfg.layout)
+    softcap, sinks = check_softcap(kwargs.get("softcap")), check_sinks(kwargs.get("s_aux"), query.shape[1])
     ctx = kwargs.get(CONTEXT_KEY)
     sp = current()
     sharded = sp is not None and sp.sp_size > 1
     _refuse_unsupported(dropout, module.training, kwargs, sharded)
     if isinstance(ctx, DecodeStep):
-        out = _decode_step(query, key, value, _key_mask_2d(attention_mask), opts, ctx)
+        out = _decode_step(query, key, value, _key_mask_2d(attention_mask), opts, ctx, softcap, sinks)
     elif query.shape[2] != key.shape[2]:
         if sharded:
             raise NotImplementedError(
                 "ring_dilated got a KV cache while the sequence is split across ranks; generate with "
                 "hf_ring.generate(model, input_ids, ...), which keeps the cache sharded"
             )
-        out = _over_cache(query, key, value, attention_mask, opts)
+        out = _over_cache(query, key, value, attention_mask, opts, softcap, sinks)
     elif isinstance(ctx, ShardedForward):
-        out = _sharded(module, query, key, value, _key_mask_2d(attention_mask), opts, ctx)
+        out = _sharded(module, query, key, value, _key_mask_2d(attention_mask), opts, ctx, softcap, sinks)
     elif sharded:
         refuse_unsharded(sp.comm, query, key, opts)
     else:
         key_valid = _key_mask_2d(attention_mask)
         key_mask = full_key_mask(key_valid, key, key_valid is not None and not bool(key_valid.all()))
         out = run(query, key, value, None, seq_len=query.shape[2], layout="contiguous", causal=opts.causal,
-                  window=opts.window, pattern=opts.pattern, scale=opts.scale, key_mask=key_mask)
+                  window=opts.window, pattern=opts.pattern, scale=opts.scale, key_mask=key_mask,
+                  documents=_local_documents(query, attention_mask, kwargs), softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
 def _sharded(module, query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[Tensor], opts: Options,
-             ctx: ShardedForward) -> Tensor:
+             ctx: ShardedForward, softcap: Optional[float], sinks: Optional[Tensor]) -> Tensor:
     """The ring over the shards of one forward; the ranks agree once per kind of layer."""
     if ctx.world_size > 1 and opts.layout != ctx.layout:
         raise ValueError(
             f"config.ring_dilated layout {opts.layout!r} differs from the sequence-parallel layout {ctx.layout!r}; "
             "use one layout for both (hf_ring.configure and hf_ring.setup_sequence_parallel)"
         )
-    if ctx.agree(query, key, opts) and ctx.world_size > 1:
+    if ctx.agree(query, key, opts, option_codes(softcap, sinks, None, ctx.documents)) and ctx.world_size > 1:
         patches.check_supported(module.config)  # once per forward: the family does not change between layers
     key_mask = full_key_mask(key_valid, key, ctx.padded)
     return run(query, key, value, ctx.comm, seq_len=ctx.seq_len, layout=ctx.layout if ctx.world_size > 1 else "contiguous",
-               causal=opts.causal, window=opts.window, pattern=opts.pattern, scale=opts.scale, key_mask=key_mask)
+               causal=opts.causal, window=opts.window, pattern=opts.pattern, scale=opts.scale, key_mask=key_mask,
+               documents=ctx.documents, softcap=softcap, sinks=sinks)
+
+
+def _local_documents(query: Tensor, attention_mask: Any, kwargs: dict) -> Optional[Documents]:
+    """Documents packed into the rows of a one-process whole-sequence forward, as transformers finds them.
+
+    Runs of ``position_ids`` that increase by one are documents when the
+    model was given no attention mask; flash-style ``cu_seq_lens_q/k`` say the
+    same for a flattened row and must agree with them.
+    """
+    b, n = query.shape[0], query.shape[2]
+    found = None
+    cu = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seq_lens_k"))
+    if cu is not None:
+        offsets = [int(x) for x in cu.reshape(-1).tolist()]
+        cu_k = kwargs.get("cu_seq_lens_k")
+        if cu_k is not None and [int(x) for x in cu_k.reshape(-1).tolist()] != offsets:
+            raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; packed causal rows need the same offsets for both")
+        if b != 1 or len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != n:
+            raise ValueError(f"cu_seq_lens_q must rise from 0 to the row length {n} of a single flattened row "
+                             f"(batch size {b}), got {offsets[:8]}")
+        found = (tuple(offsets[:-1]),)
+    positions = kwargs.get("position_ids")
+    if attention_mask is None and isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[-1] == n:
+        from_positions = document_starts(positions.expand(b, n))
+        if found is not None and found != from_positions:
+            raise ValueError("position_ids and cu_seq_lens_q mark different documents; pass the ones the collator made")
+        found = from_positions
+    return check_documents(found, b, n)
 
 
 def _is_cache_mask(attention_mask: Any) -> bool:
     return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
 
 
-def _over_cache(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, opts: Options) -> Tensor:
+def _over_cache(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, opts: Options,
+                softcap: Optional[float], sinks: Optional[Tensor]) -> Tensor:
     """New tokens over transformers' own cache in one process.
 
     The mask function gives such a forward the cache's own 4-D mask (what
@@ -165,20 +200,20 @@ def _over_cache(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, 
         k_pos = torch.arange(kv_len)
         blocks = cached_blocks(k_pos[kv_len - q_len:], k_pos, hq=query.shape[1], hkv=key.shape[1], causal=opts.causal,
                                window=opts.window, branches=branches_of(opts.pattern))
-    out, _ = cached_attention(query, key, value, blocks, scale=opts.scale, pair_mask=mask)
-    return out.to(query.dtype)
+    out, lse = cached_attention(query, key, value, blocks, scale=opts.scale, pair_mask=mask, softcap=softcap)
+    return merge_ranks(out, lse, None, sinks).to(query.dtype)
 
 
 def _decode_step(query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[Tensor], opts: Options,
-                 ctx: DecodeStep) -> Tensor:
+                 ctx: DecodeStep, softcap: Optional[float], sinks: Optional[Tensor]) -> Tensor:
     """New tokens of :func:`hf_ring.generate` over this rank's cache rows, merged across the ranks."""
     k_pos = ctx.cache.index
     if k_pos.numel() != key.shape[2]:
         raise RuntimeError(f"the sharded cache records {k_pos.numel()} rows but the layer returned {key.shape[2]}")
     blocks = ctx.blocks(query.shape[1], key.shape[1], opts.causal, opts.window, branches_of(opts.pattern), query.device)
     key_mask = None if key_valid is None else key_valid[:, k_pos.to(key_valid.device)]
-    out, lse = cached_attention(query, key, value, blocks, scale=opts.scale, key_mask=key_mask)
-    return merge_ranks(out, lse, ctx.comm).to(query.dtype)
+    out, lse = cached_attention(query, key, value, blocks, scale=opts.scale, key_mask=key_mask, softcap=softcap)
+    return merge_ranks(out, lse, ctx.comm, sinks).to(query.dtype)
 
 
 def ring_dilated_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,

@@ -9,6 +9,7 @@ any K/V row moves, instead of leaving some ranks waiting in the ring.
 from __future__ import annotations
 
 import math
+import struct
 import zlib
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
@@ -18,7 +19,8 @@ import torch.distributed as dist
 
 from .comm import RingComm
 from .kernels import default_scale
-from .layout import LAYOUTS, check_layout, infer_seq_len, shard_sizes
+from .documents import Documents, document_starts
+from .layout import LAYOUTS, check_layout, infer_seq_len, local_positions, shard_sizes
 from .pattern import DilatedPattern
 
 Tensor = torch.Tensor
@@ -160,6 +162,38 @@ def _digest(value: Any) -> int:
     return zlib.crc32(repr(value).encode()) & 0x7FFFFFFF
 
 
+def check_position_ids(position_ids, q: Tensor) -> Optional[Tensor]:
+    """This rank's rows' position ids ``(B, S_local)`` (integers), or None."""
+    if position_ids is None:
+        return None
+    if not isinstance(position_ids, torch.Tensor):
+        raise TypeError(f"position_ids must be an integer tensor of shape (batch, local rows) or None, "
+                        f"got {type(position_ids).__name__}")
+    if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
+        raise TypeError(f"position_ids must be an integer tensor (torch.long), got {position_ids.dtype}")
+    expected = (q.shape[0], q.shape[2])
+    if tuple(position_ids.shape) != expected:
+        raise ValueError(f"position_ids must have shape (batch, local rows) = {expected} (this rank's rows, in "
+                         f"local_positions order), got {tuple(position_ids.shape)}")
+    return position_ids
+
+
+def gather_documents(comm: Optional[RingComm], position_ids: Tensor, seq_len: int, layout: str,
+                     device: torch.device) -> Documents:
+    """Global document starts from every rank's rows' ``position_ids`` (one bounded all-gather)."""
+    if comm is None or comm.world_size == 1 or seq_len == 0:
+        return document_starts(position_ids)
+    sizes = shard_sizes(seq_len, comm.world_size, layout)
+    b = position_ids.shape[0]
+    mine = torch.zeros(b, max(sizes), dtype=torch.long, device=device)
+    mine[:, : position_ids.shape[1]] = position_ids.to(device=device, dtype=torch.long)
+    parts = comm.all_gather(mine, "the exchange of position_ids (document starts)").cpu()
+    whole = torch.empty(b, seq_len, dtype=torch.long)
+    for r, size in enumerate(sizes):
+        whole[:, local_positions(seq_len, r, comm.world_size, layout)] = parts[r, :, :size]
+    return document_starts(whole)
+
+
 def _check_seq_len(seq_len) -> Optional[int]:
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0):
         raise ValueError(f"seq_len must be a non-negative int or None, got {seq_len!r}")
@@ -171,6 +205,7 @@ _COLUMNS: Tuple[Tuple[str, bool], ...] = (
     ("local rows", False), ("seq_len", True), ("padded keys", False), ("batch size", True), ("query heads", True),
     ("key/value heads", True), ("head_dim", True), ("dtype", True), ("layout", True), ("causal", True),
     ("window", True), ("pattern", True), ("scale", True), ("sharded inputs", True), ("batch contents", True),
+    ("options", True),
 )
 
 
@@ -178,17 +213,22 @@ _SHARDED = [name for name, _ in _COLUMNS].index("sharded inputs")
 
 
 def facts(q: Tensor, k: Tensor, seq_len: Optional[int], opts: Options, padded: bool,
-          sharded: bool = True, contents: int = 0) -> List[int]:
-    """This rank's row of the agreement table (see ``_COLUMNS``)."""
+          sharded: bool = True, contents: int = 0, codes: Sequence[Tuple[str, int]] = ()) -> List[int]:
+    """This rank's row of the agreement table (see ``_COLUMNS``); ``codes`` are :func:`option_codes`."""
     return [
         q.shape[2], -1 if seq_len is None else seq_len, int(padded), q.shape[0], q.shape[1], k.shape[1], q.shape[3],
         _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, LAYOUTS.index(opts.layout), int(opts.causal),
         -1 if opts.window is None else opts.window, _digest(opts.pattern), _digest(opts.scale), int(sharded), contents,
+        _digest(tuple(code for _, code in codes)),
     ]
 
 
-def agree_table(comm: RingComm, mine: Sequence[int]) -> List[List[int]]:
-    """Every rank's row; raises the same ValueError on every rank if a shared column differs."""
+def agree_table(comm: RingComm, mine: Sequence[int], codes: Sequence[Tuple[str, int]] = ()) -> List[List[int]]:
+    """Every rank's row; raises the same ValueError on every rank if a shared column differs.
+
+    When only the options digest differs, the ranks (all of them, having seen
+    the same table) gather the option codes themselves to name the one that differs.
+    """
     table = comm.all_gather_ints(list(mine), "the agreement on attention arguments before the ring")
     sharded = [row[_SHARDED] for row in table]
     if not all(sharded):
@@ -196,8 +236,36 @@ def agree_table(comm: RingComm, mine: Sequence[int]) -> List[List[int]]:
     for i, (name, shared) in enumerate(_COLUMNS):
         values = [row[i] for row in table]
         if shared and len(set(values)) > 1:
+            if name == "options" and codes:
+                _name_the_option(comm, codes)
             raise ValueError(_disagreement(name, values))
     return table
+
+
+_NONE = -(1 << 62)
+
+
+def _float_code(x: Optional[float]) -> int:
+    """A float as an integer every rank can compare exactly (its IEEE bits); None is a value no float has."""
+    return _NONE if x is None else struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def option_codes(softcap: Optional[float], sinks: Optional[Tensor], position_ids: Optional[Tensor],
+                 documents: Any) -> List[Tuple[str, int]]:
+    """The options beyond the basic ones that every rank must share, as integers for the agreement."""
+    return [("softcap", _float_code(softcap)), ("sinks", _NONE if sinks is None else 1),
+            ("position_ids", _NONE if position_ids is None else 1),
+            ("documents", _NONE if documents is None else hash(documents) & ((1 << 61) - 1))]
+
+
+def _name_the_option(comm: RingComm, codes: Sequence[Tuple[str, int]]) -> None:
+    table = comm.all_gather_ints([code for _, code in codes], "the option check before the ring")
+    for i, (name, _) in enumerate(codes):
+        values = [row[i] for row in table]
+        if len(set(values)) > 1:
+            shown = [None if c == _NONE else (struct.unpack("<d", struct.pack("<q", c))[0] if name == "softcap"
+                                              else "given") for c in values]
+            raise ValueError(f"the ranks passed different {name}: {shown} (by rank); pass the same on every rank")
 
 
 def unsharded_message(ranks: Sequence[int]) -> str:
@@ -243,7 +311,8 @@ def _padded(key_mask: Optional[Tensor]) -> bool:
     return key_mask is not None and not bool(key_mask.all())
 
 
-def agree(comm: Optional[RingComm], q: Tensor, k: Tensor, seq_len: Optional[int], opts: Options) -> Tuple[int, bool]:
+def agree(comm: Optional[RingComm], q: Tensor, k: Tensor, seq_len: Optional[int], opts: Options,
+          codes: Sequence[Tuple[str, int]] = ()) -> Tuple[int, bool]:
     """The global length, and whether any rank has padded keys, agreed by every rank of the ring."""
     seq_len = _check_seq_len(seq_len)
     padded = _padded(opts.key_mask)
@@ -251,7 +320,7 @@ def agree(comm: Optional[RingComm], q: Tensor, k: Tensor, seq_len: Optional[int]
         if seq_len is not None and seq_len != q.shape[2]:
             raise ValueError(f"seq_len={seq_len} but this single process holds {q.shape[2]} rows")
         return q.shape[2], padded
-    table = agree_table(comm, facts(q, k, seq_len, opts, padded))
+    table = agree_table(comm, facts(q, k, seq_len, opts, padded, codes=codes), codes)
     return global_length(table, seq_len, opts.layout), any(row[2] for row in table)
 
 

@@ -52,19 +52,20 @@ class ShardedForward:
     def world_size(self) -> int:
         return 1 if self.comm is None else self.comm.world_size
 
-    def agree(self, q: Tensor, k: Tensor, opts: Options) -> bool:
+    def agree(self, q: Tensor, k: Tensor, opts: Options, codes: Sequence[Tuple[str, int]] = ()) -> bool:
         """Check, once per kind of layer, that every rank runs the same attention over its shard of this batch.
 
         True when this call did the check (the first layer of its kind in this forward).
         """
-        key = _layer_key(q, k, opts)
+        key = (_layer_key(q, k, opts), tuple(codes))
         if key in self._agreed:
             return False
         if self.world_size == 1:
             if q.shape[2] != self.seq_len:
                 raise ValueError(f"the batch was sharded for {self.seq_len} tokens but this process holds {q.shape[2]}")
         else:
-            table = agree_table(self.comm, facts(q, k, self.seq_len, opts, self.padded, True, self.contents))
+            table = agree_table(self.comm, facts(q, k, self.seq_len, opts, self.padded, True, self.contents, codes),
+                                codes)
             global_length(table, self.seq_len, self.layout)
         self._agreed[key] = True
         return True

@@ -6,7 +6,9 @@ merge those with one all-gather of ``B·H·S·(D+1)`` numbers per layer, never t
 cache. Which keys a query sees follows the ring's rules (causal, sliding
 window, dilated branches with per-head offsets) read from global positions,
 so decoding token t reproduces row t of the full forward. Dense attention is
-the one-branch pattern whose segment outlasts any position.
+the one-branch pattern whose segment outlasts any position. Soft-capping
+applies per block; attention sinks join once, after the ranks' partials merge.
+Packed documents are not supported here (a cache holds one sequence per row).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 
 from .blocks import allowed_pairs
 from .comm import RingComm
-from .kernels import accumulator_dtype, block_forward, merge_into
+from .kernels import accumulator_dtype, add_sinks, block_forward, check_sinks, check_softcap, merge_into
 from .pattern import DENSE, head_groups, head_slice
 
 Tensor = torch.Tensor
@@ -40,7 +42,7 @@ class CachedBlock:
 
 def cached_blocks(
     q_pos: Tensor, k_pos: Tensor, *, hq: int, hkv: int, causal: bool = True,
-    window: Optional[int] = None, branches: Sequence[Tuple[int, int]] = DENSE,
+    window: Optional[int] = None, branches: Sequence[Tuple[int, int]] = DENSE, documents=None,
 ) -> List[CachedBlock]:
     """Kernel calls that attend queries at global positions ``q_pos`` over keys at ``k_pos``.
 
@@ -50,7 +52,9 @@ def cached_blocks(
     ``k <= t``, ``k > t - window`` as asked). Segments are ``p // w``: for any
     position below the sequence length that equals the full forward's
     ``p // min(w, N)``, so a cache gives the same rows as the whole sequence.
+    ``documents`` must be None: decoding over a cache holds one document per row.
     """
+    check_no_documents(documents)
     blocks: List[CachedBlock] = []
     nq, nk = q_pos.numel(), k_pos.numel()
     if nq == 0 or nk == 0:
@@ -86,6 +90,15 @@ def cached_blocks(
     return blocks
 
 
+def check_no_documents(documents) -> None:
+    """Decoding keeps one sequence per batch row; packed documents are refused rather than mixed."""
+    if documents is not None:
+        raise ValueError(
+            "decoding over a KV cache does not support packed documents (several documents in one row); "
+            "give each document its own batch row (with padding) when generating"
+        )
+
+
 def _block_mask(blk: CachedBlock, key_mask: Optional[Tensor], pair_mask: Optional[Tensor], sq: int,
                 device) -> Optional[Tensor]:
     """The block's mask with key padding and a per-sample pair mask folded in: ``(S_q, S_k)``, ``(B, 1, S_q, S_k)`` or None."""
@@ -108,7 +121,7 @@ def _block_mask(blk: CachedBlock, key_mask: Optional[Tensor], pair_mask: Optiona
 
 def cached_attention(
     q: Tensor, k: Tensor, v: Tensor, blocks: Sequence[CachedBlock], *, scale: float,
-    key_mask: Optional[Tensor] = None, pair_mask: Optional[Tensor] = None,
+    key_mask: Optional[Tensor] = None, pair_mask: Optional[Tensor] = None, softcap: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor]:
     """This process's partial attention: ``out`` ``(B, Hq, S, D)`` (fp32, fp64 for fp64) and ``lse`` ``(B, Hq, S)``.
 
@@ -116,8 +129,10 @@ def cached_attention(
     bool marks the rows that may be attended (False for padding);
     ``pair_mask`` ``(B, 1, S, L)`` bool, when given, further restricts which
     query may see which row (a KV cache's own mask). A query with no allowed
-    row here gets ``(0, -inf)``, which a merge ignores.
+    row here gets ``(0, -inf)``, which a merge ignores. ``softcap`` caps the
+    scores (``softcap·tanh(s/softcap)``) before masking.
     """
+    softcap = check_softcap(softcap)
     b, hq, s, d = q.shape
     out = torch.zeros(b, hq, s, d, dtype=accumulator_dtype(q), device=q.device)
     lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
@@ -130,7 +145,7 @@ def cached_attention(
             rows = blk.k_rows.to(k.device)
             kb, vb = kb.index_select(2, rows), vb.index_select(2, rows)
         mask = _block_mask(blk, key_mask, pair_mask, qb.shape[2], q.device)
-        o_blk, l_blk = block_forward(qb, kb, vb, scale=scale, mask=mask)
+        o_blk, l_blk = block_forward(qb, kb, vb, scale=scale, mask=mask, softcap=softcap)
         if blk.q_rows is None:
             merge_into(out[:, hs], lse[:, hs], o_blk, l_blk)
         else:
@@ -141,25 +156,36 @@ def cached_attention(
     return out, lse
 
 
+def _merge(outs: Tensor, lses: Tensor) -> Tuple[Tensor, Tensor]:
+    top = lses.amax(0)
+    safe_top = top.masked_fill(torch.isneginf(top), 0.0)
+    weights = torch.exp(lses - safe_top)
+    total = weights.sum(0)
+    merged = (weights.unsqueeze(-1) * outs).sum(0)
+    out = merged / torch.where(total == 0, torch.ones_like(total), total).unsqueeze(-1)
+    return out, safe_top + torch.log(total)  # log 0 = -inf: no partial saw a key
+
+
 def merge_partials(outs: Tensor, lses: Tensor) -> Tensor:
     """Log-sum-exp merge of stacked partial results ``outs`` ``(P, B, H, S, D)``, ``lses`` ``(P, B, H, S)``.
 
     Queries no partial could attend come out as 0.
     """
-    top = lses.amax(0)
-    weights = torch.exp(lses - top.masked_fill(torch.isneginf(top), 0.0))
-    total = weights.sum(0)
-    merged = (weights.unsqueeze(-1) * outs).sum(0)
-    return merged / torch.where(total == 0, torch.ones_like(total), total).unsqueeze(-1)
+    return _merge(outs, lses)[0]
 
 
-def merge_ranks(out: Tensor, lse: Tensor, comm: Optional[RingComm]) -> Tensor:
+def merge_ranks(out: Tensor, lse: Tensor, comm: Optional[RingComm], sinks: Optional[Tensor] = None) -> Tensor:
     """Every rank's partial ``(out, lse)`` merged: one all-gather, bitwise the same result on every rank.
 
-    Each rank merges the gathered partials in rank order, so all hold the same numbers.
+    Each rank merges the gathered partials in rank order, so all hold the same
+    numbers. ``sinks`` ``(Hq,)`` (one logit per query head, zero value) join
+    the merged result once, so generation matches the full forward.
     """
-    if comm is None or comm.world_size == 1:
-        return out
-    packed = torch.cat([out, lse.to(out.dtype).unsqueeze(-1)], dim=-1)
-    parts = comm.all_gather(packed, "the decode merge across ranks")
-    return merge_partials(parts[..., :-1], parts[..., -1])
+    sinks = check_sinks(sinks, out.shape[1])
+    if comm is not None and comm.world_size > 1:
+        packed = torch.cat([out, lse.to(out.dtype).unsqueeze(-1)], dim=-1)
+        parts = comm.all_gather(packed, "the decode merge across ranks")
+        out, lse = _merge(parts[..., :-1], parts[..., -1])
+    if sinks is not None:
+        out, _ = add_sinks(out, lse, sinks)
+    return out

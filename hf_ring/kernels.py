@@ -4,12 +4,15 @@ A block is one (query rows, key rows) pair. ``causal=True`` means the two row
 sets hold the same positions (the diagonal block) so the kernel's top-left
 causal mask is right; any other partial mask is passed as a boolean ``mask``
 of shape ``(S_q, S_k)``, or ``(B, 1, S_q, S_k)`` with key padding (True = may
-attend). Rows with no allowed key get
+attend), or as a float additive bias ``(B, 1 or Hq, S_q, S_k)`` (-inf = masked;
+dilated attention inside documents adds ``log m``). Rows with no allowed key get
 ``out = 0`` and ``lse = -inf`` so they vanish in a log-sum-exp merge.
+``softcap`` caps the scores, ``cap·tanh(s/cap)``, before the mask (Gemma 2).
 
 Backends: on CPU the fused aten flash kernels; on CUDA torch's flash kernel
-for unmasked fp16/bf16 blocks; otherwise an exact math path in fp32 (or
-fp64 for fp64 inputs) that never expands K/V to the query-head count.
+for unmasked fp16/bf16 blocks; otherwise (and always with ``softcap``, which
+the fused kernels cannot apply) an exact math path in fp32 (or fp64 for fp64
+inputs) that never expands K/V to the query-head count.
 """
 from __future__ import annotations
 
@@ -28,7 +31,9 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def _backend(q: Tensor, mask: Optional[Tensor]) -> str:
+def _backend(q: Tensor, mask: Optional[Tensor], softcap: Optional[float] = None) -> str:
+    if softcap is not None:
+        return "math"
     if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
         return "cpu_flash"
     if q.device.type == "cuda" and mask is None and q.dtype in (torch.float16, torch.bfloat16):
@@ -37,6 +42,8 @@ def _backend(q: Tensor, mask: Optional[Tensor]) -> str:
 
 
 def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    if mask.is_floating_point():
+        return mask.to(dtype)
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
     return bias.masked_fill_(~mask, _NEG_INF)
 
@@ -46,36 +53,53 @@ def accumulator_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, causal: bool, mask: Optional[Tensor]) -> Tensor:
-    """Masked scores ``(B, Hkv, G, S_q, S_k)``: query heads grouped under their K/V head."""
+def _grouped(mask: Tensor, b: int, hkv: int) -> Tensor:
+    """A ``(S_q, S_k)``, ``(B, 1, S_q, S_k)`` or ``(B, Hq, S_q, S_k)`` mask laid out like grouped scores."""
+    if mask.dim() != 4:
+        return mask
+    if mask.shape[1] == 1:
+        return mask.unsqueeze(2)
+    return mask.reshape(mask.shape[0], hkv, mask.shape[1] // hkv, *mask.shape[2:])
+
+
+def _scores(q: Tensor, k: Tensor, scale: float, causal: bool, mask: Optional[Tensor],
+            softcap: Optional[float] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """Masked scores ``(B, Hkv, G, S_q, S_k)`` (query heads grouped under their K/V head).
+
+    With ``softcap`` also ``tanh(s/cap)`` of the raw scores, whose derivative the backward needs.
+    """
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     dt = accumulator_dtype(q)
     qg = q.to(dt).reshape(b, hkv, hq // hkv, sq, d)
     s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(dt)) * scale
+    t = None
+    if softcap is not None:
+        t = torch.tanh(s / softcap)
+        s = t * softcap
     if causal:
         keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
         s = s.masked_fill(~keep, _NEG_INF)
     if mask is not None:
-        # (S_q, S_k), or (B, 1, S_q, S_k) for per-sample key padding
-        s = s.masked_fill(~(mask.unsqueeze(2) if mask.dim() == 4 else mask), _NEG_INF)
-    return s
+        m = _grouped(mask, b, hkv)
+        s = s + m.to(dt) if m.is_floating_point() else s.masked_fill(~m, _NEG_INF)
+    return s, t
 
 
-def _math_forward(q, k, v, scale, causal, mask):
+def _math_forward(q, k, v, scale, causal, mask, softcap=None):
     b, hq, sq, d = q.shape
-    s = _scores(q, k, scale, causal, mask)
+    s, _ = _scores(q, k, scale, causal, mask, softcap)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
     out = torch.einsum("bhgqk,bhkd->bhgqd", p, v.to(p.dtype))
     return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq).float()
 
 
-def _math_backward(dout, q, k, v, out, lse, scale, causal, mask):
+def _math_backward(dout, q, k, v, out, lse, scale, causal, mask, softcap=None):
     b, hq, sq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    s = _scores(q, k, scale, causal, mask)
+    s, t = _scores(q, k, scale, causal, mask, softcap)
     dt = s.dtype
     p = torch.exp(s - lse.to(dt).reshape(b, hkv, g, sq, 1))
     do = dout.to(dt).reshape(b, hkv, g, sq, d)
@@ -83,6 +107,8 @@ def _math_backward(dout, q, k, v, out, lse, scale, causal, mask):
     dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
     dp = torch.einsum("bhgqd,bhkd->bhgqk", do, v.to(dt))
     ds = p * (dp - (do * o).sum(-1, keepdim=True))
+    if t is not None:
+        ds = ds * (1 - t * t)  # d(cap·tanh(x/cap))/dx
     dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k.to(dt)) * scale
     dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q.to(dt).reshape(b, hkv, g, sq, d)) * scale
     return dq.reshape(b, hq, sq, d), dk, dv
@@ -107,9 +133,10 @@ def block_forward(
     scale: float,
     causal: bool = False,
     mask: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Attention of one block: ``out`` in ``q.dtype`` ``(B, Hq, S_q, D)``, ``lse`` fp32 ``(B, Hq, S_q)``."""
-    backend = _backend(q, mask)
+    backend = _backend(q, mask, softcap)
     if backend == "cpu_flash":
         bias = None if mask is None else _additive(mask, q.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -117,7 +144,8 @@ def block_forward(
         )
         if mask is not None:
             # The fused kernel reports lse = 0 for a row whose keys are all masked.
-            lse = lse.masked_fill(~mask.any(-1), _NEG_INF)
+            seen = ~torch.isneginf(mask).all(-1) if mask.is_floating_point() else mask.any(-1)
+            lse = lse.masked_fill(~seen, _NEG_INF)
         return out, lse
     if backend == "cuda_flash":
         g = q.shape[1] // k.shape[1]
@@ -128,7 +156,7 @@ def block_forward(
             return res[0], res[1]
         except RuntimeError as err:  # shapes or devices the flash kernel does not take
             _warn_fallback(err)
-    return _math_forward(q, k, v, scale, causal, mask)
+    return _math_forward(q, k, v, scale, causal, mask, softcap)
 
 
 def merge_into(out: Tensor, lse: Tensor, o_blk: Tensor, l_blk: Tensor) -> None:
@@ -156,6 +184,7 @@ def block_backward(
     scale: float,
     causal: bool = False,
     mask: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the *merged* ``out`` and ``lse`` of the whole attention.
 
@@ -164,7 +193,7 @@ def block_backward(
     """
     # A row with no key anywhere has lse = -inf; +inf makes every p = exp(s - lse) exactly 0.
     lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
-    backend = _backend(q, mask)
+    backend = _backend(q, mask, softcap)
     if backend == "cpu_flash":
         bias = None if mask is None else _additive(mask, q.dtype)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -182,7 +211,7 @@ def block_backward(
             return dq, _fold_kv_grad(dk, g), _fold_kv_grad(dv, g)
         except RuntimeError as err:
             _warn_fallback(err)
-    return _math_backward(dout, q, k, v, out, lse, scale, causal, mask)
+    return _math_backward(dout, q, k, v, out, lse, scale, causal, mask, softcap)
 
 
 _WARNED = False
@@ -194,3 +223,53 @@ def _warn_fallback(err: Exception) -> None:
     if not _WARNED:
         _WARNED = True
         warnings.warn(f"hf_ring: the CUDA flash kernel refused a block ({err}); using the exact math path", stacklevel=3)
+
+
+def check_softcap(softcap) -> Optional[float]:
+    """``softcap`` as a float, or None; it must be a finite number > 0."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float > 0 or None (scores -> softcap·tanh(scores/softcap)), got {softcap!r}")
+    if not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
+    return float(softcap)
+
+
+def check_sinks(sinks, hq: int) -> Optional[Tensor]:
+    """``sinks``: one float logit per query head, shape ``(Hq,)``, or None."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a float tensor of shape (query heads,) = ({hq},) or None, "
+                        f"got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+    if tuple(sinks.shape) != (hq,):
+        raise ValueError(f"sinks must have shape (query heads,) = ({hq},): one logit per query head, "
+                         f"got {tuple(sinks.shape)}")
+    return sinks
+
+
+def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tuple[Tensor, Tensor]:
+    """Join one sink logit per query head to the softmax denominator, with a zero value vector.
+
+    ``out`` ``(B, H, S, D)`` and ``lse`` ``(B, H, S)`` are a finished (merged)
+    attention; returns ``exp(L - L')·out`` and ``L' = logaddexp(L, sink_h)``
+    in ``out``'s dtype and fp32 (fp64 for fp64). A row with no key gets 0.
+    """
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    sink = sinks.to(device=lse.device, dtype=acc).view(1, -1, 1)
+    new = torch.logaddexp(lse.to(acc), sink)
+    return (out.to(acc) * torch.exp(lse.to(acc) - new).unsqueeze(-1)).to(out.dtype), new.to(lse.dtype)
+
+
+def sinks_backward(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """Gradient of the sink logits over these rows: ``-Σ_{b,t} exp(sink_h - L') · rowsum(dO·O')``.
+
+    ``out`` and ``lse`` are the results *with* the sinks joined.
+    """
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    p_sink = torch.exp(sinks.to(device=lse.device, dtype=acc).view(1, -1, 1) - lse.to(acc))
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)
+    return -(p_sink * delta).sum((0, 2)).to(device=sinks.device, dtype=sinks.dtype)

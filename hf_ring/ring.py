@@ -8,6 +8,15 @@ rows go straight back to their owner, where they are summed. Each block's
 backward uses the merged output and LSE, so gradients are exact. Dense
 attention is the schedule of the one-branch pattern ``(N, 1)``; a dilated
 pattern only changes which rows travel and which blocks run.
+
+Documents packed into a row keep the row-index schedule, cut into tiles of
+about half the longest document: tiles whose rows share no document are
+never computed nor sent, and a tile that straddles a document border gets a
+same-document mask. Dilation inside documents counts segments and residues
+from each document's start, so it runs on the dense tiled schedule with a
+per-tile bias ``log m`` (m = branches allowing the pair). Attention sinks
+join the merged result once per query row; ``softcap`` runs the exact math
+kernels on bounded tiles.
 """
 from __future__ import annotations
 
@@ -19,10 +28,11 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .blocks import Prog, allowed_pairs, default_tile, tiles
+from .checks import agree, check_call, check_position_ids, full_key_mask, gather_documents, option_codes, resolve_group
 from .comm import Pending, RingComm
-from .kernels import accumulator_dtype, block_backward, block_forward, merge_into
-from .checks import agree, check_call, full_key_mask, resolve_group
-from .pattern import DilatedPattern, branches_of, head_slice
+from .documents import Documents, check_documents, dilated_multiplicity, longest, same_document, within_one
+from .kernels import accumulator_dtype, add_sinks, block_backward, block_forward, check_sinks, check_softcap, merge_into, sinks_backward
+from .pattern import DENSE, DilatedPattern, branches_of, head_slice
 from .schedule import Blk, Piece, RankPlan, Step, message_budget, rank_plan
 
 Tensor = torch.Tensor
@@ -34,6 +44,15 @@ PADDED_TILE = 2048
 """Rows per side of forward blocks when keys are padded: each block then needs a built mask, and
 whole-shard blocks would make that mask quadratic in the shard."""
 
+SOFTCAP_TILE = 512
+"""Rows per side of blocks with ``softcap``: the exact math kernel holds several score tiles at once."""
+
+DOCUMENT_TILE = 1024
+"""Most rows per side of tiles over documents (the tile is about half the longest document)."""
+
+DILATED_DOCUMENT_TILE = 512
+"""Most rows per side of tiles of dilated attention over documents: each carries a per-head bias."""
+
 
 @dataclass
 class _Ctx:
@@ -44,6 +63,10 @@ class _Ctx:
     window: Optional[int]
     key_mask: Optional[Tensor] = None  # (B, S_local) bool, True where a key may be attended
     masks: dict = field(default_factory=dict)
+    documents: Optional[Documents] = None  # global start rows of the documents, per batch row
+    dilated: Optional[Tuple[Tuple[int, int], ...]] = None  # branches counted inside documents
+    softcap: Optional[float] = None
+    backward_tile: int = BACKWARD_TILE
 
 
 def _piece_view(x: Tensor, piece: Piece) -> Tensor:
@@ -135,10 +158,24 @@ def _kv_views(step: Step, k: Tensor, v: Tensor, key_mask: Optional[Tensor], got:
 
 
 def _kernel_args(ctx: _Ctx, q: Prog, k_pos: int, nk: int, kind: str, device,
-                 key_valid: Optional[Tensor] = None) -> dict:
-    """Kernel mask arguments of one block; ``key_valid`` ``(B, nk)`` adds key padding."""
-    if kind != "mask" and key_valid is None:
-        return {"causal": kind == "causal", "mask": None}
+                 key_valid: Optional[Tensor] = None, heads: Optional[range] = None) -> Optional[dict]:
+    """Kernel arguments of one block (``heads``: its query heads); ``key_valid`` ``(B, nk)`` adds key padding.
+
+    None when documents leave the block no allowed pair.
+    """
+    docs = ctx.documents
+    if docs is not None and ctx.dilated is not None:
+        m = dilated_multiplicity(docs, q.pos, q.count, k_pos, nk, ctx.dilated, heads, ctx.causal, device)
+        if key_valid is not None:
+            m = m * key_valid[:, None, None, :]
+        if not bool(m.any()):
+            return None
+        return {"causal": False, "mask": torch.log(m.to(torch.float32)), "softcap": ctx.softcap}
+    doc_mask = None
+    if docs is not None and not within_one(docs, q.pos, q.last_pos, k_pos, k_pos + nk - 1):
+        doc_mask = same_document(docs, q.pos, q.count, k_pos, nk, device)
+    if kind != "mask" and key_valid is None and doc_mask is None:
+        return {"causal": kind == "causal", "mask": None, "softcap": ctx.softcap}
     if kind == "full":
         mask = torch.ones(q.count, nk, dtype=torch.bool, device=device)
     elif kind == "causal":
@@ -154,7 +191,11 @@ def _kernel_args(ctx: _Ctx, q: Prog, k_pos: int, nk: int, kind: str, device,
                 ctx.masks[key] = mask
     if key_valid is not None:
         mask = mask[None, None] & key_valid[:, None, None, :]
-    return {"causal": False, "mask": mask}
+    if doc_mask is not None:
+        mask = mask & doc_mask
+        if not bool(mask.any()):
+            return None
+    return {"causal": False, "mask": mask, "softcap": ctx.softcap}
 
 
 def _single_block(plan: RankPlan, q: Tensor, k: Tensor) -> Optional[Blk]:
@@ -179,12 +220,15 @@ def _visits(ctx: _Ctx, k: Tensor, v: Tensor) -> Iterator[Tuple[Step, list]]:
         del got  # the visiting rows are done with; only the next step's stay in memory
 
 
-def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx) -> Tuple[Tensor, Tensor]:
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """This rank's rows of the output (``q.dtype``) and their LSE, with the sinks (if any) joined once per row."""
     plan, key_mask = ctx.plan, ctx.key_mask
     b, hq, s, d = q.shape
     only = _single_block(plan, q, k)
-    if only is not None and key_mask is None:
-        return block_forward(q, k, v, scale=ctx.scale, **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
+    if only is not None and key_mask is None and ctx.documents is None:
+        out, lse = block_forward(q, k, v, scale=ctx.scale,
+                                 **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
+        return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
     out = torch.zeros(b, hq, s, d, dtype=accumulator_dtype(q), device=q.device)
     lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
     for step, kv in _visits(ctx, k, v):
@@ -192,12 +236,15 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx) -> Tuple[Tensor, Te
             hs, rs = head_slice(blk.q_heads), blk.q.rows
             ks = slice(blk.k_off, blk.k_off + blk.nk)
             pk, pv, pm, all_valid = kv[blk.piece]
-            o_blk, l_blk = block_forward(
-                q[:, hs, rs], pk[:, :, ks], pv[:, :, ks], scale=ctx.scale,
-                **_kernel_args(ctx, blk.q, blk.k_pos, blk.nk, blk.kind, q.device, None if all_valid else pm[:, ks]),
-            )
+            args = _kernel_args(ctx, blk.q, blk.k_pos, blk.nk, blk.kind, q.device,
+                                None if all_valid else pm[:, ks], blk.q_heads)
+            if args is None:
+                continue
+            o_blk, l_blk = block_forward(q[:, hs, rs], pk[:, :, ks], pv[:, :, ks], scale=ctx.scale, **args)
             merge_into(out[:, hs, rs], lse[:, hs, rs], o_blk, l_blk)
         del kv
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
@@ -215,7 +262,7 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
     plan, comm, key_mask = ctx.plan, ctx.comm, ctx.key_mask
     b, hq, s, d = q.shape
     only = _single_block(plan, q, k)
-    if only is not None and key_mask is None:
+    if only is not None and key_mask is None and ctx.documents is None:
         return block_backward(dout, q, k, v, out, lse, scale=ctx.scale,
                               **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
     acc = accumulator_dtype(q)
@@ -237,12 +284,15 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
             gk, gv = grads[blk.piece]
             stride = blk.q.stride
             k_prog = Prog(blk.k_off * stride, blk.k_pos, blk.nk, stride)
-            for qt, kt, kind in tiles(blk.q, k_prog, ctx.causal, ctx.window, BACKWARD_TILE):
+            for qt, kt, kind in tiles(blk.q, k_prog, ctx.causal, ctx.window, ctx.backward_tile):
                 rs, ks = qt.rows, slice(kt.local // stride, kt.local // stride + kt.count)
+                args = _kernel_args(ctx, qt, kt.pos, kt.count, kind, q.device,
+                                    None if all_valid else pm[:, ks], blk.q_heads)
+                if args is None:
+                    continue
                 dq_b, dk_b, dv_b = block_backward(
                     dout[:, hs, rs], q[:, hs, rs], pk[:, :, ks], pv[:, :, ks], out[:, hs, rs], lse[:, hs, rs],
-                    scale=ctx.scale,
-                    **_kernel_args(ctx, qt, kt.pos, kt.count, kind, q.device, None if all_valid else pm[:, ks]),
+                    scale=ctx.scale, **args,
                 )
                 dq[:, hs, rs].add_(dq_b)  # add_ on the view: `+=` on an index would copy the rows back
                 gk[:, :, ks].add_(dk_b)
@@ -261,32 +311,63 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: saves ``(q, k, v, out, lse)`` and runs the ring backward."""
+    """Autograd wrapper: saves ``(q, k, v, out, lse, sinks)`` and runs the ring backward.
+
+    Block gradients use the output and LSE with the sinks joined, which makes
+    them exact; the sinks' gradient is this rank's rows' share (summing it over
+    the ranks, as for every other parameter, gives the whole).
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, rctx: _Ctx):
-        out, lse = ring_forward(q, k, v, rctx)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, sinks, rctx: _Ctx):
+        out, lse = ring_forward(q, k, v, rctx, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.rctx = rctx
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.rctx)
-        return dq, dk, dv, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.rctx)
+        dsinks = None if sinks is None else sinks_backward(dout, out, lse, sinks)
+        return dq, dk, dv, dsinks, None
+
+
+def document_tile(documents: Documents, seq_len: int, dilated: bool) -> int:
+    """Tile side over documents: about half the longest document, a multiple of 64, bounded.
+
+    Work is then about ``n·(longest + 2·tile)`` pairs, whatever the number of documents.
+    """
+    half = -(-longest(documents, seq_len) // 2)
+    side = max(64, -(-half // 64) * 64)
+    return min(side, DILATED_DOCUMENT_TILE if dilated else DOCUMENT_TILE)
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], *, seq_len: int, layout: str, causal: bool,
-        window: Optional[int], pattern: Optional[DilatedPattern], scale: float,
-        key_mask: Optional[Tensor]) -> Tensor:
-    """The ring over validated, agreed arguments; ``key_mask`` only when some rank has padded keys."""
+        window: Optional[int], pattern: Optional[DilatedPattern], scale: float, key_mask: Optional[Tensor],
+        documents: Optional[Documents] = None, softcap: Optional[float] = None,
+        sinks: Optional[Tensor] = None) -> Tensor:
+    """The ring over validated, agreed arguments.
+
+    ``key_mask`` only when some rank has padded keys; ``documents`` the global
+    document starts (None: one sequence per row).
+    """
     rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
+    branches, dilated = branches_of(pattern), None
     tile = min(default_tile(window), PADDED_TILE) if key_mask is not None else None
+    if documents is not None:
+        if pattern is not None:  # dilation counts from each document's start: a dense plan with per-tile bias
+            dilated, branches = pattern.branches, DENSE
+        tile = min(tile or default_tile(window), document_tile(documents, seq_len, dilated is not None))
+    if softcap is not None:
+        tile = min(tile or default_tile(window), SOFTCAP_TILE)
     plan = rank_plan(seq_len, rank, world, layout if world > 1 else "contiguous", causal, window,
-                     branches_of(pattern), q.shape[1], k.shape[1], message_budget(seq_len, world, k.shape[1]), tile)
-    return RingAttentionFunction.apply(q, k, v, _Ctx(comm, plan, scale, causal, window, key_mask))
+                     branches, q.shape[1], k.shape[1], message_budget(seq_len, world, k.shape[1]), tile, documents)
+    rctx = _Ctx(comm, plan, scale, causal, window, key_mask, documents=documents, dilated=dilated,
+                softcap=softcap, backward_tile=min(BACKWARD_TILE, tile or BACKWARD_TILE))
+    return RingAttentionFunction.apply(q, k, v, sinks, rctx)
 
 
 def ring_attention(
@@ -302,6 +383,10 @@ def ring_attention(
     pattern: Union[DilatedPattern, dict, None] = None,
     scale: Optional[float] = None,
     key_mask: Optional[Tensor] = None,
+    position_ids: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
+    documents: Optional[Documents] = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -312,6 +397,17 @@ def ring_attention(
     (:class:`hf_ring.DilatedPattern`); ``None`` is exact dense attention.
     ``key_mask`` ``(B, S_local)`` bool marks the keys that may be attended
     (False for padding); it travels with the K/V rows it describes.
+    ``position_ids`` ``(B, S_local)``: this rank's rows' position ids; a row
+    then holds several documents (each maximal run of ids increasing by one),
+    and a query sees only its own document, with causality, window and
+    dilation counted from the document's start. ``softcap`` caps the scores,
+    ``softcap·tanh(s/softcap)``; ``sinks`` ``(Hq,)`` adds one logit per query
+    head to the softmax denominator with a zero value (its gradient is this
+    rank's rows' share: sum it over the ranks like any parameter's).
+    ``documents`` gives the same as ``position_ids`` for a caller that knows
+    the global document starts already (per batch row, the ascending rows
+    where a document starts, beginning with 0; see
+    :func:`hf_ring.documents.document_starts`): no exchange is then needed.
     Without a group and without torch.distributed it runs as one process.
     Every argument is validated and the ranks agree on all of them (one small
     all-gather) before any K/V moves: a mismatch raises the same error on every rank.
@@ -319,6 +415,14 @@ def ring_attention(
     comm = resolve_group(group)
     opts = check_call(q, k, v, layout=layout, causal=causal, window=window, pattern=pattern, scale=scale,
                       key_mask=key_mask)
-    n, padded = agree(comm, q, k, seq_len, opts)
+    softcap, sinks = check_softcap(softcap), check_sinks(sinks, q.shape[1])
+    position_ids = check_position_ids(position_ids, q)
+    if position_ids is not None and documents is not None:
+        raise ValueError("pass either position_ids (the ranks then learn the documents) or documents, not both")
+    n, padded = agree(comm, q, k, seq_len, opts, option_codes(softcap, sinks, position_ids, documents))
+    if position_ids is not None:
+        documents = gather_documents(comm, position_ids, n, opts.layout, k.device)
+    documents = check_documents(documents, q.shape[0], n)
     return run(q, k, v, comm, seq_len=n, layout=opts.layout, causal=opts.causal, window=opts.window,
-               pattern=opts.pattern, scale=opts.scale, key_mask=full_key_mask(opts.key_mask, k, padded))
+               pattern=opts.pattern, scale=opts.scale, key_mask=full_key_mask(opts.key_mask, k, padded),
+               documents=documents, softcap=softcap, sinks=sinks)

@@ -7,6 +7,9 @@ needs. Dense attention is the one-branch pattern ``(N, 1)``: the shards travel
 whole (or the half a causal zigzag rank can use). A dilated branch moves only
 its dilated rows, only between ranks that share a segment; a step in which a
 rank neither sends nor receives is skipped.
+
+With documents packed into the rows, only tiles whose query and key rows
+share a document are kept, and only the key rows those tiles read travel.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
 from .blocks import Prog, classify, default_tile, tiles
+from .documents import Documents, key_span, reach
 from .layout import local_runs, runs_to_local
 from .pattern import Branches, head_groups
 
@@ -86,15 +90,44 @@ def _segments(runs, wt: int) -> List[int]:
     return sorted(segs)
 
 
+def _document_tiles(q_progs: List[Prog], kp: Prog, tile: int, documents: Documents, seq_len: int, causal: bool,
+                    window: Optional[int]) -> List[Tuple[Prog, Tuple[Prog, Prog, str]]]:
+    """Tiles whose rows share a document, each cut to the key rows its queries may see there.
+
+    Each query tile is paired only with keys of the documents it touches, so
+    planning costs about ``n/tile · (longest/tile + 2)`` tiles, not ``(n/tile)²``.
+    """
+    kept = []
+    for qp in q_progs:
+        for first in range(0, qp.count, tile):
+            q_tile = qp.sub(first, min(tile, qp.count - first))
+            lo, hi = reach(documents, seq_len, q_tile.pos, q_tile.last_pos)
+            near = kp.clip(lo, q_tile.last_pos if causal else hi)
+            if near is None:
+                continue
+            for qt, kt, _ in tiles(q_tile, near, causal, window, tile):
+                span = key_span(documents, seq_len, qt.pos, qt.last_pos, kt.pos, kt.last_pos, causal, window)
+                if span is not None:
+                    kt = kt.clip(*span)
+                    kept.append((qp, (qt, kt, classify(qt, kt, causal, window))))
+    return kept
+
+
 @lru_cache(maxsize=4096)
 def pair_plan(
     seq_len: int, dst: int, src: int, world_size: int, layout: str, causal: bool,
     window: Optional[int], branches: Branches, hq: int, hkv: int, tile: Optional[int] = None,
+    documents: Optional[Documents] = None,
 ) -> PairPlan:
     """What rank ``dst`` computes with the K/V rows of rank ``src``; blocks of at most ``tile`` rows a side.
 
     ``tile=None`` is :func:`default_tile`: whole blocks, cut only along a window.
+    ``documents`` (global start rows per batch row) drops tiles whose rows
+    share no document; it needs the one dense branch, since dilation inside
+    documents is counted from each document's start, not from row 0.
     """
+    if documents is not None and (len(branches) != 1 or branches[0][1] != 1 or branches[0][0] < seq_len):
+        raise ValueError(f"a plan over documents takes the one dense branch (seq_len, 1), got {branches}")
     q_runs = runs_to_local(local_runs(seq_len, dst, world_size, layout))
     k_runs = runs_to_local(local_runs(seq_len, src, world_size, layout))
     tile = default_tile(window) if tile is None else tile
@@ -123,7 +156,12 @@ def pair_plan(
                     kp = kp.clip(need_lo, need_hi) if kp else None
                     if kp is None:
                         continue
-                    found = [(qp, t) for qp in q_progs for t in tiles(qp, kp, causal, window, tile)]
+                    if documents is None:
+                        found = [(qp, t) for qp in q_progs for t in tiles(qp, kp, causal, window, tile)]
+                    else:
+                        found = _document_tiles(q_progs, kp, tile, documents, seq_len, causal, window)
+                        if found:  # send only the key rows the kept tiles read
+                            kp = kp.clip(min(t[1].pos for _, t in found), max(t[1].last_pos for _, t in found))
                     if not found:
                         continue
                     for q_heads, kv_heads in groups:
@@ -195,23 +233,23 @@ def message_budget(seq_len: int, world_size: int, hkv: int) -> int:
 def rank_plan(
     seq_len: int, rank: int, world_size: int, layout: str, causal: bool,
     window: Optional[int], branches: Branches, hq: int, hkv: int, budget: Optional[int] = None,
-    tile: Optional[int] = None,
+    tile: Optional[int] = None, documents: Optional[Documents] = None,
 ) -> RankPlan:
     """Every step rank ``rank`` takes part in; step 0 (its own K/V) comes first.
 
     A shift whose messages exceed ``budget`` rows x heads (default
-    :func:`message_budget`) becomes several steps.
+    :func:`message_budget`) becomes several steps. ``documents``: see :func:`pair_plan`.
     """
     if budget is None:
         budget = message_budget(seq_len, world_size, hkv)
     steps = [Step(0, rank, rank, pair_plan(seq_len, rank, rank, world_size, layout, causal, window,
-                                            branches, hq, hkv, tile), ())]
+                                            branches, hq, hkv, tile, documents), ())]
     for s in range(1, world_size):
         src, dst = (rank - s) % world_size, (rank + s) % world_size
-        recv = chunk_pair(pair_plan(seq_len, rank, src, world_size, layout, causal, window, branches, hq, hkv, tile),
-                          budget, causal, window)
-        send = chunk_pair(pair_plan(seq_len, dst, rank, world_size, layout, causal, window, branches, hq, hkv, tile),
-                          budget, causal, window)
+        recv = chunk_pair(pair_plan(seq_len, rank, src, world_size, layout, causal, window, branches, hq, hkv, tile,
+                                    documents), budget, causal, window)
+        send = chunk_pair(pair_plan(seq_len, dst, rank, world_size, layout, causal, window, branches, hq, hkv, tile,
+                                    documents), budget, causal, window)
         for i in range(max(len(recv), len(send))):
             r = recv[i] if i < len(recv) else PairPlan((), ())
             snd = send[i].pieces if i < len(send) else ()

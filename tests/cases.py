@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 import hf_ring
+from hf_ring.documents import document_starts
 
 
 def make_qkv(seed, b, hq, hkv, n, d, dtype=torch.float32):
@@ -282,3 +283,76 @@ def one_rank_bad_argument_case(path, ids, bad):
     """``hf_ring.generate`` where only the last rank passes the keyword arguments ``bad``."""
     extra = bad if dist.get_rank() == dist.get_world_size() - 1 else {}
     return raises_on_rank(sp_generate_case, path, ids, **dict(dict(max_new_tokens=3, pad_token_id=0), **extra))
+
+
+def packed_case(seed, b, hq, hkv, n, d, *, position_ids=None, sinks=None, layout="zigzag", pad=0, spy=False,
+                message_rows=None, known_starts=False, **kw):
+    """This rank's rows and gradients of ring_attention with packed documents, soft-capping and/or sinks.
+
+    ``position_ids`` ``(B, n)`` are the global position ids (this rank passes
+    its rows'); ``sinks`` ``(Hq,)`` the global sink logits, whose gradient
+    comes back as this rank's share ``dsinks``; ``known_starts`` passes the
+    documents as their global starts (no gather), as the
+    transformers backend does. ``pad`` masks the first
+    ``pad`` keys of sample 0. ``spy`` counts the kernel calls, the (query,
+    key) pairs they computed, and the bytes this rank sent. ``message_rows``
+    shrinks the per-message budget so shards travel in many small messages.
+    """
+    import hf_ring.ring as ring
+    import hf_ring.schedule as schedule
+
+    if message_rows is not None:
+        saved = schedule.MIN_MESSAGE_ROWS, schedule.MESSAGES_PER_SHARD
+        schedule.MIN_MESSAGE_ROWS, schedule.MESSAGES_PER_SHARD = message_rows, 10**9
+        try:
+            return packed_case(seed, b, hq, hkv, n, d, position_ids=position_ids, sinks=sinks, layout=layout,
+                               pad=pad, spy=spy, known_starts=known_starts, **kw)
+        finally:
+            schedule.MIN_MESSAGE_ROWS, schedule.MESSAGES_PER_SHARD = saved
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    q, k, v, dout = make_qkv(seed, b, hq, hkv, n, d)
+    pos = hf_ring.local_positions(n, rank, world, layout)
+    if pad:
+        key_mask = torch.ones(b, n, dtype=torch.bool)
+        key_mask[0, :pad] = False
+        kw["key_mask"] = key_mask[:, pos]
+    if position_ids is not None and known_starts:
+        kw["documents"] = document_starts(position_ids)
+    elif position_ids is not None:
+        kw["position_ids"] = position_ids[:, pos]
+    sk = None if sinks is None else sinks.clone().requires_grad_(True)
+    ql, kl, vl = (t[:, :, pos].clone().requires_grad_(True) for t in (q, k, v))
+    counts = {"calls": 0, "pairs": 0, "sent_bytes": 0}
+    saved_forward, saved_batch = ring.block_forward, dist.batch_isend_irecv
+
+    def count_forward(qb, kb, vb, **kernel_kw):
+        counts["calls"] += 1
+        counts["pairs"] += qb.shape[0] * qb.shape[1] * qb.shape[2] * kb.shape[2]
+        return saved_forward(qb, kb, vb, **kernel_kw)
+
+    def count_batch(ops):
+        counts["sent_bytes"] += sum(op.tensor.numel() * op.tensor.element_size()
+                                    for op in ops if op.op.__name__ == "isend")
+        return saved_batch(ops)
+
+    if spy:
+        ring.block_forward, dist.batch_isend_irecv = count_forward, count_batch
+    try:
+        out = hf_ring.ring_attention(ql, kl, vl, layout=layout, sinks=sk, **kw)
+        out.backward(dout[:, :, pos])
+    finally:
+        ring.block_forward, dist.batch_isend_irecv = saved_forward, saved_batch
+    return {"pos": pos, "out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad,
+            "dsinks": None if sk is None else sk.grad, **counts}
+
+
+def options_case(options_by_rank):
+    """ring_attention with this rank's own keyword options (to provoke disagreement errors)."""
+    rank = dist.get_rank()
+    kw = dict(options_by_rank[rank])
+    q, k, v, _ = make_qkv(0, 1, 2, 2, 8, 4)
+    pos = hf_ring.local_positions(8, rank, dist.get_world_size())
+    if kw.get("position_ids") is not None:
+        kw["position_ids"] = kw["position_ids"][:, pos]
+    return raises_on_rank(hf_ring.ring_attention, q[:, :, pos], k[:, :, pos], v[:, :, pos], **kw)

@@ -22,17 +22,29 @@ def dense_mask(n: int, causal: bool = True, window: Optional[int] = None) -> tor
     return allowed
 
 
-def attention(q, k, v, *, bias: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
-    """``softmax(scale·q·kᵀ + bias)·v`` in float64; ``bias`` is ``(H or 1, n, n)`` with -inf for masked.
+def attention(q, k, v, *, bias: torch.Tensor, scale: Optional[float] = None, softcap: Optional[float] = None,
+              sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``softmax(cap(scale·q·kᵀ) + bias)·v`` in float64; ``bias`` is ``(H or 1, n, n)`` or ``(B, H or 1, n, n)``
+    with -inf for masked.
 
-    Rows whose every entry is masked give 0. GQA is handled by repeating K/V here.
+    ``softcap`` caps the scores as ``softcap·tanh(s/softcap)`` before the bias;
+    ``sinks`` ``(H,)`` adds one more softmax column per head holding the sink
+    logit, whose value vector is zero. Rows whose every entry is masked give 0.
+    GQA is handled by repeating K/V here.
     """
     q, k, v = q.double(), k.double(), v.double()
     hq, hkv = q.shape[1], k.shape[1]
     k = k.repeat_interleave(hq // hkv, dim=1)
     v = v.repeat_interleave(hq // hkv, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale + bias.double()
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s + bias.double()
+    if sinks is not None:
+        b, h, nq = s.shape[:3]
+        s = torch.cat([s, sinks.double().view(1, h, 1, 1).expand(b, h, nq, 1)], dim=-1)
+        v = torch.cat([v, torch.zeros_like(v[:, :, :1])], dim=2)
     empty = torch.isneginf(s).all(-1, keepdim=True)
     p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     return torch.einsum("bhqk,bhkd->bhqd", p, v)
@@ -77,3 +89,41 @@ def dilated_attention(q, k, v, *, branches, causal=True, scale=None) -> torch.Te
         torch.log(dilated_multiplicity(n, branches, h, causal).double()) for h in range(hq)
     ])
     return attention(q, k, v, bias=bias, scale=scale)
+
+
+def documents_of(position_ids: torch.Tensor) -> torch.Tensor:
+    """``(B, n)`` document number of each row: a new document wherever a position id is not the previous + 1."""
+    pos = position_ids.long()
+    new = torch.ones_like(pos, dtype=torch.bool)
+    new[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    return torch.cumsum(new.long(), dim=1) - 1
+
+
+def packed_bias(position_ids: torch.Tensor, hq: int, *, causal=True, window=None, branches=None) -> torch.Tensor:
+    """``(B, hq, n, n)`` bias of packed rows: each document attended alone, as if it were its own sequence.
+
+    Each document of length L gets the dense mask (or the dilated ``log m``
+    of a length-L sequence) in its diagonal block; pairs across documents are -inf.
+    """
+    docs = documents_of(position_ids)
+    b, n = docs.shape
+    bias = torch.full((b, hq, n, n), float("-inf"), dtype=torch.float64)
+    for i in range(b):
+        for d in docs[i].unique().tolist():
+            rows = torch.nonzero(docs[i] == d).flatten()
+            lo, length = int(rows[0]), len(rows)
+            for h in range(hq):
+                if branches is None:
+                    m = dense_mask(length, causal, window).double()
+                else:
+                    m = dilated_multiplicity(length, branches, h, causal).double()
+                bias[i, h, lo:lo + length, lo:lo + length] = torch.log(m)
+    return bias
+
+
+def with_grads_sinks(fn, q, k, v, sinks, dout, **kw):
+    """Output and (dq, dk, dv, dsinks) of ``fn(q, k, v, sinks=...)`` in float64."""
+    q, k, v, sinks = (t.detach().double().requires_grad_(True) for t in (q, k, v, sinks))
+    out = fn(q, k, v, sinks=sinks, **kw)
+    out.backward(dout.double())
+    return out.detach(), q.grad, k.grad, v.grad, sinks.grad

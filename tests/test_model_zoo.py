@@ -43,16 +43,8 @@ ZOO = {kind: dict(length_dependent_rope(kind), **extra) for kind, extra in {
 }.items()}
 assert set(ZOO) == set(FAMILY_CONFIG) == set(patches.FAMILIES)
 
-ENGINE_PENDING = {
-    "gemma2": "the ring_dilated backend drops softcap (Gemma 2's attention soft-capping)",
-    "gpt_oss": "the ring_dilated backend drops s_aux (gpt-oss attention sinks)",
-}
-"""Families whose attention kwargs the backend does not honour yet; their comparisons must fail until it does."""
-
-
 def families_marked():
-    return [pytest.param(kind, marks=pytest.mark.xfail(strict=True, reason=ENGINE_PENDING[kind]))
-            if kind in ENGINE_PENDING else kind for kind in ZOO]
+    return list(ZOO)
 
 
 def sharpen(model):
