@@ -20,6 +20,7 @@ from .cache import ShardedCache
 from .checks import Options, agree_table, facts, global_length, unsharded_message
 from .comm import RingComm
 from .decode import CachedBlock, cached_blocks
+from .documents import Documents
 
 Tensor = torch.Tensor
 
@@ -38,7 +39,9 @@ class ShardedForward:
 
     ``seq_len`` is the global length; ``padded`` whether any row of the global
     batch has padded keys; ``contents`` a fingerprint of the global batch, so
-    ranks of one group that were handed different batches are caught.
+    ranks of one group that were handed different batches are caught;
+    ``documents`` the global start rows of the documents packed in each row
+    (None: one sequence per row).
     """
 
     seq_len: int
@@ -46,6 +49,7 @@ class ShardedForward:
     layout: str
     padded: bool = False
     contents: int = 0
+    documents: Optional[Documents] = None
     _agreed: Dict[Tuple, bool] = field(default_factory=dict, repr=False)
 
     @property

@@ -13,7 +13,8 @@ import torch
 
 from .comm import all_gather
 from .context import CONTEXT_KEY, ShardedForward
-from .layout import local_positions
+from .documents import Documents, check_documents, document_starts
+from .layout import local_positions, shard_sizes
 from .groups import SequenceParallel, current
 
 IGNORE_INDEX = -100
@@ -32,14 +33,73 @@ def _sp(sp: Optional[SequenceParallel]):
     return sp
 
 
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+"""Flash-style varlen keys (DataCollatorWithFlattening): they describe the global rows, so they become
+the forward's documents and are not passed on to the model."""
+
+
+def _varlen_starts(batch: Mapping[str, Any], b: int, n: int) -> Optional[Documents]:
+    """Document starts from ``cu_seq_lens_q``/``cu_seq_lens_k``, checked; None when the batch has neither."""
+    given = {key: batch[key] for key in ("cu_seq_lens_q", "cu_seq_lens_k") if batch.get(key) is not None}
+    if not given:
+        return None
+    if b != 1:
+        raise ValueError(f"cu_seq_lens_q/k describe one flattened row, but input_ids has batch size {b}")
+    offsets = {key: [int(x) for x in t.reshape(-1).tolist()] for key, t in given.items()}
+    cu = next(iter(offsets.values()))
+    if len(set(map(tuple, offsets.values()))) > 1:
+        raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; packed causal rows need the same offsets for both")
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != n or any(a >= c for a, c in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seq_lens_q must rise from 0 to the row length {n}, got {cu[:8]}{'...' if len(cu) > 8 else ''}")
+    return (tuple(cu[:-1]),)
+
+
+def _documents(batch: Mapping[str, Any], positions: Optional[torch.Tensor], b: int, n: int) -> Optional[Documents]:
+    """The documents packed into the rows, or None when every row is one sequence.
+
+    As transformers decides: runs of ``position_ids`` that increase by one are
+    documents when no ``attention_mask`` is given; flash-style ``cu_seq_lens``
+    say the same and must agree with the position ids.
+    """
+    from_varlen = _varlen_starts(batch, b, n)
+    from_positions = None
+    if positions is not None and batch.get("attention_mask") is None:
+        from_positions = document_starts(positions)
+    if from_varlen is not None and from_positions is not None and from_varlen != from_positions:
+        raise ValueError(
+            "position_ids and cu_seq_lens_q mark different documents; pass the ones the collator made together"
+        )
+    return check_documents(from_varlen if from_varlen is not None else from_positions, b, n)
+
+
+def _shifted_labels(batch: Mapping[str, Any], labels: torch.Tensor, documents: Optional[Documents]) -> torch.Tensor:
+    """Next-token targets of the global rows; never across a document border."""
+    shifted = batch.get("shift_labels")
+    if shifted is None:
+        shifted = torch.full_like(labels, IGNORE_INDEX)
+        shifted[:, :-1] = labels[:, 1:]
+    elif tuple(shifted.shape) != tuple(labels.shape):
+        raise ValueError(f"shift_labels must have the shape of labels {tuple(labels.shape)}, got {tuple(shifted.shape)}")
+    else:
+        shifted = shifted.clone()
+    for row, starts in enumerate(documents or ()):
+        ends = torch.tensor([s - 1 for s in starts[1:]], dtype=torch.long, device=shifted.device)
+        shifted[row, ends] = IGNORE_INDEX  # the last token of a document predicts nothing of the next
+    return shifted
+
+
 def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None) -> Dict[str, Any]:
     """This rank's part of ``batch`` (``input_ids``, optional ``labels``, ``attention_mask``, ``position_ids``).
 
     Adds global ``position_ids``, globally shifted ``shift_labels`` and the
     global ``num_items_in_batch`` when labels are given, and ``ring_context``:
     the facts of this forward that every attention layer reads (global
-    length, padding, the group), so the ranks agree on them once per forward.
-    Any length works, including one shorter than the number of ranks.
+    length, padding, documents, the group), so the ranks agree on them once
+    per forward. Any length works, including one shorter than the number of
+    ranks. Packed rows (``position_ids`` restarting inside a row and no
+    ``attention_mask``, or ``cu_seq_lens_q``, as ``DataCollatorWithFlattening``
+    makes them) keep their documents apart: attention never crosses a
+    document border, and neither do the shifted labels.
     """
     if not isinstance(batch, Mapping):
         raise TypeError(f"batch must be a mapping such as a dict, got {type(batch).__name__}")
@@ -58,26 +118,29 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
     group = _sp(sp)
     rank, size, layout = (0, 1, "contiguous") if group is None else (group.sp_rank, group.sp_size, group.layout)
     pos = local_positions(n, rank, size, layout).to(ids.device)
+    documents = _documents(batch, batch.get("position_ids"), b, n)
 
-    out: Dict[str, Any] = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "attention_mask", "position_ids")}
+    sliced = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels") + VARLEN_KEYS
+    out: Dict[str, Any] = {k: v for k, v in batch.items() if k not in sliced}
     out["input_ids"] = ids[:, pos]
-    if batch.get("attention_mask") is not None:
-        out["attention_mask"] = batch["attention_mask"][:, pos]
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        out["attention_mask"] = mask[:, pos]
     positions = batch.get("position_ids")
     if positions is None:
         positions = torch.arange(n, device=ids.device).expand(b, n)
     out["position_ids"] = positions[:, pos]
     labels = batch.get("labels")
     if labels is not None:
-        shifted = torch.full_like(labels, IGNORE_INDEX)
-        shifted[:, :-1] = labels[:, 1:]
+        shifted = _shifted_labels(batch, labels, documents)
         out["labels"] = labels[:, pos]
         out["shift_labels"] = shifted[:, pos]
         out["num_items_in_batch"] = int((shifted != IGNORE_INDEX).sum())
-    mask = batch.get("attention_mask")
+    elif batch.get("shift_labels") is not None:
+        raise ValueError("shift_labels without labels: pass labels (shard_batch shifts them on the global rows)")
     out[CONTEXT_KEY] = ShardedForward(
         n, None if group is None else group.comm, layout, padded=mask is not None and not bool(mask.all()),
-        contents=0 if group is None else fingerprint(ids),
+        contents=0 if group is None else (fingerprint(ids) + hash(documents or ())) & 0x7FFFFFFF, documents=documents,
     )
     out.setdefault("use_cache", False)  # a KV cache of a training shard is never read
     return out
@@ -93,7 +156,7 @@ def gather_sequence(tensor: torch.Tensor, seq_len: int, dim: int = 1,
     if group is None:
         return tensor
     moved = tensor.movedim(dim, 0).contiguous()
-    sizes = [len(local_positions(seq_len, r, group.sp_size, group.layout)) for r in range(group.sp_size)]
+    sizes = shard_sizes(seq_len, group.sp_size, group.layout)
     if moved.shape[0] != sizes[group.sp_rank]:
         raise ValueError(
             f"this rank holds {moved.shape[0]} rows along dim {dim}, but seq_len={seq_len} gives it {sizes[group.sp_rank]}"

@@ -356,3 +356,25 @@ def options_case(options_by_rank):
     if kw.get("position_ids") is not None:
         kw["position_ids"] = kw["position_ids"][:, pos]
     return raises_on_rank(hf_ring.ring_attention, q[:, :, pos], k[:, :, pos], v[:, :, pos], **kw)
+
+
+def packed_train_case(path, features, pattern=None):
+    """One training step on a DataCollatorWithFlattening batch with the sequence split over the whole world."""
+    from models import load
+    from transformers import DataCollatorWithFlattening
+
+    sp = hf_ring.setup_sequence_parallel(None)
+    try:
+        model = load(path, "ring_dilated").train()
+        hf_ring.configure(model, pattern=pattern)
+        batch = DataCollatorWithFlattening()(features)
+        n = batch["input_ids"].shape[1]
+        out = model(**hf_ring.shard_batch(batch))
+        out.loss.backward()
+        hf_ring.sync_gradients(model)
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss, group=sp.sp_group)
+        return {"loss": float(loss), "logits": hf_ring.gather_sequence(out.logits.detach(), n),
+                "grads": {k: p.grad.clone() for k, p in model.named_parameters()}}
+    finally:
+        hf_ring.clear_sequence_parallel()

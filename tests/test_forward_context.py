@@ -78,7 +78,7 @@ def test_prepared_4d_mask_on_a_whole_sequence_is_refused():
         hf_ring.backend.ring_dilated_attention(_Attn(tiny_config()), q, k, v, mask.float())
 
 
-@pytest.mark.parametrize("name", ["s_aux", "softcap", "head_mask"])
+@pytest.mark.parametrize("name", ["head_mask", "attention_chunk_size", "block_sequence_ids"])
 def test_unimplemented_attention_arguments_are_refused_not_dropped(name):
     from models import tiny_config
 

@@ -1,0 +1,119 @@
+"""Packed rows (DataCollatorWithFlattening) through a model: every document as if it ran alone."""
+import pytest
+import torch
+from transformers import DataCollatorWithFlattening
+
+import hf_ring
+from cases import packed_train_case
+from helpers import dilated_sdpa_mask, rel_err
+from models import load, saved_model_dir
+
+TOL = 1e-5
+LENGTHS = [15, 25, 1, 9, 30]  # a one-token document too
+
+
+def features(seed=0, lengths=LENGTHS):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(3, 97, (n,), generator=g).tolist()} for n in lengths]
+
+
+def separately(path, feats):
+    """Loss, logits and gradients of running each document alone with sdpa, weighted as the packed loss weighs them."""
+    return _alone_with(load(path, "sdpa").train(), feats)
+
+
+def check(loss, logits, grads, ref):
+    ref_loss, ref_logits, ref_grads = ref
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
+    assert rel_err(logits, ref_logits) <= TOL
+    worst = max(rel_err(grads[k], ref_grads[k]) for k in ref_grads)
+    assert worst <= TOL, worst
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_flattened_batch_in_one_process_equals_documents_alone(kind):
+    path = saved_model_dir(kind) if kind == "llama" else saved_model_dir("mistral", sliding_window=6)
+    feats = features(1)
+    model = load(path, "ring_dilated").train()
+    batch = DataCollatorWithFlattening()(feats)
+    assert "attention_mask" not in batch  # documents are marked by position_ids alone
+    out = model(**batch, use_cache=False)
+    out.loss.backward()
+    check(float(out.loss.detach()), out.logits.detach()[0], {k: p.grad for k, p in model.named_parameters()},
+          separately(path, feats))
+
+
+def test_flattened_batch_with_varlen_offsets_in_one_process():
+    path = saved_model_dir("llama")
+    feats = features(2)
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(feats)
+    model = load(path, "ring_dilated").train()
+    out = model(**batch, use_cache=False)
+    out.loss.backward()
+    check(float(out.loss.detach()), out.logits.detach()[0], {k: p.grad for k, p in model.named_parameters()},
+          separately(path, feats))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_flattened_batch_sharded_equals_documents_alone(pools, world):
+    path = saved_model_dir("llama")
+    feats = features(3)
+    ref = separately(path, feats)
+    for res in pools(world).run(packed_train_case, path, feats):
+        check(res["loss"], res["logits"][0], res["grads"], ref)
+
+
+def test_flattened_batch_sharded_dilated_equals_documents_alone(pools):
+    """Dilated segments start at each document's start: the same as each document run alone, dilated."""
+    path = saved_model_dir("llama")
+    pattern = {"segment_lengths": [4, 8, 32], "dilation_rates": [1, 2, 4]}
+    feats = features(4)
+    branches = tuple(zip(pattern["segment_lengths"], pattern["dilation_rates"]))
+    # Independent of hf_ring: transformers' sdpa given the LongNet multiplicities of each document as a log-m mask.
+    ref = _alone_with(load(path, "sdpa").train(), feats, lambda n: dilated_sdpa_mask(n, branches, 4))
+    for res in pools(2).run(packed_train_case, path, feats, pattern):
+        check(res["loss"], res["logits"][0], res["grads"], ref)
+
+
+def _alone_with(model, feats, mask_for=None):
+    items = sum(len(f["input_ids"]) - 1 for f in feats)
+    total, logits = 0.0, []
+    for f in feats:
+        ids = torch.tensor([f["input_ids"]])
+        mask = None if mask_for is None else mask_for(ids.shape[1])
+        out = model(input_ids=ids, labels=ids, attention_mask=mask, use_cache=False)
+        count = ids.shape[1] - 1
+        if count:
+            (out.loss * count / items).backward()
+            total += float(out.loss) * count / items
+        logits.append(out.logits.detach()[0])
+    return total, torch.cat(logits), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def test_shard_batch_keeps_labels_inside_documents():
+    ids = torch.arange(10)[None]
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4]])
+    out = hf_ring.shard_batch({"input_ids": ids, "labels": ids.clone(), "position_ids": pos})
+    shifted = out["shift_labels"][0].tolist()
+    assert shifted == [1, 2, -100, 4, -100, 6, 7, 8, 9, -100]  # no target crosses a border
+    assert out["num_items_in_batch"] == 7
+    assert out["ring_context"].documents == ((0, 3, 5),)
+
+
+def test_shard_batch_varlen_offsets_must_match_positions():
+    ids = torch.arange(6)[None]
+    batch = {"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]]),
+             "cu_seq_lens_q": torch.tensor([0, 2, 6]), "cu_seq_lens_k": torch.tensor([0, 2, 6])}
+    with pytest.raises(ValueError, match="mark different documents"):
+        hf_ring.shard_batch(batch)
+    batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, 3, 6])
+    out = hf_ring.shard_batch(batch)
+    assert out["ring_context"].documents == ((0, 3),) and "cu_seq_lens_q" not in out
+
+
+def test_padding_mask_means_no_packing():
+    """As in transformers: with an attention mask, restarting position_ids are padding semantics, not documents."""
+    ids = torch.arange(6)[None]
+    out = hf_ring.shard_batch({"input_ids": ids, "attention_mask": torch.ones(1, 6, dtype=torch.long),
+                               "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])})
+    assert out["ring_context"].documents is None
