@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
+
+from .blocks import allowed_pairs
 
 Tensor = torch.Tensor
 
@@ -86,7 +88,72 @@ def _scores(q: Tensor, k: Tensor, scale: float, causal: bool, mask: Optional[Ten
     return s, t
 
 
+MATH_TILE = 1024
+"""Rows per side of the math path's tiles: it materialises scores, so its memory stays ~B·H·tile²
+whatever the block (a CUDA block of a whole 32K shard would otherwise need tens of GB)."""
+
+
+def _row_tiles(n: int) -> List[slice]:
+    return [slice(i, min(i + MATH_TILE, n)) for i in range(0, n, MATH_TILE)]
+
+
+def _tile_args(causal: bool, mask: Optional[Tensor], qs: slice, ks: slice,
+               device) -> Optional[Tuple[bool, Optional[Tensor]]]:
+    """``(causal, mask)`` of the tile ``qs x ks`` of a block, or None when no pair in it is allowed.
+
+    A block's ``causal`` is top-left aligned (both sides hold the same
+    positions), so only a diagonal tile keeps it; other tiles get it as a mask.
+    """
+    sub = None if mask is None else mask[..., qs, ks]
+    if not causal or qs == ks:
+        return causal, sub
+    if ks.start >= qs.stop:
+        return None
+    if ks.stop - 1 <= qs.start:
+        return False, sub
+    allowed = allowed_pairs(torch.arange(qs.start, qs.stop, device=device), torch.arange(ks.start, ks.stop, device=device),
+                            True, None)
+    return False, allowed if sub is None else sub & allowed
+
+
 def _math_forward(q, k, v, scale, causal, mask, softcap=None):
+    """Exact attention of a block by materialised scores, in tiles of at most ``MATH_TILE`` rows a side."""
+    b, hq, sq, d = q.shape
+    if sq <= MATH_TILE and k.shape[2] <= MATH_TILE:
+        return _math_tile_forward(q, k, v, scale, causal, mask, softcap)
+    out = torch.zeros(b, hq, sq, d, dtype=accumulator_dtype(q), device=q.device)
+    lse = torch.full((b, hq, sq), _NEG_INF, dtype=torch.float32, device=q.device)
+    for qs in _row_tiles(sq):
+        for ks in _row_tiles(k.shape[2]):
+            args = _tile_args(causal, mask, qs, ks, q.device)
+            if args is not None:
+                o_t, l_t = _math_tile_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], scale, *args, softcap)
+                merge_into(out[:, :, qs], lse[:, :, qs], o_t, l_t)
+    return out.to(q.dtype), lse
+
+
+def _math_backward(dout, q, k, v, out, lse, scale, causal, mask, softcap=None):
+    """Block gradients by materialised scores, in tiles: with the global ``lse`` every tile's share is exact."""
+    sq, sk = q.shape[2], k.shape[2]
+    if sq <= MATH_TILE and sk <= MATH_TILE:
+        return _math_tile_backward(dout, q, k, v, out, lse, scale, causal, mask, softcap)
+    acc = accumulator_dtype(q)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    for qs in _row_tiles(sq):
+        for ks in _row_tiles(sk):
+            args = _tile_args(causal, mask, qs, ks, q.device)
+            if args is not None:
+                g_q, g_k, g_v = _math_tile_backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks],
+                                                    out[:, :, qs], lse[:, :, qs], scale, *args, softcap)
+                dq[:, :, qs].add_(g_q)
+                dk[:, :, ks].add_(g_k)
+                dv[:, :, ks].add_(g_v)
+    return dq, dk, dv
+
+
+def _math_tile_forward(q, k, v, scale, causal, mask, softcap=None):
     b, hq, sq, d = q.shape
     s, _ = _scores(q, k, scale, causal, mask, softcap)
     lse = torch.logsumexp(s, dim=-1)
@@ -95,7 +162,7 @@ def _math_forward(q, k, v, scale, causal, mask, softcap=None):
     return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq).float()
 
 
-def _math_backward(dout, q, k, v, out, lse, scale, causal, mask, softcap=None):
+def _math_tile_backward(dout, q, k, v, out, lse, scale, causal, mask, softcap=None):
     b, hq, sq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
