@@ -12,10 +12,12 @@ from .layout import local_positions, shard_sizes
 from .parallel import SequenceParallel, clear_sequence_parallel, setup_sequence_parallel, sync_gradients
 from .pattern import DilatedPattern
 from .ring import ring_attention
+from .trainer import SequenceParallelTrainerMixin, prepare_trainer
 
 __all__ = [
     "DilatedPattern",
     "SequenceParallel",
+    "SequenceParallelTrainerMixin",
     "ShardedCache",
     "clear_sequence_parallel",
     "configure",
@@ -23,6 +25,7 @@ __all__ = [
     "generate",
     "local_positions",
     "patches",
+    "prepare_trainer",
     "ring_attention",
     "setup_sequence_parallel",
     "shard_batch",

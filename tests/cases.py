@@ -206,3 +206,122 @@ def sp_cache_forward_case(path):
             return model(input_ids=ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
     finally:
         hf_ring.clear_sequence_parallel()
+
+
+class RowDataset(torch.utils.data.Dataset):
+    """Rows of a dict of (rows, n) tensors, as a Trainer dataset."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data["input_ids"])
+
+    def __getitem__(self, i):
+        return {k: v[i] for k, v in self.data.items()}
+
+
+class GradRecorder:
+    """A Trainer callback keeping each optimizer step's gradients of the trainable parameters (full tensors)."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        self.steps = []
+        self.callback = type("Recorder", (TrainerCallback,), {"on_pre_optimizer_step": self._record})()
+
+    def _record(self, args, state, control, model=None, **kwargs):
+        from torch.distributed.tensor import DTensor
+
+        grads = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad and p.grad is not None:
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                grads[name.replace("module.", "")] = g.detach().clone()
+        self.steps.append(grads)
+
+
+def trainer_env():
+    """Point accelerate at the running gloo world (the pool starts it from a file, not from the environment)."""
+    import os
+
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", ACCELERATE_USE_CPU="true")
+
+
+def trainer_data(seed, rows, n, vocab=97):
+    """Rows with one right-padded row; labels -100 on padding."""
+    from models import batch
+
+    data = batch(seed, rows, n, vocab=vocab, pad="right")
+    return data
+
+
+def trainer_case(path, sp_size=None, *, per_device=1, accum=2, steps=2, n=23, lora=False, checkpointing=False,
+                 fsdp=False, eval_rows=3, predict=True, resume_at=None, layout="zigzag"):
+    """Train a tiny model with transformers.Trainer (sequence parallel when sp_size is given), then evaluate and predict.
+
+    Returns logged losses, every optimizer step's gradients, eval_loss, predicted logits and final parameters.
+    """
+    import tempfile
+
+    from accelerate.state import AcceleratorState
+    from models import load
+    from transformers import Trainer, TrainingArguments
+
+    trainer_env()
+    AcceleratorState._reset_state()
+    model = load(path, "sdpa" if sp_size is None else "ring_dilated").train()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 init_lora_weights=False, lora_dropout=0.0))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rows = per_device * accum * steps * (world // (sp_size or 1))
+    extra = {}
+    if fsdp:
+        extra = dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2, "reshard_after_forward": True})
+    out_dir = tempfile.mkdtemp(prefix="hf_ring_trainer_")
+    args = TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=per_device, per_device_eval_batch_size=2,
+        gradient_accumulation_steps=accum, max_steps=steps, learning_rate=0.5, optim="sgd",
+        lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, use_cpu=True,
+        train_sampling_strategy="sequential", disable_tqdm=True, gradient_checkpointing=checkpointing,
+        save_strategy="steps" if resume_at else "no", save_steps=resume_at or 500, **extra,
+    )
+    recorder = GradRecorder()
+    trainer = Trainer(model=model, args=args, train_dataset=RowDataset(trainer_data(1, rows, n)),
+                      eval_dataset=RowDataset(trainer_data(2, eval_rows, n)), callbacks=[recorder.callback])
+    if sp_size is not None:
+        hf_ring.prepare_trainer(trainer, sp_size, layout=layout)
+    try:
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        result = {"losses": losses, "grads": recorder.steps, "eval_loss": trainer.evaluate()["eval_loss"]}
+        if predict:
+            pred = trainer.predict(RowDataset(trainer_data(3, eval_rows, n)))
+            result["logits"], result["label_ids"] = torch.as_tensor(pred.predictions), torch.as_tensor(pred.label_ids)
+        result["params"] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                            for k, v in trainer.model.named_parameters()}
+        if resume_at:
+            result["resumed"] = _resume_case(trainer, f"{out_dir}/checkpoint-{resume_at}", sp_size, layout)
+        return result if not dist.is_initialized() or dist.get_rank() == 0 else {"losses": losses}
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+def _resume_case(trainer, checkpoint, sp_size, layout):
+    """Train again from a saved checkpoint: the final parameters must equal the uninterrupted run's."""
+    from transformers import Trainer
+
+    from models import load
+
+    model = load(checkpoint, "sdpa" if sp_size is None else "ring_dilated").train()
+    again = Trainer(model=model, args=trainer.args, train_dataset=trainer.train_dataset)
+    if sp_size is not None:
+        hf_ring.prepare_trainer(again, sp_size, layout=layout)
+    again.train(resume_from_checkpoint=checkpoint)
+    return {k: v.detach().clone() for k, v in again.model.named_parameters()}
