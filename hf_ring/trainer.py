@@ -135,6 +135,13 @@ def _global_order(tree: Any, n: int, local: int) -> Any:
     return tree
 
 
+def _sp_mean(loss: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """The mean over the sp group of the ranks' (shard) losses, held by each of them."""
+    loss = loss.detach().clone()
+    dist.all_reduce(loss, group=sp.sp_group)
+    return loss / sp.sp_size
+
+
 class SequenceParallelTrainerMixin:
     """Put before a ``transformers.Trainer`` class to train with the sequence split over the sp group.
 
@@ -177,11 +184,23 @@ class SequenceParallelTrainerMixin:
             # A shard's loss is a share of the sequence loss: normalise every shard by the global token count,
             # counted the trainer's way (a collective: every rank evaluates the same number of batches).
             num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
+        tokens = getattr(self, "_total_train_tokens", None)
         out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         if num_items_in_batch is None and self.model.training:
             # The model normalised by the batch's global count (shard_batch), and DDP averages over dp x sp.
             out = (out[0] * sp.sp_size, out[1]) if return_outputs else out * sp.sp_size
+        if tokens is not None and self.model.training:
+            # TRL's SFTTrainer adds up the tokens of every rank's batch; the ranks of an sp group share one.
+            self._total_train_tokens = tokens + (self._total_train_tokens - tokens) // sp.sp_size
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
         return out
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        sp = current()
+        # The trainer logs the mean over all ranks (unchanged by this) but reports its last unlogged steps from
+        # rank-local values: make those the sp group's, as a run without the split would have.
+        return loss if sp is None else _sp_mean(loss, sp)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         sp = current()
@@ -191,10 +210,7 @@ class SequenceParallelTrainerMixin:
         n = inputs["input_ids"].shape[1]
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         if loss is not None:
-            # Shares of the sp group -> one value held by every rank of it, in the units of a dp-only gather.
-            loss = loss.detach().clone()
-            dist.all_reduce(loss, group=sp.sp_group)
-            loss = loss / sp.sp_size
+            loss = _sp_mean(loss, sp)  # one value per sp group, for a gather over the dp replicas
         if logits is not None:
             logits = _global_order(logits, n, len(local_positions(n, sp.sp_rank, sp.sp_size, sp.layout)))
         return loss, logits, labels

@@ -251,16 +251,15 @@ def trainer_env():
                           MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", ACCELERATE_USE_CPU="true")
 
 
-def trainer_data(seed, rows, n, vocab=97):
-    """Rows with one right-padded row; labels -100 on padding."""
+def trainer_data(seed, rows, n, pad="right"):
+    """Rows of random tokens (by default the first right-padded, labels -100 on padding)."""
     from models import batch
 
-    data = batch(seed, rows, n, vocab=vocab, pad="right")
-    return data
+    return batch(seed, rows, n, pad=pad)
 
 
 def trainer_case(path, sp_size=None, *, per_device=1, accum=2, steps=2, n=23, lora=False, checkpointing=False,
-                 fsdp=False, eval_rows=3, predict=True, resume_at=None, layout="zigzag"):
+                 fsdp=False, eval_rows=3, eval_pad="right", predict=True, resume_at=None, layout="zigzag"):
     """Train a tiny model with transformers.Trainer (sequence parallel when sp_size is given), then evaluate and predict.
 
     Returns logged losses, every optimizer step's gradients, eval_loss, predicted logits and final parameters.
@@ -277,13 +276,14 @@ def trainer_case(path, sp_size=None, *, per_device=1, accum=2, steps=2, n=23, lo
     if lora:
         from peft import LoraConfig, get_peft_model
 
+        torch.manual_seed(0)  # the adapters' random initial values, the same in every process
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                  init_lora_weights=False, lora_dropout=0.0))
     world = dist.get_world_size() if dist.is_initialized() else 1
     rows = per_device * accum * steps * (world // (sp_size or 1))
     extra = {}
     if fsdp:
-        extra = dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2, "reshard_after_forward": True})
+        extra = dict(fsdp=True, fsdp_config={"fsdp_version": 2, "reshard_after_forward": True})
     out_dir = tempfile.mkdtemp(prefix="hf_ring_trainer_")
     args = TrainingArguments(
         output_dir=out_dir, per_device_train_batch_size=per_device, per_device_eval_batch_size=2,
@@ -294,7 +294,7 @@ def trainer_case(path, sp_size=None, *, per_device=1, accum=2, steps=2, n=23, lo
     )
     recorder = GradRecorder()
     trainer = Trainer(model=model, args=args, train_dataset=RowDataset(trainer_data(1, rows, n)),
-                      eval_dataset=RowDataset(trainer_data(2, eval_rows, n)), callbacks=[recorder.callback])
+                      eval_dataset=RowDataset(trainer_data(2, eval_rows, n, eval_pad)), callbacks=[recorder.callback])
     if sp_size is not None:
         hf_ring.prepare_trainer(trainer, sp_size, layout=layout)
     try:
