@@ -325,3 +325,51 @@ def _resume_case(trainer, checkpoint, sp_size, layout):
         hf_ring.prepare_trainer(again, sp_size, layout=layout)
     again.train(resume_from_checkpoint=checkpoint)
     return {k: v.detach().clone() for k, v in again.model.named_parameters()}
+
+
+def sft_case(path, sp_size=None, *, padding_free=False, steps=2, per_device=2, accum=2):
+    """Train with TRL's SFTTrainer (examples/sft.py's tokenizer and data); a refusal of packed rows is returned."""
+    import os
+    import sys
+    import tempfile
+
+    from accelerate.state import AcceleratorState
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import sft
+
+    trainer_env()
+    AcceleratorState._reset_state()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rows = per_device * accum * steps * (world // (sp_size or 1))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    args = SFTConfig(
+        output_dir=tempfile.mkdtemp(prefix="hf_ring_sft_"), per_device_train_batch_size=per_device,
+        per_device_eval_batch_size=2, gradient_accumulation_steps=accum, max_steps=steps, learning_rate=0.5,
+        optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0,
+        use_cpu=True, train_sampling_strategy="sequential", disable_tqdm=True, save_strategy="no",
+        padding_free=padding_free, max_length=None if padding_free else 128, bf16=False,
+    )
+    recorder = GradRecorder()
+    trainer = SFTTrainer(model=model, args=args, processing_class=sft.char_tokenizer(),
+                         train_dataset=Dataset.from_list(sft.reverse_pairs(rows, 0)),
+                         eval_dataset=Dataset.from_list(sft.reverse_pairs(3, 1)), callbacks=[recorder.callback])
+    if sp_size is not None:
+        hf_ring.prepare_trainer(trainer, sp_size)
+    try:
+        try:
+            trainer.train()
+        except ValueError as err:
+            if "not supported under sequence parallelism yet" in str(err):
+                return {"refused": str(err)}
+            raise
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        metrics = trainer.evaluate()
+        result = {"losses": losses, "grads": recorder.steps, "eval_loss": metrics["eval_loss"],
+                  "num_tokens": metrics.get("eval_num_tokens"), "accuracy": metrics.get("eval_mean_token_accuracy")}
+        return result if not dist.is_initialized() or dist.get_rank() == 0 else {"losses": losses}
+    finally:
+        hf_ring.clear_sequence_parallel()
