@@ -104,7 +104,7 @@ def build_trainer(args: argparse.Namespace, tokenizer, model_path: str):
         learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 20),
         logging_steps=5, eval_strategy="steps", eval_steps=max(1, args.steps // 3), save_steps=max(1, args.steps // 3),
         report_to=[], seed=args.seed, use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
-        gradient_checkpointing=args.gradient_checkpointing, disable_tqdm=True,
+        activation_checkpointing=args.gradient_checkpointing, disable_tqdm=True,
     )
     peft_config = None
     if args.lora:

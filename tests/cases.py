@@ -259,7 +259,7 @@ def trainer_data(seed, rows, n, pad="right"):
 
 
 def trainer_case(path, sp_size=None, *, per_device=1, accum=2, steps=2, n=23, lora=False, checkpointing=False,
-                 fsdp=False, eval_rows=3, eval_pad="right", predict=True, resume_at=None, layout="zigzag"):
+                 fsdp=False, eval_rows=3, eval_pad="right", predict_rows=3, resume_at=None, layout="zigzag", out_dir=None):
     """Train a tiny model with transformers.Trainer (sequence parallel when sp_size is given), then evaluate and predict.
 
     Returns logged losses, every optimizer step's gradients, eval_loss, predicted logits and final parameters.
@@ -272,25 +272,27 @@ def trainer_case(path, sp_size=None, *, per_device=1, accum=2, steps=2, n=23, lo
 
     trainer_env()
     AcceleratorState._reset_state()
-    model = load(path, "sdpa" if sp_size is None else "ring_dilated").train()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    kw = {}
+    if fsdp:  # transformers shards the model with FSDP2 at load time (accelerate's FSDP plugin needs GPUs)
+        from transformers.distributed import DistributedConfig
+
+        kw["distributed_config"] = DistributedConfig(fsdp_size=world)
+    model = load(path, "sdpa" if sp_size is None else "ring_dilated", **kw).train()
     if lora:
         from peft import LoraConfig, get_peft_model
 
         torch.manual_seed(0)  # the adapters' random initial values, the same in every process
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                  init_lora_weights=False, lora_dropout=0.0))
-    world = dist.get_world_size() if dist.is_initialized() else 1
     rows = per_device * accum * steps * (world // (sp_size or 1))
-    extra = {}
-    if fsdp:
-        extra = dict(fsdp=True, fsdp_config={"fsdp_version": 2, "reshard_after_forward": True})
-    out_dir = tempfile.mkdtemp(prefix="hf_ring_trainer_")
+    out_dir = out_dir or tempfile.mkdtemp(prefix="hf_ring_trainer_")  # ranks that resume share one directory
     args = TrainingArguments(
         output_dir=out_dir, per_device_train_batch_size=per_device, per_device_eval_batch_size=2,
         gradient_accumulation_steps=accum, max_steps=steps, learning_rate=0.5, optim="sgd",
         lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, use_cpu=True,
-        train_sampling_strategy="sequential", disable_tqdm=True, gradient_checkpointing=checkpointing,
-        save_strategy="steps" if resume_at else "no", save_steps=resume_at or 500, **extra,
+        train_sampling_strategy="sequential", disable_tqdm=True, activation_checkpointing=checkpointing,
+        save_strategy="steps" if resume_at else "no", save_steps=resume_at or 500,
     )
     recorder = GradRecorder()
     trainer = Trainer(model=model, args=args, train_dataset=RowDataset(trainer_data(1, rows, n)),
@@ -301,11 +303,19 @@ def trainer_case(path, sp_size=None, *, per_device=1, accum=2, steps=2, n=23, lo
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         result = {"losses": losses, "grads": recorder.steps, "eval_loss": trainer.evaluate()["eval_loss"]}
-        if predict:
-            pred = trainer.predict(RowDataset(trainer_data(3, eval_rows, n)))
+        if predict_rows:
+            pred = trainer.predict(RowDataset(trainer_data(3, predict_rows, n)))
             result["logits"], result["label_ids"] = torch.as_tensor(pred.predictions), torch.as_tensor(pred.label_ids)
-        result["params"] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-                            for k, v in trainer.model.named_parameters()}
+            unlabelled = {k: v for k, v in trainer_data(3, predict_rows, n).items() if k != "labels"}
+            result["logits_unlabelled"] = torch.as_tensor(trainer.predict(RowDataset(unlabelled)).predictions)
+        from torch.distributed.tensor import DTensor
+
+        params = dict(trainer.model.named_parameters())
+        result["params"] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                            for k, v in params.items()}
+        result["wrapped"] = type(trainer.model_wrapped).__name__
+        result["dtensor"] = any(isinstance(v, DTensor) for v in params.values())
+        result["checkpointing"] = trainer.model.is_activation_checkpointing
         if resume_at:
             result["resumed"] = _resume_case(trainer, f"{out_dir}/checkpoint-{resume_at}", sp_size, layout)
         return result if not dist.is_initialized() or dist.get_rank() == 0 else {"losses": losses}
