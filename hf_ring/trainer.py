@@ -75,6 +75,8 @@ def shard_model_inputs(kwargs: Dict[str, Any], sp: Optional[SequenceParallel] = 
 def _shard_hook(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]):
     if current() is None:
         return None
+    if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+        return None  # generation: hf_ring.generate splits the prompt and the cache itself
     if args:
         raise TypeError(
             f"under sequence parallelism {type(module).__name__} must be called with keyword arguments "
@@ -179,7 +181,6 @@ class SequenceParallelTrainerMixin:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         attach_shard_hook(self.model)
-        refuse_packed_rows(inputs)
         if num_items_in_batch is None and inputs.get("labels") is not None:
             # A shard's loss is a share of the sequence loss: normalise every shard by the global token count,
             # counted the trainer's way (a collective: every rank evaluates the same number of batches).
@@ -207,8 +208,8 @@ class SequenceParallelTrainerMixin:
         if sp is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         attach_shard_hook(self.model)
-        n = inputs["input_ids"].shape[1]
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        n = inputs["input_ids"].shape[1]  # there: shard_batch needs input_ids
         if loss is not None:
             loss = _sp_mean(loss, sp)  # one value per sp group, for a gather over the dp replicas
         if logits is not None:
@@ -216,10 +217,13 @@ class SequenceParallelTrainerMixin:
         return loss, logits, labels
 
     def evaluation_loop(self, *args, **kwargs):
-        sp = current()
-        if sp is not None:
-            self.gather_function = self._gather_over_dp
-        return super().evaluation_loop(*args, **kwargs)
+        if current() is None:
+            return super().evaluation_loop(*args, **kwargs)
+        saved, self.gather_function = self.gather_function, self._gather_over_dp
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.gather_function = saved
 
     def _gather_over_dp(self, data):
         """``accelerator.gather_for_metrics`` with one copy per sp group (all its ranks hold the same values)."""

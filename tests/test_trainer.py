@@ -83,6 +83,7 @@ def test_dp2_sp2_trainer_equals_one_process(pools):
 
 
 def test_lora_with_gradient_checkpointing_sp2(pools):
+    pytest.importorskip("peft")
     path = saved_model_dir("mistral")
     kw = dict(lora=True, checkpointing=True, predict_rows=0)
     res = pools(2).run(trainer_case, path, 2, **kw)[0]
