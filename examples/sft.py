@@ -114,10 +114,11 @@ def build_trainer(args: argparse.Namespace, tokenizer, model_path: str):
     train = reverse_pairs(args.train_rows, args.seed)
     evals = reverse_pairs(args.eval_rows, args.seed + 1)
     if args.no_trl:
-        from peft import get_peft_model
         from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
         if peft_config is not None:
+            from peft import get_peft_model
+
             model = get_peft_model(model, peft_config)
         return Trainer(model=model, args=TrainingArguments(**common), processing_class=tokenizer,
                        train_dataset=Dataset.from_list(tokenized(train, tokenizer)),

@@ -383,3 +383,18 @@ def sft_case(path, sp_size=None, *, padding_free=False, steps=2, per_device=2, a
         return result if not dist.is_initialized() or dist.get_rank() == 0 else {"losses": losses}
     finally:
         hf_ring.clear_sequence_parallel()
+
+
+def sft_example_case(argv):
+    """examples/sft.py's main on every rank (as under torchrun)."""
+    import os
+    import sys
+
+    from accelerate.state import AcceleratorState
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import sft
+
+    trainer_env()
+    AcceleratorState._reset_state()
+    return sft.main(argv)

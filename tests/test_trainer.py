@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_ring
-from cases import sft_case, trainer_case
+from cases import sft_case, sft_example_case, trainer_case
 from models import saved_model_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,6 +132,19 @@ def test_sft_trainer_packed_rows_sp2(pools, sft_model):
                     + res["refused"])
     ref = sft_case(sft_model, padding_free=True)
     check_steps(res, ref)
+
+
+@pytest.mark.parametrize("trl", [True, False])
+def test_sft_example_sp2_equals_one_process(pools, sft_model, tmp_path, trl):
+    argv = ["--steps", "2", "--batch-size", "2", "--train-rows", "16", "--eval-rows", "4", "--model", sft_model]
+    argv += [] if trl else ["--no-trl"]
+    got = pools(2).run(sft_example_case, argv + ["--sp-size", "2", "--output", str(tmp_path / "sp")])
+    ref = sft_example_case(argv + ["--output", str(tmp_path / "one")])
+    assert all(g["world"] == 2 and g["sp_size"] == 2 for g in got) and ref["world"] == 1
+    for g in got:
+        for key in ("train_loss", "eval_loss"):
+            assert abs(g[key] - ref[key]) <= TOL * abs(ref[key]), key
+    assert os.path.isfile(tmp_path / "sp" / "model.safetensors") and os.path.isfile(tmp_path / "sp" / "summary.json")
 
 
 @pytest.mark.parametrize("batch", [
