@@ -147,8 +147,11 @@ def _sp_mean(loss: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
 class SequenceParallelTrainerMixin:
     """Put before a ``transformers.Trainer`` class to train with the sequence split over the sp group.
 
-    :func:`prepare_trainer` applies it to a built trainer; with no active
-    sequence-parallel setup every method is the base class's.
+    :func:`prepare_trainer` applies it to a built trainer. Subclassing works
+    too (``class T(SequenceParallelTrainerMixin, SFTTrainer)``) with the model
+    loaded with ``attn_implementation="ring_dilated"`` and
+    :func:`hf_ring.setup_sequence_parallel` called before training. With no
+    active sequence-parallel setup every method is the base class's.
     """
 
     def get_cp_size(self) -> int:
