@@ -13,8 +13,9 @@ instead, packed into sequences of ``--seq-len`` bytes.
 
 Ranks of one sequence-parallel group share a batch (each holds a shard of the
 sequence); groups are data-parallel replicas. The checkpoint is a safetensors
-model whose config.json carries the attention pattern; ``--resume`` continues
-from it.
+model whose config.json carries the attention pattern, written every
+``--save-every`` steps and at the end with the step it was taken at;
+``--resume`` continues from it.
 """
 from __future__ import annotations
 
@@ -160,6 +161,7 @@ def retrieval_accuracy(model, batches: List[Dict[str, torch.Tensor]], sp: hf_rin
 
 
 def save_checkpoint(model, optimizer, step: int, history: List[dict], out_dir: str) -> None:
+    """The model (safetensors) and the optimizer state, step reached and history (plain tensors and numbers)."""
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     torch.save({"optimizer": optimizer.state_dict(), "step": step, "history": history},
@@ -204,6 +206,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--output", default="checkpoints/passkey")
+    ap.add_argument("--save-every", type=int, default=100, help="write the checkpoint every N steps (0 = only at the end)")
     ap.add_argument("--resume", action="store_true", help="continue from the checkpoint in --output")
     ap.add_argument("--warmup-len", type=int, default=512,
                     help="passkey curriculum: start at this length and double up to --seq-len over the first "
@@ -215,6 +218,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--segment-lengths and --dilation-rates go together")
     if args.seq_len < 1:
         ap.error("--seq-len must be positive")
+    if args.save_every < 0:
+        ap.error("--save-every must be 0 or positive")
     return args
 
 
@@ -250,7 +255,7 @@ def main(argv=None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     start, history = 0, []
     if resume_dir:
-        state = torch.load(os.path.join(resume_dir, "trainer_state.pt"), weights_only=False)
+        state = torch.load(os.path.join(resume_dir, "trainer_state.pt"), weights_only=True)
         optimizer.load_state_dict(state["optimizer"])
         start, history = state["step"], state["history"]
 
@@ -297,7 +302,7 @@ def main(argv=None) -> dict:
         from tqdm import tqdm
 
         bar = tqdm(total=args.steps, initial=start, desc="train", file=sys.stdout, mininterval=10)
-    t0, tokens = time.perf_counter(), 0
+    t0, tokens, reached = time.perf_counter(), 0, start
     for step in range(start, args.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
@@ -317,6 +322,9 @@ def main(argv=None) -> dict:
         if eval_batches and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
             record["accuracy"] = retrieval_accuracy(model, eval_batches, sp)
         history.append(record)
+        reached = step + 1
+        if is_main and args.save_every and reached % args.save_every == 0 and reached < args.steps:
+            save_checkpoint(model, optimizer, reached, history, args.output)
         if bar is not None:
             shown = {"loss": f"{loss:.3f}", "tok/s": f"{tokens / (time.perf_counter() - t0):.0f}"}
             if "accuracy" in record:
@@ -328,10 +336,10 @@ def main(argv=None) -> dict:
         bar.close()
     wall = time.perf_counter() - t0
     if is_main:
-        save_checkpoint(model, optimizer, args.steps, history, args.output)
+        save_checkpoint(model, optimizer, reached, history, args.output)
         plot(history, os.path.join(args.output, "accuracy.png"))
         accs = [h["accuracy"] for h in history if "accuracy" in h]
-        summary = {"wall_s": round(wall, 1), "steps": args.steps - start, "world": world, "sp_size": sp_size,
+        summary = {"wall_s": round(wall, 1), "steps": reached - start, "world": world, "sp_size": sp_size,
                    "accuracy_before": accs[0] if accs else None, "accuracy_after": accs[-1] if accs else None,
                    "chance": 1 / N_KEYS, "final_loss": history[-1].get("loss") if history else None}
         with open(os.path.join(args.output, "summary.json"), "w") as f:

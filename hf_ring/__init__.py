@@ -14,11 +14,13 @@ from .layout import local_positions, shard_sizes
 from .parallel import clear_sequence_parallel, setup_sequence_parallel, sync_gradients
 from .pattern import DilatedPattern
 from .ring import ring_attention
+from .trainer import SequenceParallelTrainerMixin, prepare_trainer
 
 __all__ = [
     "CommTimeoutError",
     "DilatedPattern",
     "SequenceParallel",
+    "SequenceParallelTrainerMixin",
     "ShardedCache",
     "clear_sequence_parallel",
     "configure",
@@ -27,6 +29,7 @@ __all__ = [
     "generate",
     "local_positions",
     "patches",
+    "prepare_trainer",
     "ring_attention",
     "setup_sequence_parallel",
     "shard_batch",

@@ -22,7 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from . import config as ring_config
 from . import patches
-from .checks import Options, check_options, full_key_mask, option_codes
+from .checks import Options, check_options, check_qkv, full_key_mask, option_codes
 from .documents import Documents, check_documents, document_starts
 from .kernels import check_sinks, check_softcap
 from .context import CONTEXT_KEY, DecodeStep, ShardedForward, refuse_unsharded
@@ -57,6 +57,18 @@ def _key_mask_2d(attention_mask: Any) -> Optional[Tensor]:
         f"got an attention_mask of shape {tuple(getattr(attention_mask, 'shape', ()))}. Pass the 2-D "
         "attention_mask from the tokenizer (or none) instead of a prepared 4-D mask"
     )
+
+
+def _autocast_alike(query: Tensor, key: Tensor, value: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """Under autocast the rotary embedding hands back fp32 q/k beside a lower-precision v; run them in autocast's
+    dtype, as sdpa does. Outside autocast, mixed dtypes are left for the checks to refuse."""
+    if query.dtype == key.dtype == value.dtype:
+        return query, key, value
+    device = query.device.type
+    if not torch.is_autocast_enabled(device):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(device)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
 def _refuse_unsupported(dropout: float, training: bool, kwargs: dict, sharded: bool) -> None:
@@ -98,6 +110,9 @@ def ring_dilated_attention(
     sp = current()
     sharded = sp is not None and sp.sp_size > 1
     _refuse_unsupported(dropout, module.training, kwargs, sharded)
+    query, key, value = _autocast_alike(query, key, value)
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(f"q, k, v must share one dtype; got q={query.dtype}, k={key.dtype}, v={value.dtype}")
     if isinstance(ctx, DecodeStep):
         out = _decode_step(query, key, value, _key_mask_2d(attention_mask), opts, ctx, softcap, sinks)
     elif query.shape[2] != key.shape[2]:
@@ -108,10 +123,12 @@ def ring_dilated_attention(
             )
         out = _over_cache(query, key, value, attention_mask, opts, softcap, sinks)
     elif isinstance(ctx, ShardedForward):
+        check_qkv(query, key, value)
         out = _sharded(module, query, key, value, _key_mask_2d(attention_mask), opts, ctx, softcap, sinks)
     elif sharded:
         refuse_unsharded(sp.comm, query, key, opts)
     else:
+        check_qkv(query, key, value)
         key_valid = _key_mask_2d(attention_mask)
         key_mask = full_key_mask(key_valid, key, key_valid is not None and not bool(key_valid.all()))
         out = run(query, key, value, None, seq_len=query.shape[2], layout="contiguous", causal=opts.causal,

@@ -27,6 +27,8 @@ class SequenceParallel:
     layout: str
     comm: Optional[RingComm] = None
     """Ring neighbours and bounded collectives over ``sp_group`` (None when the sequence is not split)."""
+    mesh: Any = None
+    """The ``("dp", "sp")`` device mesh the groups come from (handed to accelerate's data loaders)."""
 
     @property
     def loss_scale(self) -> float:

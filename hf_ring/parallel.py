@@ -71,7 +71,7 @@ def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = No
     patches.apply_all()
     sp = SequenceParallel(
         sp_group, dp_group, dist.get_rank(sp_group), sp_size, dist.get_rank(dp_group), dp_size, layout,
-        RingComm(sp_group) if sp_size > 1 else None,
+        RingComm(sp_group) if sp_size > 1 else None, mesh,
     )
     set_current(sp)
     return sp

@@ -113,8 +113,24 @@ def test_checkpoint_reload_gives_identical_logits(tmp_path):
     with torch.no_grad():
         assert torch.equal(model.eval()(input_ids=ids).logits, again.eval()(input_ids=ids).logits)
     assert again.config.ring_dilated["dilation_rates"] == [1, 2]
-    state = torch.load(os.path.join(tmp_path, "trainer_state.pt"), weights_only=False)
-    assert state["step"] == 3
+    state = torch.load(os.path.join(tmp_path, "trainer_state.pt"), weights_only=True)
+    assert state["step"] == 3 and state["history"] == [{"step": 3, "loss": 1.0}]
+
+
+def test_checkpoints_every_n_steps_record_the_step_reached(tmp_path, monkeypatch):
+    saved = []
+    original = ft.save_checkpoint
+
+    def record(model, optimizer, step, history, out_dir):
+        original(model, optimizer, step, history, out_dir)
+        state = torch.load(os.path.join(out_dir, "trainer_state.pt"), weights_only=True)
+        saved.append((step, state["step"], len(state["history"])))
+
+    monkeypatch.setattr(ft, "save_checkpoint", record)
+    ft.main(["--steps", "5", "--save-every", "2", "--seq-len", "16", "--batch-size", "1", "--eval-batches", "1",
+             "--eval-every", "100", "--warmup-len", "0", "--output", str(tmp_path / "ckpt")])
+    # steps 2 and 4 periodically, 5 at the end; history: the evaluation before training plus one record per step
+    assert saved == [(2, 2, 3), (4, 4, 5), (5, 5, 6)]
 
 
 def test_finetune_runs_under_torchrun_and_resumes(tmp_path):

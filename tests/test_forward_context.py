@@ -85,3 +85,24 @@ def test_unimplemented_attention_arguments_are_refused_not_dropped(name):
     q, k, v, _ = make_qkv(1, 1, 2, 2, 6, 8)
     with pytest.raises(NotImplementedError, match=name):
         hf_ring.backend.ring_dilated_attention(_Attn(tiny_config()), q, k, v, None, **{name: torch.ones(2)})
+
+
+def test_mixed_dtypes_under_autocast_run_in_autocast_dtype():
+    """Under CPU bf16 autocast the rotary embedding returns fp32 q/k beside a bf16 v: run as sdpa does."""
+    from models import batch, load
+
+    path = saved_model_dir("llama")
+    data = batch(2, 1, 24)
+    outs = {}
+    for attn in ("sdpa", "ring_dilated"):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            outs[attn] = load(path, attn)(**data).logits.float()
+    assert rel_err(outs["ring_dilated"], outs["sdpa"]) <= 2e-2
+
+
+def test_mixed_dtypes_without_autocast_are_refused():
+    from models import tiny_config
+
+    q, k, v, _ = make_qkv(1, 1, 2, 2, 6, 8)
+    with pytest.raises(TypeError, match="share one dtype"):
+        hf_ring.backend.ring_dilated_attention(_Attn(tiny_config()), q, k, v.to(torch.bfloat16), None)

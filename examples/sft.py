@@ -1,0 +1,166 @@
+"""Supervised fine-tuning with TRL's SFTTrainer, the sequence split across ranks.
+
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 examples/sft.py --sp-size 2
+    torchrun --nproc_per_node 4 examples/sft.py --sp-size 2          # 2 data-parallel replicas x 2 ranks per sequence
+    python examples/sft.py                                          # one process, no split
+
+Runs offline: the default model is a small Llama built from a config (saved to
+``--output``/base and loaded back), the tokenizer is character level, and the
+data, prompt -> completion pairs that reverse a word, are made here. An existing
+SFTTrainer script needs one more line, ``hf_ring.prepare_trainer(trainer, sp_size)``,
+after the trainer is built (``--no-trl`` runs the same with transformers' Trainer).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import string
+from typing import List, Optional
+
+import torch
+
+import hf_ring
+
+PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
+ALPHABET = string.ascii_lowercase + " :>-"
+
+
+def char_tokenizer():
+    """A character-level tokenizer (no download): one token per character of ALPHABET."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *ALPHABET])}
+    # BPE without merges splits text into single characters.
+    core = Tokenizer(BPE(vocab=vocab, merges=[], unk_token=UNK))
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+
+
+def reverse_pairs(count: int, seed: int) -> List[dict]:
+    """Prompt/completion pairs: ``"reverse: abc ->"`` followed by ``" cba"``."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 8))) for _ in range(rng.randint(1, 4))]
+        text = " ".join(words)
+        rows.append({"prompt": f"reverse: {text} ->", "completion": " " + text[::-1]})
+    return rows
+
+
+def default_model(out_dir: str, vocab_size: int, seed: int) -> str:
+    """Build a small Llama from a config once, save it with safetensors and return its directory."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = os.path.join(out_dir, "base")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        torch.manual_seed(seed)
+        config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                             tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+        AutoModelForCausalLM.from_config(config).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sp-size", type=int, default=None, help="ranks per sequence (default: all)")
+    ap.add_argument("--model", default=None, help="local causal LM directory (default: a small Llama built here)")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per step and data-parallel replica")
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--train-rows", type=int, default=2000)
+    ap.add_argument("--eval-rows", type=int, default=64)
+    ap.add_argument("--lora", action="store_true", help="train LoRA adapters (needs peft)")
+    ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--no-trl", action="store_true", help="transformers.Trainer on pre-tokenized rows instead")
+    ap.add_argument("--output", default="checkpoints/sft")
+    ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def tokenized(rows: List[dict], tokenizer) -> List[dict]:
+    """Rows for transformers' Trainer: ids of prompt + completion + EOS, labels only on the completion."""
+    out = []
+    for row in rows:
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        answer = tokenizer(row["completion"])["input_ids"] + [tokenizer.eos_token_id]
+        out.append({"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer})
+    return out
+
+
+def build_trainer(args: argparse.Namespace, tokenizer, model_path: str):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    common = dict(
+        output_dir=args.output, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 20),
+        logging_steps=5, eval_strategy="steps", eval_steps=max(1, args.steps // 3), save_steps=max(1, args.steps // 3),
+        report_to=[], seed=args.seed, use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
+        activation_checkpointing=args.gradient_checkpointing, disable_tqdm=True,
+    )
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    train = reverse_pairs(args.train_rows, args.seed)
+    evals = reverse_pairs(args.eval_rows, args.seed + 1)
+    if args.no_trl:
+        from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        return Trainer(model=model, args=TrainingArguments(**common), processing_class=tokenizer,
+                       train_dataset=Dataset.from_list(tokenized(train, tokenizer)),
+                       eval_dataset=Dataset.from_list(tokenized(evals, tokenizer)),
+                       data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True))
+    from trl import SFTConfig, SFTTrainer
+
+    # Packed rows are refused under sequence parallelism for now, so padding_free and packing stay off.
+    config = SFTConfig(**common, max_length=256, packing=False, padding_free=False)
+    return SFTTrainer(model=model, args=config, processing_class=tokenizer, peft_config=peft_config,
+                      train_dataset=Dataset.from_list(train), eval_dataset=Dataset.from_list(evals))
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    args = parse_args(argv)
+    from transformers import set_seed
+
+    set_seed(args.seed)
+    tokenizer = char_tokenizer()
+    os.makedirs(args.output, exist_ok=True)
+    model_path = args.model
+    if model_path is None:
+        from accelerate import PartialState
+
+        state = PartialState(cpu=not torch.cuda.is_available())
+        with state.main_process_first():  # rank 0 builds and saves the model, the others load it
+            model_path = default_model(args.output, len(tokenizer), args.seed)
+    trainer = build_trainer(args, tokenizer, model_path)
+    hf_ring.prepare_trainer(trainer, sp_size=args.sp_size)  # the one line sequence parallelism needs
+    resume = args.resume and any(d.startswith("checkpoint-") for d in os.listdir(args.output))
+    result = trainer.train(resume_from_checkpoint=True if resume else None)
+    metrics = trainer.evaluate()
+    trainer.save_model(args.output)
+    summary = {"train_loss": result.training_loss, "eval_loss": metrics["eval_loss"], "steps": trainer.state.global_step,
+               "world": trainer.args.world_size, "sp_size": args.sp_size or trainer.args.world_size}
+    if trainer.is_world_process_zero():
+        with open(os.path.join(args.output, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        print(json.dumps(summary))
+    hf_ring.clear_sequence_parallel()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

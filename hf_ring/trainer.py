@@ -1,0 +1,278 @@
+"""Sequence parallelism inside ``transformers.Trainer`` and its subclasses (TRL's ``SFTTrainer``).
+
+One call after the trainer is built::
+
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val)
+    hf_ring.prepare_trainer(trainer, sp_size=2)
+    trainer.train()
+
+and a launch with ``accelerate launch`` or ``torchrun``. What the call arranges:
+
+- data: every rank of a sequence-parallel group gets the same batch, only the
+  data-parallel replicas differ (accelerate is handed a device mesh whose
+  ``"cp"`` dim is the sp group, which is how it feeds its own context parallelism);
+- model: every forward of the trainer's model goes through
+  :func:`hf_ring.shard_batch` (train, evaluate, predict, a subclass's own loss);
+- loss: the trainer counts the label tokens of the global batch once per sp
+  group (its context-parallel size is the sp size), so the loss it logs is the
+  global one and DDP / FSDP, which average over every rank, leave the shard
+  gradients summed over sp and averaged over dp;
+- evaluation: logits come back in global order and metrics are gathered over
+  the data-parallel replicas only.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from accelerate.data_loader import DataLoaderDispatcher
+from accelerate.utils import recursively_apply
+from torch.distributed.device_mesh import DeviceMesh
+
+from .context import CONTEXT_KEY
+from .data import gather_sequence, shard_batch
+from .layout import local_positions
+from .groups import SequenceParallel, current
+from .parallel import setup_sequence_parallel
+
+ATTN_IMPLEMENTATION = "ring_dilated"
+_HOOK_ATTR = "_hf_ring_shard_hook"
+
+
+def shard_model_inputs(kwargs: Dict[str, Any], sp: Optional[SequenceParallel] = None) -> Dict[str, Any]:
+    """The keyword arguments of a model call with the batch sharded for this rank.
+
+    A ``num_items_in_batch`` given by the caller (the trainer's count over the
+    gradient-accumulation window) is kept; a batch already sharded is returned as is.
+    """
+    if CONTEXT_KEY in kwargs:
+        return kwargs
+    sharded = shard_batch(kwargs, sp)
+    if kwargs.get("num_items_in_batch") is not None:
+        sharded["num_items_in_batch"] = kwargs["num_items_in_batch"]
+    return sharded
+
+
+def _shard_hook(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]):
+    if current() is None:
+        return None
+    if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+        return None  # generation: hf_ring.generate splits the prompt and the cache itself
+    if args:
+        raise TypeError(
+            f"under sequence parallelism {type(module).__name__} must be called with keyword arguments "
+            "(input_ids=..., labels=...), so the batch can be sharded; got positional arguments"
+        )
+    return args, shard_model_inputs(kwargs)
+
+
+def attach_shard_hook(model: torch.nn.Module) -> None:
+    """Make every call of ``model`` shard its batch when a sequence-parallel setup is active (idempotent)."""
+    if getattr(model, _HOOK_ATTR, None) is None:
+        setattr(model, _HOOK_ATTR, model.register_forward_pre_hook(_shard_hook, with_kwargs=True))
+
+
+def detach_shard_hook(model: torch.nn.Module) -> None:
+    handle = getattr(model, _HOOK_ATTR, None)
+    if handle is not None:
+        handle.remove()
+        setattr(model, _HOOK_ATTR, None)
+
+
+def data_mesh(sp: SequenceParallel):
+    """The sp setup as a device mesh accelerate's data loaders read: ``("dp_replicate", "cp")`` over the same groups."""
+    return DeviceMesh.from_group(
+        [sp.dp_group, sp.sp_group], sp.mesh.device_type, mesh=sp.mesh.mesh, mesh_dim_names=("dp_replicate", "cp")
+    )
+
+
+@contextmanager
+def _mesh_for_data(accelerator: Any, mesh: Any):
+    # Only data loaders may see the mesh: accelerate's FSDP2 and TP preparation read the same attribute.
+    state = accelerator.state
+    saved = state.device_mesh
+    state.device_mesh = mesh
+    try:
+        yield
+    finally:
+        state.device_mesh = saved
+
+
+def _refuse_dispatch(loader: Any) -> None:
+    if isinstance(loader, DataLoaderDispatcher):
+        raise ValueError(
+            "under sequence parallelism every rank must load its own batches: dispatching batches from rank 0 "
+            "(an IterableDataset, or accelerator_config={'dispatch_batches': True}) would give the ranks of one "
+            "sequence different rows; pass TrainingArguments(accelerator_config={'dispatch_batches': False})"
+        )
+
+
+def _global_order(tree: Any, n: int, local: int) -> Any:
+    """Every tensor of ``tree`` whose dim 1 is this rank's shard length, put back in global order."""
+    if isinstance(tree, torch.Tensor):
+        return gather_sequence(tree, n) if tree.dim() >= 2 and tree.shape[1] == local else tree
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_global_order(t, n, local) for t in tree)
+    if isinstance(tree, Mapping):
+        return type(tree)({k: _global_order(v, n, local) for k, v in tree.items()})
+    return tree
+
+
+def _sp_mean(loss: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """The mean over the sp group of the ranks' (shard) losses, held by each of them."""
+    loss = loss.detach().clone()
+    dist.all_reduce(loss, group=sp.sp_group)
+    return loss / sp.sp_size
+
+
+class SequenceParallelTrainerMixin:
+    """Put before a ``transformers.Trainer`` class to train with the sequence split over the sp group.
+
+    :func:`prepare_trainer` applies it to a built trainer. Subclassing works
+    too (``class T(SequenceParallelTrainerMixin, SFTTrainer)``) with the model
+    loaded with ``attn_implementation="ring_dilated"`` and
+    :func:`hf_ring.setup_sequence_parallel` called before training. With no
+    active sequence-parallel setup every method is the base class's.
+    """
+
+    def get_cp_size(self) -> int:
+        # The ranks of an sp group see one batch: the trainer divides its token count by this and sizes the
+        # global batch with it, exactly as for accelerate's context parallelism.
+        sp = current()
+        return super().get_cp_size() * (sp.sp_size if sp is not None else 1)
+
+    def _loader(self, build):
+        sp = current()
+        if sp is None:
+            return build()
+        with _mesh_for_data(self.accelerator, data_mesh(sp)):
+            loader = build()
+        _refuse_dispatch(loader)
+        return loader
+
+    def get_train_dataloader(self):
+        return self._loader(super().get_train_dataloader)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self._loader(lambda: super(SequenceParallelTrainerMixin, self).get_eval_dataloader(eval_dataset))
+
+    def get_test_dataloader(self, test_dataset):
+        return self._loader(lambda: super(SequenceParallelTrainerMixin, self).get_test_dataloader(test_dataset))
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        sp = current()
+        if sp is None:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        attach_shard_hook(self.model)
+        if num_items_in_batch is None and inputs.get("labels") is not None:
+            # A shard's loss is a share of the sequence loss: normalise every shard by the global token count,
+            # counted the trainer's way (a collective: every rank evaluates the same number of batches).
+            num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
+        tokens = getattr(self, "_total_train_tokens", None)
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if num_items_in_batch is None and self.model.training:
+            # The model normalised by the batch's global count (shard_batch), and DDP averages over dp x sp.
+            out = (out[0] * sp.sp_size, out[1]) if return_outputs else out * sp.sp_size
+        if tokens is not None and self.model.training:
+            # TRL's SFTTrainer adds up the tokens of every rank's batch; the ranks of an sp group share one.
+            self._total_train_tokens = tokens + (self._total_train_tokens - tokens) // sp.sp_size
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return out
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        sp = current()
+        # The trainer logs the mean over all ranks (unchanged by this) but reports its last unlogged steps from
+        # rank-local values: make those the sp group's, as a run without the split would have.
+        return loss if sp is None else _sp_mean(loss, sp)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        sp = current()
+        if sp is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        attach_shard_hook(self.model)
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        n = inputs["input_ids"].shape[1]  # there: shard_batch needs input_ids
+        if loss is not None:
+            loss = _sp_mean(loss, sp)  # one value per sp group, for a gather over the dp replicas
+        if logits is not None:
+            logits = _global_order(logits, n, len(local_positions(n, sp.sp_rank, sp.sp_size, sp.layout)))
+        return loss, logits, labels
+
+    def evaluation_loop(self, *args, **kwargs):
+        if current() is None:
+            return super().evaluation_loop(*args, **kwargs)
+        saved, self.gather_function = self.gather_function, self._gather_over_dp
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.gather_function = saved
+
+    def _gather_over_dp(self, data):
+        """``accelerator.gather_for_metrics`` with one copy per sp group (all its ranks hold the same values)."""
+        sp = current()
+        gathered = self.accelerator.gather(data)
+
+        def keep(t):
+            t = t.reshape(sp.dp_size, sp.sp_size, -1, *t.shape[1:])[:, 0]
+            t = t.reshape(-1, *t.shape[2:])
+            state = self.accelerator.gradient_state
+            if state.end_of_dataloader and state.remainder > 0:
+                t = t[: state.remainder]  # the samples accelerate repeated to even out the last batch
+            return t
+
+        return recursively_apply(keep, gathered)
+
+    def _track_num_input_tokens(self, inputs):
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        sp = current()
+        if sp is not None:  # every rank of an sp group counted the same batch
+            self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // sp.sp_size
+
+
+_CLASSES: Dict[type, type] = {}
+
+
+def _sequence_parallel_class(cls: type) -> type:
+    if issubclass(cls, SequenceParallelTrainerMixin):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"SequenceParallel{cls.__name__}", (SequenceParallelTrainerMixin, cls), {})
+    return _CLASSES[cls]
+
+
+def _use_ring_attention(model: torch.nn.Module) -> None:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    if getattr(base.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        base.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: str = "zigzag") -> Any:
+    """Make a built ``transformers.Trainer`` (or subclass, e.g. TRL's ``SFTTrainer``) split every sequence over ``sp_size`` ranks.
+
+    Call it after the trainer is built and before ``train``/``evaluate``/``predict``.
+    The remaining factor of the world is data parallel. Sets up the groups
+    (:func:`hf_ring.setup_sequence_parallel` with the trainer's accelerator),
+    switches the model's attention to ``ring_dilated`` and returns the trainer.
+    In one process it only switches the attention.
+    """
+    from transformers import Trainer  # here, not at the top: importing it costs seconds that `import hf_ring` need not pay
+
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"trainer must be a transformers.Trainer (or subclass), got {type(trainer).__name__}")
+    if getattr(trainer, "model_init", None) is not None:
+        raise ValueError("prepare_trainer needs a trainer built with model=..., not model_init")
+    if trainer.is_deepspeed_enabled:
+        raise ValueError("prepare_trainer does not support DeepSpeed; use DDP or FSDP2")
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    if pc is not None and (pc.cp_enabled or pc.sp_enabled or pc.tp_enabled):
+        raise ValueError("prepare_trainer splits sequences itself; remove cp_size/sp_size/tp_size from parallelism_config")
+    setup_sequence_parallel(trainer.accelerator, sp_size, layout=layout)
+    _use_ring_attention(trainer.model)
+    trainer.__class__ = _sequence_parallel_class(type(trainer))
+    attach_shard_hook(trainer.model)
+    return trainer

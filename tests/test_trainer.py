@@ -1,0 +1,158 @@
+"""transformers.Trainer and TRL's SFTTrainer with hf_ring.prepare_trainer on 2 and 4 gloo ranks equal one process."""
+import functools
+import os
+import sys
+
+import pytest
+import torch
+
+import hf_ring
+from cases import sft_case, sft_example_case, trainer_case
+from models import saved_model_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = 1e-5
+
+
+def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|got - ref| / max|ref| of one tensor; an exactly zero reference must be matched exactly."""
+    err = (got.double() - ref.double()).abs().max().item()
+    scale = ref.double().abs().max().item()
+    return err / scale if scale > 0 else (0.0 if err == 0 else float("inf"))
+
+
+def worst(got: dict, ref: dict) -> float:
+    assert got.keys() == ref.keys() and ref
+    return max(rel(got[k], ref[k]) for k in ref)
+
+
+def check_losses(got, ref):
+    assert len(got) == len(ref) > 0
+    for g, r in zip(got, ref):
+        assert abs(g - r) <= TOL * abs(r), (got, ref)
+
+
+def check_steps(res, ref):
+    """Logged losses and every optimizer step's gradients equal the reference."""
+    check_losses(res["losses"], ref["losses"])
+    assert len(res["grads"]) == len(ref["grads"]) > 0
+    for got, want in zip(res["grads"], ref["grads"]):
+        assert worst(got, want) <= TOL
+
+
+@functools.lru_cache(maxsize=None)
+def reference(kind="llama", **kw):
+    """A single-process Trainer run (sdpa) on the same rows."""
+    return trainer_case(saved_model_dir(kind), **kw)
+
+
+def test_sp2_trainer_equals_one_process_and_resumes(pools, tmp_path):
+    path = saved_model_dir("llama")
+    results = pools(2).run(trainer_case, path, 2, resume_at=1, out_dir=str(tmp_path / "sp"))
+    ref = reference(resume_at=1, out_dir=str(tmp_path / "ref"))
+    for res in results:  # every rank logs the global loss
+        check_losses(res["losses"], ref["losses"])
+    res = results[0]
+    assert res["wrapped"] == "DistributedDataParallel"
+    check_steps(res, ref)
+    assert abs(res["eval_loss"] - ref["eval_loss"]) <= TOL * abs(ref["eval_loss"])
+    assert res["logits"].shape == ref["logits"].shape == (3, 23, 97)  # global order, no row repeated
+    assert rel(res["logits"], ref["logits"]) <= TOL
+    assert torch.equal(res["label_ids"], ref["label_ids"])
+    assert rel(res["logits_unlabelled"], ref["logits"]) <= TOL  # a batch without labels is sharded too
+    assert worst(res["params"], ref["params"]) <= TOL
+    # resumed from the checkpoint of step 1, trained to step 2: the uninterrupted run's parameters
+    assert worst(res["resumed"], ref["params"]) <= TOL
+
+
+def test_dp2_sp2_trainer_equals_one_process(pools):
+    path = saved_model_dir("llama")
+    results = pools(4).run(trainer_case, path, 2, eval_rows=4, eval_pad="none")
+    # one process sees both replicas' rows per micro-batch; the eval rows make equal batches, as one process's do
+    ref = reference(per_device=2, eval_rows=4, eval_pad="none")
+    for res in results:
+        check_losses(res["losses"], ref["losses"])
+    res = results[0]
+    assert res["wrapped"] == "DistributedDataParallel"
+    check_steps(res, ref)
+    assert abs(res["eval_loss"] - ref["eval_loss"]) <= TOL * abs(ref["eval_loss"])
+    assert res["logits"].shape == ref["logits"].shape == (3, 23, 97)  # the row repeated for an even split dropped
+    assert rel(res["logits"], ref["logits"]) <= TOL
+    assert torch.equal(res["label_ids"], ref["label_ids"])
+    assert worst(res["params"], ref["params"]) <= TOL
+
+
+def test_lora_with_gradient_checkpointing_sp2(pools):
+    pytest.importorskip("peft")
+    path = saved_model_dir("mistral")
+    kw = dict(lora=True, checkpointing=True, predict_rows=0)
+    res = pools(2).run(trainer_case, path, 2, **kw)[0]
+    ref = reference("mistral", **kw)
+    assert res["checkpointing"] and ref["checkpointing"]
+    assert all("lora_" in name for name in res["grads"][0]) and len(res["grads"][0]) == 8  # 2 layers x q, v x A, B
+    check_steps(res, ref)
+    assert abs(res["eval_loss"] - ref["eval_loss"]) <= TOL * abs(ref["eval_loss"])
+
+
+def test_fsdp2_dp2_sp2(pools):
+    """FSDP2 over all four ranks (transformers shards the model at load time; gloo runs it on CPU)."""
+    path = saved_model_dir("llama")
+    kw = dict(eval_rows=4, eval_pad="none")
+    res = pools(4).run(trainer_case, path, 2, fsdp=True, **kw)[0]
+    ref = reference(per_device=2, **kw)
+    assert res["dtensor"] and res["wrapped"] != "DistributedDataParallel"
+    check_steps(res, ref)
+    assert abs(res["eval_loss"] - ref["eval_loss"]) <= TOL * abs(ref["eval_loss"])
+    assert rel(res["logits"], ref["logits"]) <= TOL
+    assert worst(res["params"], ref["params"]) <= TOL
+
+
+@pytest.fixture(scope="module")
+def sft_model(tmp_path_factory):
+    pytest.importorskip("trl")
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import sft
+
+    return sft.default_model(str(tmp_path_factory.mktemp("sft")), len(sft.char_tokenizer()), 0)
+
+
+def test_sft_trainer_sp2(pools, sft_model):
+    res = pools(2).run(sft_case, sft_model, 2)[0]
+    ref = sft_case(sft_model)
+    check_steps(res, ref)
+    for key in ("eval_loss", "accuracy", "num_tokens"):  # TRL's metrics too: one count per sp group
+        assert abs(res[key] - ref[key]) <= TOL * abs(ref[key]), key
+
+
+def test_sft_trainer_packed_rows_sp2(pools, sft_model):
+    res = pools(2).run(sft_case, sft_model, 2, padding_free=True)[0]
+    assert "refused" not in res, res
+    ref = sft_case(sft_model, padding_free=True)
+    check_steps(res, ref)
+
+
+@pytest.mark.parametrize("trl", [True, False])
+def test_sft_example_sp2_equals_one_process(pools, sft_model, tmp_path, trl):
+    argv = ["--steps", "2", "--batch-size", "2", "--train-rows", "16", "--eval-rows", "4", "--model", sft_model]
+    argv += [] if trl else ["--no-trl"]
+    got = pools(2).run(sft_example_case, argv + ["--sp-size", "2", "--output", str(tmp_path / "sp")])
+    ref = sft_example_case(argv + ["--output", str(tmp_path / "one")])
+    assert all(g["world"] == 2 and g["sp_size"] == 2 for g in got) and ref["world"] == 1
+    for g in got:
+        for key in ("train_loss", "eval_loss"):
+            assert abs(g[key] - ref[key]) <= TOL * abs(ref[key]), key
+    assert os.path.isfile(tmp_path / "sp" / "model.safetensors") and os.path.isfile(tmp_path / "sp" / "summary.json")
+
+
+def test_prepare_trainer_in_one_process_switches_attention_only(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from models import load
+
+    model = load(saved_model_dir("llama"), "sdpa")
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+    assert hf_ring.prepare_trainer(trainer) is trainer
+    assert model.config._attn_implementation == "ring_dilated"
+    assert hf_ring.parallel.current() is None and trainer.get_cp_size() == 1
+    with pytest.raises(TypeError, match="transformers.Trainer"):
+        hf_ring.prepare_trainer(object())
