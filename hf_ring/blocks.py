@@ -16,7 +16,7 @@ import torch
 
 
 @dataclass(frozen=True)
-class Prog:
+class Rows:
     """``count`` rows of one rank: local rows ``local + i·stride`` hold positions ``pos + i·stride``."""
 
     local: int
@@ -29,14 +29,15 @@ class Prog:
         return self.pos + (self.count - 1) * self.stride
 
     @property
-    def rows(self) -> slice:
+    def slice(self) -> slice:
+        """The local rows, to index a tensor's row dimension without a copy."""
         return slice(self.local, self.local + (self.count - 1) * self.stride + 1, self.stride)
 
-    def sub(self, start: int, count: int) -> "Prog":
+    def sub(self, start: int, count: int) -> "Rows":
         """Items ``start .. start+count-1`` of this progression."""
-        return Prog(self.local + start * self.stride, self.pos + start * self.stride, count, self.stride)
+        return Rows(self.local + start * self.stride, self.pos + start * self.stride, count, self.stride)
 
-    def clip(self, lo: int, hi: int) -> Optional["Prog"]:
+    def clip(self, lo: int, hi: int) -> Optional["Rows"]:
         """The items whose positions lie in ``[lo, hi]``, or None."""
         first = 0 if lo <= self.pos else -(-(lo - self.pos) // self.stride)
         last = self.count - 1 if hi >= self.last_pos else (hi - self.pos) // self.stride
@@ -58,7 +59,7 @@ def allowed_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window
     return allowed
 
 
-def classify(q: Prog, k: Prog, causal: bool, window: Optional[int]) -> Optional[str]:
+def classify(q: Rows, k: Rows, causal: bool, window: Optional[int]) -> Optional[str]:
     """Kind of the block ``q x k``, or None when no pair in it is allowed."""
     if q.count <= 0 or k.count <= 0:
         return None
@@ -76,14 +77,14 @@ def classify(q: Prog, k: Prog, causal: bool, window: Optional[int]) -> Optional[
     return "mask"
 
 
-def tiles(q: Prog, k: Prog, causal: bool, window: Optional[int], tile: int) -> List[Tuple[Prog, Prog, str]]:
+def tiles(q: Rows, k: Rows, causal: bool, window: Optional[int], tile: int) -> List[Tuple[Rows, Rows, str]]:
     """Split ``q x k`` into classified tiles of at most ``tile`` rows a side, dropping empty ones.
 
     Under a sliding window (stride 1) each query tile is cut against the keys
     ``[t1-window, t0]`` that all its rows see and the two partial bands beside
     them, so masks stay ``tile x tile`` while the work stays linear in n.
     """
-    out: List[Tuple[Prog, Prog, str]] = []
+    out: List[Tuple[Rows, Rows, str]] = []
     for qi in range(0, q.count, tile):
         qt = q.sub(qi, min(tile, q.count - qi))
         if window is not None and causal:

@@ -168,7 +168,7 @@ class Pending:
 
 
 class RingComm:
-    """Ring neighbours in a process group: rank ``r`` sends to ``r+1`` and receives from ``r-1``."""
+    """A process group's ring: point-to-point exchanges with any peer, and small bounded collectives."""
 
     def __init__(self, group: Optional[dist.ProcessGroup]):
         self.group = _resolve(group)
@@ -176,14 +176,6 @@ class RingComm:
         self.world_size = dist.get_world_size(self.group)
         self.backend = dist.get_backend(self.group)
         self.timeout = comm_timeout()
-
-    @property
-    def next(self) -> int:
-        return (self.rank + 1) % self.world_size
-
-    @property
-    def prev(self) -> int:
-        return (self.rank - 1) % self.world_size
 
     def exchange(
         self,

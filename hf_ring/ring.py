@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .blocks import Prog, allowed_pairs, default_tile, tiles
+from .blocks import Rows, allowed_pairs, default_tile, tiles
 from .checks import agree, check_call, check_position_ids, full_key_mask, gather_documents, option_codes, resolve_group
 from .comm import Pending, RingComm
 from .documents import Documents, check_documents, dilated_multiplicity, longest, same_document, within_one
 from .kernels import accumulator_dtype, add_sinks, block_backward, block_forward, check_sinks, check_softcap, merge_into, sinks_backward
 from .pattern import DENSE, DilatedPattern, branches_of, head_slice
-from .schedule import Blk, Piece, RankPlan, Step, message_budget, rank_plan
+from .schedule import Block, Piece, RankPlan, Step, message_budget, rank_plan
 
 Tensor = torch.Tensor
 
@@ -43,6 +43,10 @@ BACKWARD_TILE = 1024
 PADDED_TILE = 2048
 """Rows per side of forward blocks when keys are padded: each block then needs a built mask, and
 whole-shard blocks would make that mask quadratic in the shard."""
+
+KV_TAG, GRAD_TAG = 0, 4
+"""Message tags: K/V going out use tags ``KV_TAG + i`` for their (up to three) tensors (K, V, key mask),
+gradients coming home ``GRAD_TAG + i`` (dK, dV), so the two directions never match each other's receives."""
 
 SOFTCAP_TILE = 512
 """Rows per side of blocks with ``softcap``: the exact math kernel holds several score tiles at once."""
@@ -70,7 +74,7 @@ class _Ctx:
 
 
 def _piece_view(x: Tensor, piece: Piece) -> Tensor:
-    return x[:, head_slice(piece.heads), piece.rows.rows]
+    return x[:, head_slice(piece.heads), piece.rows.slice]
 
 
 def _whole(pieces: Sequence[Piece], x: Tensor) -> bool:
@@ -129,7 +133,7 @@ def _kv_traffic(step: Step, k: Tensor, v: Tensor, key_mask: Optional[Tensor]):
 
 
 def _pack_mask(key_mask: Tensor, pieces: Sequence[Piece]) -> Tensor:
-    return torch.cat([key_mask[:, p.rows.rows].reshape(-1) for p in pieces]).to(torch.uint8)
+    return torch.cat([key_mask[:, p.rows.slice].reshape(-1) for p in pieces]).to(torch.uint8)
 
 
 def _unpack_mask(flat: Tensor, pieces: Sequence[Piece], b: int) -> List[Tensor]:
@@ -150,14 +154,14 @@ def _kv_views(step: Step, k: Tensor, v: Tensor, key_mask: Optional[Tensor], got:
     if step.shift == 0:
         ks = [_piece_view(k, p) for p in pieces]
         vs = [_piece_view(v, p) for p in pieces]
-        ms = [None if key_mask is None else key_mask[:, p.rows.rows] for p in pieces]
+        ms = [None if key_mask is None else key_mask[:, p.rows.slice] for p in pieces]
     else:
         ks, vs = _unpack(got[0], pieces, b, d), _unpack(got[1], pieces, b, d)
         ms = [None] * len(pieces) if key_mask is None else _unpack_mask(got[2], pieces, b)
     return [(kk, vv, m, m is None or bool(m.all())) for kk, vv, m in zip(ks, vs, ms)]
 
 
-def _kernel_args(ctx: _Ctx, q: Prog, k_pos: int, nk: int, kind: str, device,
+def _kernel_args(ctx: _Ctx, q: Rows, k_pos: int, nk: int, kind: str, device,
                  key_valid: Optional[Tensor] = None, heads: Optional[range] = None) -> Optional[dict]:
     """Kernel arguments of one block (``heads``: its query heads); ``key_valid`` ``(B, nk)`` adds key padding.
 
@@ -198,7 +202,7 @@ def _kernel_args(ctx: _Ctx, q: Prog, k_pos: int, nk: int, kind: str, device,
     return {"causal": False, "mask": mask, "softcap": ctx.softcap}
 
 
-def _single_block(plan: RankPlan, q: Tensor, k: Tensor) -> Optional[Blk]:
+def _single_block(plan: RankPlan, q: Tensor, k: Tensor) -> Optional[Block]:
     """The block when one kernel call over all rows and heads is the whole answer."""
     if len(plan.steps) != 1 or len(plan.steps[0].recv.blocks) != 1:
         return None
@@ -215,7 +219,7 @@ def _visits(ctx: _Ctx, k: Tensor, v: Tensor) -> Iterator[Tuple[Step, list]]:
         incoming = None
         if i + 1 < len(steps):
             nxt = steps[i + 1]
-            incoming = _post(ctx.comm, nxt, *_kv_traffic(nxt, k, v, ctx.key_mask), k.device, tag=0)
+            incoming = _post(ctx.comm, nxt, *_kv_traffic(nxt, k, v, ctx.key_mask), k.device, tag=KV_TAG)
         yield step, _kv_views(step, k, v, ctx.key_mask, got)
         del got  # the visiting rows are done with; only the next step's stay in memory
 
@@ -233,7 +237,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx, sinks: Optional[Ten
     lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
     for step, kv in _visits(ctx, k, v):
         for blk in step.recv.blocks:
-            hs, rs = head_slice(blk.q_heads), blk.q.rows
+            hs, rs = head_slice(blk.q_heads), blk.q.slice
             ks = slice(blk.k_off, blk.k_off + blk.nk)
             pk, pv, pm, all_valid = kv[blk.piece]
             args = _kernel_args(ctx, blk.q, blk.k_pos, blk.nk, blk.kind, q.device,
@@ -283,9 +287,9 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
             pk, pv, pm, all_valid = kv[blk.piece]
             gk, gv = grads[blk.piece]
             stride = blk.q.stride
-            k_prog = Prog(blk.k_off * stride, blk.k_pos, blk.nk, stride)
+            k_prog = Rows(blk.k_off * stride, blk.k_pos, blk.nk, stride)
             for qt, kt, kind in tiles(blk.q, k_prog, ctx.causal, ctx.window, ctx.backward_tile):
-                rs, ks = qt.rows, slice(kt.local // stride, kt.local // stride + kt.count)
+                rs, ks = qt.slice, slice(kt.local // stride, kt.local // stride + kt.count)
                 args = _kernel_args(ctx, qt, kt.pos, kt.count, kind, q.device,
                                     None if all_valid else pm[:, ks], blk.q_heads)
                 if args is None:
@@ -303,7 +307,7 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
             if returning is not None:
                 _scatter_grads(dk, dv, returning[0], returning[1].wait())
             back = [(torch.Size((sum(_numels(step.send, b, d)),)), acc)] * 2 if step.send else []
-            returning = (step, _post(comm, step, flat if step.recv.pieces else [], back, q.device, tag=4, reverse=True))
+            returning = (step, _post(comm, step, flat if step.recv.pieces else [], back, q.device, tag=GRAD_TAG, reverse=True))
             del flat
     if returning is not None:
         _scatter_grads(dk, dv, returning[0], returning[1].wait())

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
-from .blocks import Prog, classify, default_tile, tiles
+from .blocks import Rows, classify, default_tile, tiles
 from .documents import Documents, key_span, reach
 from .layout import local_runs, runs_to_local
 from .pattern import Branches, head_groups
@@ -28,17 +28,17 @@ class Piece:
     """K/V heads ``heads`` at rows ``rows`` of the source rank, one slab of a message."""
 
     heads: range
-    rows: Prog
+    rows: Rows
 
 
 @dataclass(frozen=True)
-class Blk:
+class Block:
     """Local query rows ``q`` (heads ``q_heads``) against items ``[k_off, k_off+nk)`` of piece ``piece``.
 
     The keys sit at positions ``k_pos + j·q.stride``.
     """
 
-    q: Prog
+    q: Rows
     q_heads: range
     piece: int
     k_off: int
@@ -50,7 +50,7 @@ class Blk:
 @dataclass(frozen=True)
 class PairPlan:
     pieces: Tuple[Piece, ...]
-    blocks: Tuple[Blk, ...]
+    blocks: Tuple[Block, ...]
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class RankPlan:
     steps: Tuple[Step, ...]
 
 
-def _class_prog(run: Tuple[int, int, int], seg_lo: int, seg_hi: int, offset: int, rate: int) -> Optional[Prog]:
+def _class_prog(run: Tuple[int, int, int], seg_lo: int, seg_hi: int, offset: int, rate: int) -> Optional[Rows]:
     """Rows of one run inside segment ``[seg_lo, seg_hi)`` whose in-segment index is ``offset`` mod ``rate``."""
     local, start, length = run
     lo, hi = max(start, seg_lo), min(start + length, seg_hi)
@@ -80,7 +80,7 @@ def _class_prog(run: Tuple[int, int, int], seg_lo: int, seg_hi: int, offset: int
     if first >= hi:
         return None
     count = len(range(first, hi, rate))
-    return Prog(local + first - start, first, count, rate)
+    return Rows(local + first - start, first, count, rate)
 
 
 def _segments(runs, wt: int) -> List[int]:
@@ -90,8 +90,8 @@ def _segments(runs, wt: int) -> List[int]:
     return sorted(segs)
 
 
-def _document_tiles(q_progs: List[Prog], kp: Prog, tile: int, documents: Documents, seq_len: int, causal: bool,
-                    window: Optional[int]) -> List[Tuple[Prog, Tuple[Prog, Prog, str]]]:
+def _document_tiles(q_progs: List[Rows], kp: Rows, tile: int, documents: Documents, seq_len: int, causal: bool,
+                    window: Optional[int]) -> List[Tuple[Rows, Tuple[Rows, Rows, str]]]:
     """Tiles whose rows share a document, each cut to the key rows its queries may see there.
 
     Each query tile is paired only with keys of the documents it touches, so
@@ -133,7 +133,7 @@ def pair_plan(
     tile = default_tile(window) if tile is None else tile
     pieces: List[Piece] = []
     index: Dict[Piece, int] = {}
-    blocks: List[Blk] = []
+    blocks: List[Block] = []
     if not q_runs or not k_runs:
         return PairPlan((), ())
     for w, rate in branches:
@@ -172,7 +172,7 @@ def pair_plan(
                         pid = index[piece]
                         for _, (qt, kt, kind) in found:
                             off = (kt.pos - kp.pos) // rate
-                            blocks.append(Blk(qt, q_heads, pid, off, kt.count, kt.pos, kind))
+                            blocks.append(Block(qt, q_heads, pid, off, kt.count, kt.pos, kind))
     return PairPlan(tuple(pieces), tuple(blocks))
 
 
@@ -212,9 +212,9 @@ def chunk_pair(plan: PairPlan, budget: int, causal: bool, window: Optional[int])
                 if lo >= hi:
                     continue
                 k_pos = blk.k_pos + (lo - blk.k_off) * blk.q.stride
-                kind = classify(blk.q, Prog(0, k_pos, hi - lo, blk.q.stride), causal, window)
+                kind = classify(blk.q, Rows(0, k_pos, hi - lo, blk.q.stride), causal, window)
                 if kind is not None:
-                    blocks.append(Blk(blk.q, blk.q_heads, new_id, lo - first, hi - lo, k_pos, kind))
+                    blocks.append(Block(blk.q, blk.q_heads, new_id, lo - first, hi - lo, k_pos, kind))
         out.append(PairPlan(tuple(pieces), tuple(blocks)))
     return out
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import reference as R
 from hf_ring import local_positions
-from hf_ring.blocks import Prog, tiles
+from hf_ring.blocks import Rows, tiles
 from hf_ring.schedule import pair_plan, rank_plan
 
 
@@ -23,11 +23,11 @@ def coverage(n, world, layout, causal, window, branches, hq, hkv, bwd_tile=None,
             kpos_src = local_positions(n, step.src, world, layout)
             for blk in step.recv.blocks:
                 piece = step.recv.pieces[blk.piece]
-                piece_pos = kpos_src[piece.rows.rows]
-                kp = Prog(blk.k_off * blk.q.stride, blk.k_pos, blk.nk, blk.q.stride)
+                piece_pos = kpos_src[piece.rows.slice]
+                kp = Rows(blk.k_off * blk.q.stride, blk.k_pos, blk.nk, blk.q.stride)
                 parts = [(blk.q, kp, blk.kind)] if bwd_tile is None else tiles(blk.q, kp, causal, window, bwd_tile)
                 for qt, kt, kind in parts:
-                    t = qpos[qt.rows]
+                    t = qpos[qt.slice]
                     assert torch.equal(t, torch.arange(qt.pos, qt.last_pos + 1, qt.stride))
                     ks = piece_pos[kt.local // kt.stride: kt.local // kt.stride + kt.count]
                     assert torch.equal(ks, torch.arange(kt.pos, kt.pos + kt.count * kt.stride, kt.stride))

@@ -248,8 +248,8 @@ def test_plan_covers_each_same_document_pair_once(world, layout, mode, budget):
             kpos = local_positions(n, step.src, world, layout)
             for blk in step.recv.blocks:
                 piece = step.recv.pieces[blk.piece]
-                t = qpos[blk.q.rows]
-                ks = kpos[piece.rows.rows][blk.k_off:blk.k_off + blk.nk]
+                t = qpos[blk.q.slice]
+                ks = kpos[piece.rows.slice][blk.k_off:blk.k_off + blk.nk]
                 assert torch.equal(ks, torch.arange(blk.k_pos, blk.k_pos + blk.nk))
                 sub = allowed[:, t[:, None], ks[None, :]]
                 # (messages cut blocks after planning; a cut part may share nothing and is skipped when it runs)
