@@ -9,7 +9,10 @@ from .config import configure
 from .data import gather_sequence, shard_batch
 from .generation import generate
 from .layout import local_positions, shard_sizes
+from .loss import tiled_causal_lm_loss
+from .mlp import tiled_rows
 from .parallel import SequenceParallel, clear_sequence_parallel, setup_sequence_parallel, sync_gradients
+from .patches.tiling import configure as configure_tiling
 from .pattern import DilatedPattern
 from .ring import ring_attention
 
@@ -19,6 +22,7 @@ __all__ = [
     "ShardedCache",
     "clear_sequence_parallel",
     "configure",
+    "configure_tiling",
     "gather_sequence",
     "generate",
     "local_positions",
@@ -28,6 +32,8 @@ __all__ = [
     "shard_batch",
     "shard_sizes",
     "sync_gradients",
+    "tiled_causal_lm_loss",
+    "tiled_rows",
 ]
 __version__ = "0.1.0"
 
