@@ -13,7 +13,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-MLP_CHUNK_ROWS = 8192
+ROW_CHUNK_ROWS = 8192
 """Default rows per chunk."""
 
 
@@ -78,9 +78,9 @@ def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, para
     parameters). Exact when ``fn`` acts on each row alone; random draws inside
     ``fn`` (dropout) repeat identically in the recomputation.
     """
-    chunk = MLP_CHUNK_ROWS if chunk_rows is None else chunk_rows
+    chunk = ROW_CHUNK_ROWS if chunk_rows is None else chunk_rows
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"mlp chunk_rows must be a positive int, got {chunk_rows!r}")
+        raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
     if x.dim() < 2 or x[..., 0].numel() <= chunk:
         return fn(x)
     return _TiledRows.apply(fn, chunk, x, *params)

@@ -2,8 +2,10 @@
 
 ``apply(model_or_class)`` patches, at class level (reversible, idempotent), the
 ``...ForCausalLM.forward`` to compute the loss with
-:func:`hf_ring.loss.tiled_causal_lm_loss` (no ``(rows x vocab)`` logits) and
-the MLP's ``forward`` to run through :func:`hf_ring.mlp.tiled_rows`.
+:func:`hf_ring.loss.tiled_causal_lm_loss` (no ``(rows x vocab)`` logits), and
+the ``forward`` of the MLP and RMSNorm classes to run through
+:func:`hf_ring.mlp.tiled_rows` (their intermediates exist for one chunk of rows;
+only their input is kept for the backward).
 
 Whether a call is tiled is read at call time from ``model.config.ring_tiling``
 (set with :func:`configure`): ``None`` (the default) tiles under sequence
@@ -28,18 +30,20 @@ from hf_ring.mlp import tiled_rows
 from hf_ring.parallel import current
 
 CONFIG_KEY = "ring_tiling"
-SETTINGS = ("loss", "mlp", "loss_chunk_rows", "mlp_chunk_rows")
+SETTINGS = ("loss", "mlp", "norm", "loss_chunk_rows", "row_chunk_rows")
 RETURN_LOGITS = "return_logits"
 _ORIGINAL = "_hf_ring_tiling_original_forward"
+_CONFIG_REF = "_hf_ring_tiling_config"
+"""Set on MLP and norm modules by :func:`configure`: the model config holding their settings."""
 
-FAMILIES: Dict[str, Tuple[str, str, str]] = {
-    "llama": ("transformers.models.llama.modeling_llama", "LlamaForCausalLM", "LlamaMLP"),
-    "mistral": ("transformers.models.mistral.modeling_mistral", "MistralForCausalLM", "MistralMLP"),
-    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2ForCausalLM", "Qwen2MLP"),
-    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3ForCausalLM", "Qwen3MLP"),
-    "gemma2": ("transformers.models.gemma2.modeling_gemma2", "Gemma2ForCausalLM", "Gemma2MLP"),
+FAMILIES: Dict[str, Tuple[str, str, str, str]] = {
+    "llama": ("transformers.models.llama.modeling_llama", "LlamaForCausalLM", "LlamaMLP", "LlamaRMSNorm"),
+    "mistral": ("transformers.models.mistral.modeling_mistral", "MistralForCausalLM", "MistralMLP", "MistralRMSNorm"),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2ForCausalLM", "Qwen2MLP", "Qwen2RMSNorm"),
+    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3ForCausalLM", "Qwen3MLP", "Qwen3RMSNorm"),
+    "gemma2": ("transformers.models.gemma2.modeling_gemma2", "Gemma2ForCausalLM", "Gemma2MLP", "Gemma2RMSNorm"),
 }
-"""Families whose CausalLM forward and MLP are known to fit the tiled versions (checked again on apply)."""
+"""Families whose CausalLM forward, MLP and norm are known to fit the tiled versions (module, class names)."""
 
 # The lines of a standard CausalLM forward that touch logits or the loss; a
 # forward with any other such line (a logit scale, say) is not tiled.
@@ -84,22 +88,29 @@ def settings(config: Any) -> Dict[str, Any]:
 
 
 def configure(model: nn.Module, *, loss: Optional[bool] = None, mlp: Optional[bool] = None,
-              loss_chunk_rows: Optional[int] = None, mlp_chunk_rows: Optional[int] = None) -> None:
+              norm: Optional[bool] = None, loss_chunk_rows: Optional[int] = None,
+              row_chunk_rows: Optional[int] = None) -> None:
     """Set ``model.config.ring_tiling`` (saved with the model) and patch the model's classes.
 
-    ``loss``/``mlp``: ``None`` tiles under sequence parallelism only, ``True``
-    always, ``False`` never. Chunk sizes default to a 128 MiB logits budget
-    (loss) and 8192 rows (MLP).
+    ``loss``, ``mlp``, ``norm`` (the RMSNorms): ``None`` tiles under sequence
+    parallelism only, ``True`` always, ``False`` never. ``loss_chunk_rows``
+    defaults to a 128 MiB logits budget, ``row_chunk_rows`` (MLP and norms) to
+    8192 rows.
     """
-    for name, value in (("loss", loss), ("mlp", mlp)):
+    for name, value in (("loss", loss), ("mlp", mlp), ("norm", norm)):
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name} must be True, False or None, got {value!r}")
-    for name, value in (("loss_chunk_rows", loss_chunk_rows), ("mlp_chunk_rows", mlp_chunk_rows)):
+    for name, value in (("loss_chunk_rows", loss_chunk_rows), ("row_chunk_rows", row_chunk_rows)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int or None, got {value!r}")
     apply(model)
-    model.config.ring_tiling = {"loss": loss, "mlp": mlp, "loss_chunk_rows": loss_chunk_rows,
-                                "mlp_chunk_rows": mlp_chunk_rows}
+    model.config.ring_tiling = {"loss": loss, "mlp": mlp, "norm": norm, "loss_chunk_rows": loss_chunk_rows,
+                                "row_chunk_rows": row_chunk_rows}
+    _, mlp_cls, norm_cls = _classes(model)
+    for module in model.modules():
+        if type(module) in (mlp_cls, norm_cls):
+            # Norms carry no config of their own; this points them at the model's.
+            setattr(module, _CONFIG_REF, model.config)
 
 
 def _on(setting: Optional[bool]) -> bool:
@@ -151,16 +162,19 @@ def _tiled_causal_lm_forward(original):
     return forward
 
 
-def _tiled_mlp_forward(original):
-    def forward(self, x, *args, **kwargs):
-        opts = settings(getattr(self, "config", None))
-        if args or kwargs or not _on(opts["mlp"]):
-            return original(self, x, *args, **kwargs)
-        params = [p for p in self.parameters() if p.requires_grad]
-        return tiled_rows(lambda rows: original(self, rows), x, params, opts["mlp_chunk_rows"])
+def _tiled_rows_forward(switch: str):
+    def make(original):
+        def forward(self, x, *args, **kwargs):
+            opts = settings(getattr(self, _CONFIG_REF, None) or getattr(self, "config", None))
+            if args or kwargs or not _on(opts[switch]):
+                return original(self, x, *args, **kwargs)
+            params = [p for p in self.parameters() if p.requires_grad]
+            return tiled_rows(lambda rows: original(self, rows), x, params, opts["row_chunk_rows"])
 
-    forward.__wrapped__ = original
-    return forward
+        forward.__wrapped__ = original
+        return forward
+
+    return make
 
 
 def _patch(cls: type, make) -> None:
@@ -178,51 +192,58 @@ def _unpatch(cls: type) -> None:
         delattr(cls, _ORIGINAL)
 
 
-def _classes(model_or_class: Any) -> Tuple[type, Optional[type]]:
-    """The CausalLM class and its MLP class, from a model, a CausalLM class or a family name."""
+def _classes(model_or_class: Any) -> Tuple[type, Optional[type], Optional[type]]:
+    """The CausalLM class, its MLP class and its RMSNorm class, from a model, a CausalLM class or a family name."""
     if isinstance(model_or_class, str):
         if model_or_class not in FAMILIES:
             raise ValueError(f"no tiling entry for model type {model_or_class!r}; known: {', '.join(sorted(FAMILIES))}")
-        module, causal, mlp = FAMILIES[model_or_class]
+        module, causal, mlp, norm = FAMILIES[model_or_class]
         mod = importlib.import_module(module)
-        return getattr(mod, causal), getattr(mod, mlp)
+        return getattr(mod, causal), getattr(mod, mlp), getattr(mod, norm)
     cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
-    mlp_cls = None
+    mlp_cls = norm_cls = None
     if isinstance(model_or_class, nn.Module):
         layers = getattr(getattr(model_or_class, "model", None), "layers", None)
-        if layers is not None and len(layers) and isinstance(getattr(layers[0], "mlp", None), nn.Module):
-            mlp_cls = type(layers[0].mlp)
+        if layers is not None and len(layers):
+            mlp_cls = type(getattr(layers[0], "mlp", None))
+            norm_cls = type(getattr(layers[0], "input_layernorm", None))
     else:
-        for _, (module, causal, mlp) in FAMILIES.items():
+        for module, causal, mlp, norm in FAMILIES.values():
             if cls.__name__ == causal and cls.__module__ == module:
-                mlp_cls = getattr(importlib.import_module(module), mlp)
-    return cls, mlp_cls
+                mod = importlib.import_module(module)
+                mlp_cls, norm_cls = getattr(mod, mlp), getattr(mod, norm)
+    return cls, (mlp_cls if mlp_cls is not type(None) else None), (norm_cls if norm_cls is not type(None) else None)
 
 
-def _check_mlp(mlp_cls: type) -> None:
-    known = {name for _, _, name in FAMILIES.values()}
-    if mlp_cls.__name__ not in known:
-        raise TypeError(f"{mlp_cls.__name__} is not a known row-wise MLP (known: {', '.join(sorted(known))}); "
-                        "tiling it could change its result (e.g. a mixture of experts); set ring_tiling mlp=False")
+def _check_rowwise(cls: type, kind: str, index: int) -> None:
+    known = {entry[index] for entry in FAMILIES.values()}
+    if cls.__name__ not in known:
+        raise TypeError(f"{cls.__name__} is not a known row-wise {kind} (known: {', '.join(sorted(known))}); "
+                        f"tiling it could change its result (e.g. a mixture of experts); pass {kind.lower()}=False")
 
 
-def apply(model_or_class: Any, *, mlp: bool = True) -> None:
-    """Patch the CausalLM class (and its MLP class when ``mlp``) of a model, class or family name."""
-    cls, mlp_cls = _classes(model_or_class)
+def apply(model_or_class: Any, *, mlp: bool = True, norm: bool = True) -> None:
+    """Patch the CausalLM class, and its MLP and RMSNorm classes unless told not to, of a model, class or family."""
+    cls, mlp_cls, norm_cls = _classes(model_or_class)
     check_standard_forward(cls)
-    if mlp and mlp_cls is not None:
-        _check_mlp(mlp_cls)
+    mlp_cls = mlp_cls if mlp else None
+    norm_cls = norm_cls if norm else None
+    if mlp_cls is not None:
+        _check_rowwise(mlp_cls, "MLP", 2)
+    if norm_cls is not None:
+        _check_rowwise(norm_cls, "Norm", 3)
     _patch(cls, _tiled_causal_lm_forward)
-    if mlp and mlp_cls is not None:
-        _patch(mlp_cls, _tiled_mlp_forward)
+    if mlp_cls is not None:
+        _patch(mlp_cls, _tiled_rows_forward("mlp"))
+    if norm_cls is not None:
+        _patch(norm_cls, _tiled_rows_forward("norm"))
 
 
 def revert(model_or_class: Any) -> None:
     """Undo :func:`apply` for a model, class or family name."""
-    cls, mlp_cls = _classes(model_or_class)
-    _unpatch(cls)
-    if mlp_cls is not None:
-        _unpatch(mlp_cls)
+    for cls in _classes(model_or_class):
+        if cls is not None:
+            _unpatch(cls)
 
 
 def is_applied(model_or_class: Any) -> bool:
