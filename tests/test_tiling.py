@@ -1,4 +1,6 @@
 """Sequence tiling of the loss and the MLP: same loss and gradients as the untiled model, no (rows x vocab) logits."""
+import math
+
 import pytest
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
@@ -295,12 +297,14 @@ def test_sp2_tiled_dilated_step_and_logits_on_request(pools):
 
 def test_sp2_tiled_step_makes_no_rows_by_vocab_tensor(pools):
     path = saved_model_dir("llama")
-    n, vocab, chunk = 64, 97, 8
+    n, vocab, hidden, chunk = 200, 97, 64, 8  # 100 rows per rank, more than the hidden size
     tiled = pools(2).run(sp_tiled_train_case, path, 13, 1, n, chunk, 16, spy_vocab=vocab)
     for res in tiled:
-        assert res["vocab_shapes"], "the spy saw no logits at all"
-        assert all(s[0] <= chunk and len(s) == 2 for s in res["vocab_shapes"] if s != (vocab,)), res["vocab_shapes"]
-        assert all(s[-2] < res["rows"] for s in res["vocab_shapes"] if len(s) > 1)
+        assert res["rows"] == 100 and res["vocab_shapes"], "the spy saw no logits at all"
+        # Only chunks of logits and the (transposed) lm_head weight end in the vocabulary.
+        leading = [math.prod(s[:-1]) for s in res["vocab_shapes"]]
+        assert max(leading) <= max(chunk, hidden) < res["rows"], res["vocab_shapes"]
+        assert (chunk, vocab) in res["vocab_shapes"]
     # The same spy does see the (batch, rows, vocab) logits of an untiled step.
     untiled = pools(2).run(sp_tiled_train_case, path, 13, 1, n, chunk, 16, spy_vocab=vocab, return_logits=True)
     for res in untiled:

@@ -15,6 +15,7 @@ live tensors at their peak, by where they were made (phase, module, op).
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
@@ -218,22 +219,27 @@ def run(args) -> Tuple[List[Dict], Dict[str, Dict], Dict[str, Dict]]:
                            "breakdown": args.breakdown == "all" or (args.breakdown == "largest" and n == sizes[-1])}
                     res = run_ranks(world, _step, cfg)
                     worst = max(res, key=lambda r: r["peak_mb"])
-                    row = {"n": n, "world": world, "attention": attention, "tiling": tiling,
+                    label = "+".join(args.parts) if tiling == "on" else "off"
+                    row = {"n": n, "world": world, "attention": attention, "tiling": label,
                            "step_s": round(max(r["step_s"] for r in res), 2),
                            "peak_mb": round(worst["peak_mb"], 1),
                            "peak_above_base_mb": round(max(r["peak_above_base_mb"] for r in res), 1),
                            "base_mb": round(worst["base_mb"], 1), "breakdown": "yes" if cfg["breakdown"] else ""}
                     rows.append(row)
                     if cfg["breakdown"]:
-                        breakdowns[f"{attention} tiling={tiling} n={n} p={world}"] = worst["breakdown"]
+                        breakdowns[f"{attention} tiling={label} n={n} p={world}"] = worst["breakdown"]
                     print(format_table([row], list(row)), flush=True)
+    return rows, fit_groups(rows), breakdowns
+
+
+def fit_groups(rows: List[Dict]) -> Dict[str, Dict]:
+    """One fit per (attention, tiling) group that has at least two distinct n/p."""
     fits = {}
-    for attention in args.attention:
-        for tiling in args.tiling:
-            group = [r for r in rows if r["attention"] == attention and r["tiling"] == tiling]
-            if len({r["n"] / r["world"] for r in group}) >= 2:
-                fits[f"{attention} tiling={tiling}"] = fit(group)
-    return rows, fits, breakdowns
+    for attention, tiling in sorted({(r["attention"], r["tiling"]) for r in rows}):
+        group = [r for r in rows if r["attention"] == attention and r["tiling"] == tiling]
+        if len({r["n"] / r["world"] for r in group}) >= 2:
+            fits[f"{attention} tiling={tiling}"] = fit(group)
+    return fits
 
 
 def _plot(rows: List[Dict], fits: Dict[str, Dict]):
@@ -246,7 +252,7 @@ def _plot(rows: List[Dict], fits: Dict[str, Dict]):
                          if (r["attention"], r["tiling"], r["world"]) == key)
             ns = [p[0] for p in pts]
             label = f"{key[0]}, tiling {key[1]}, p={key[2]}"
-            style = "-" if key[1] == "on" else "--"
+            style = "--" if key[1] == "off" else "-"
             ax_t.plot(ns, [p[1] for p in pts], style, marker="o", label=label)
             line = ax_m.plot(ns, [p[2] / 1024 for p in pts], style, marker="o", label=label)[0]
             f = fits.get(f"{key[0]} tiling={key[1]}")
@@ -273,7 +279,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[16384, 65536, 262144, 1048576])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--attention", nargs="+", choices=["dilated", "dense"], default=["dilated"])
-    ap.add_argument("--tiling", nargs="+", choices=["on", "off"], default=["on"])
+    ap.add_argument("--tiling", nargs="+", choices=["on", "off"], default=["on"],
+                    help="on: tile the --parts; off: the plain model (rows say which)")
     ap.add_argument("--parts", nargs="+", choices=["loss", "mlp", "norm"], default=["loss", "mlp", "norm"],
                     help="what --tiling on tiles")
     ap.add_argument("--dense-max", type=int, default=262144, help="longest n run with dense attention")
@@ -292,8 +299,23 @@ def main(argv=None) -> None:
                     help="run the step under the live-tensor tracker at the largest n of each group")
     ap.add_argument("--out", default="bench_results")
     ap.add_argument("--name", default="scale", help="output file stem")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="run nothing: refit and replot the rows of earlier runs' JSON files together")
     args = ap.parse_args(argv)
-    rows, fits, breakdowns = run(args)
+    if args.merge:
+        rows, breakdowns = [], {}
+        for path in args.merge:
+            with open(path) as f:
+                saved = json.load(f)
+            for row in saved["rows"]:  # older files say "on" for the parts in their config
+                if row["tiling"] == "on":
+                    row["tiling"] = "+".join(saved["config"].get("parts", ["loss", "mlp"]))
+                rows.append(row)
+            breakdowns.update(saved.get("breakdowns", {}))
+        rows.sort(key=lambda r: (r["attention"], r["tiling"], r["n"], r["world"]))
+        fits = fit_groups(rows)
+    else:
+        rows, fits, breakdowns = run(args)
     print("\n" + format_table(rows, list(rows[0])))
     for key, f in fits.items():
         print(f"fit {key}: peak MB per rank = {f['a_mb']} + {f['b_kib_per_token']} KiB x n/p "
