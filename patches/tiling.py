@@ -1,4 +1,4 @@
-"""Sequence tiling: the causal-LM loss and the MLP of a model family run over chunks of rows.
+"""Sequence tiling: the causal-LM loss, the MLP and the RMSNorms of a model family run over chunks of rows.
 
 ``apply(model_or_class)`` patches, at class level (reversible, idempotent), the
 ``...ForCausalLM.forward`` to compute the loss with
@@ -22,7 +22,6 @@ import inspect
 import re
 from typing import Any, Dict, Optional, Tuple
 
-import torch
 from torch import nn
 
 from hf_ring.loss import tiled_causal_lm_loss
