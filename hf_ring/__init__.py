@@ -11,7 +11,10 @@ from .data import gather_sequence, shard_batch
 from .generation import generate
 from .groups import SequenceParallel, current
 from .layout import local_positions, shard_sizes
+from .loss import tiled_causal_lm_loss
+from .mlp import tiled_rows
 from .parallel import clear_sequence_parallel, setup_sequence_parallel, sync_gradients
+from .patches.tiling import configure as configure_tiling
 from .pattern import DilatedPattern
 from .ring import ring_attention
 from .trainer import SequenceParallelTrainerMixin, prepare_trainer
@@ -24,6 +27,7 @@ __all__ = [
     "ShardedCache",
     "clear_sequence_parallel",
     "configure",
+    "configure_tiling",
     "current",
     "gather_sequence",
     "generate",
@@ -35,6 +39,8 @@ __all__ = [
     "shard_batch",
     "shard_sizes",
     "sync_gradients",
+    "tiled_causal_lm_loss",
+    "tiled_rows",
 ]
 __version__ = "0.1.0"
 

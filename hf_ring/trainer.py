@@ -194,6 +194,8 @@ class SequenceParallelTrainerMixin:
         if sp is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         attach_shard_hook(self.model)
+        if not prediction_loss_only:
+            inputs = dict(inputs, return_logits=True)  # the sequence-tiled loss would not make them
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         n = inputs["input_ids"].shape[1]  # there: shard_batch needs input_ids
         if loss is not None:

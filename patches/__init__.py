@@ -23,7 +23,7 @@ from typing import Any, List, Tuple
 
 import torch
 
-from . import rope, structure
+from . import rope, structure, tiling
 from .families import FAMILIES, Family
 
 __all__ = ["FAMILIES", "Family", "apply", "apply_all", "check_supported", "is_applied", "revert", "revert_all",
@@ -119,11 +119,14 @@ def is_applied(model_or_type: Any) -> bool:
 
 
 def apply_all() -> None:
-    """Patch the rotary classes of every tested family (before any model exists)."""
+    """Patch the rotary classes of every tested family and the sequence tiling of the families it
+    knows (before any model exists); tiling then switches on under sequence parallelism."""
     for family in FAMILIES.values():
         family.apply()
+    tiling.apply_all()
 
 
 def revert_all() -> None:
-    """Undo every rotary patch made through this package."""
+    """Undo every rotary and tiling patch made through this package."""
     rope.unpatch_all()
+    tiling.revert_all()

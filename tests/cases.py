@@ -90,7 +90,7 @@ def sp_train_case(path, sp_size, seed, b, n, pattern=None, layout="zigzag", pad=
         model = load(path, "ring_dilated").train()
         hf_ring.configure(model, pattern=pattern, layout=layout)
         data = batch(seed + sp.dp_rank, b, n, pad=pad)
-        out = model(**hf_ring.shard_batch(data))
+        out = model(**hf_ring.shard_batch(data), return_logits=True)  # logits to compare; the loss tiling is off
         out.loss.backward()
         hf_ring.sync_gradients(model)
         loss = out.loss.detach().clone()
@@ -111,7 +111,7 @@ def sp_logits_case(path, n, seed=0):
         model = load(path, "ring_dilated")
         data = batch(seed, 1, n)
         with torch.no_grad():
-            out = model(**hf_ring.shard_batch(data))
+            out = model(**hf_ring.shard_batch(data), return_logits=True)
         return hf_ring.gather_sequence(out.logits, n)
     finally:
         hf_ring.clear_sequence_parallel()
@@ -369,7 +369,7 @@ def packed_train_case(path, features, pattern=None):
         hf_ring.configure(model, pattern=pattern)
         batch = DataCollatorWithFlattening()(features)
         n = batch["input_ids"].shape[1]
-        out = model(**hf_ring.shard_batch(batch))
+        out = model(**hf_ring.shard_batch(batch), return_logits=True)
         out.loss.backward()
         hf_ring.sync_gradients(model)
         loss = out.loss.detach().clone()
@@ -565,3 +565,58 @@ def sft_example_case(argv):
     trainer_env()
     AcceleratorState._reset_state()
     return sft.main(argv)
+
+
+def sp_tiled_train_case(path, seed, b, n, loss_chunk_rows, row_chunk_rows, *, pattern=None, pad="right",
+                        return_logits=False, spy_vocab=None):
+    """One sharded training step with sequence tiling left at its default (on under sequence parallelism).
+
+    Returns the loss summed over the sp group, rank 0's synced gradients, whether
+    logits came back (gathered when they did) and, with ``spy_vocab``, the shapes
+    of every tensor whose last dimension is ``spy_vocab``, with this rank's row count.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from models import batch, load
+
+    class VocabShapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == spy_vocab:
+                    self.shapes.append(tuple(t.shape))
+            return out
+
+    from hf_ring.patches import tiling
+
+    sp = hf_ring.setup_sequence_parallel(None)
+    model = load(path, "ring_dilated").train()
+    try:
+        hf_ring.configure(model, pattern=pattern)
+        hf_ring.configure_tiling(model, loss_chunk_rows=loss_chunk_rows, row_chunk_rows=row_chunk_rows)
+        data = hf_ring.shard_batch(batch(seed, b, n, pad=pad))
+        if return_logits:
+            data["return_logits"] = True
+        spy = VocabShapes() if spy_vocab is not None else None
+        if spy is not None:
+            with spy:
+                out = model(**data)
+                out.loss.backward()
+        else:
+            out = model(**data)
+            out.loss.backward()
+        hf_ring.sync_gradients(model)
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss, group=sp.sp_group)
+        logits = None if out.logits is None else hf_ring.gather_sequence(out.logits.detach(), n)
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()} if dist.get_rank() == 0 else None
+        return {"loss": float(loss), "grads": grads, "logits": logits, "rows": data["input_ids"].shape[1],
+                "vocab_shapes": None if spy is None else spy.shapes}
+    finally:
+        tiling.revert(model)
+        hf_ring.clear_sequence_parallel()

@@ -20,7 +20,7 @@ def zoo_train_case(path, b, n, seed):
         model = load(path, "ring_dilated").train()
         hf_ring.patches.apply(model)
         data = hf_ring.shard_batch(batch(seed, b, n))
-        out = model(**data)
+        out = model(**data, return_logits=True)
         out.loss.backward()
         hf_ring.sync_gradients(model)
         loss = out.loss.detach().clone()

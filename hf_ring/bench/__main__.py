@@ -2,7 +2,8 @@
 import importlib
 import sys
 
-BENCHES = {"ring": "hf_ring.bench.ring", "dilated": "hf_ring.bench.dilated", "generate": "hf_ring.bench.generate"}
+BENCHES = {"ring": "hf_ring.bench.ring", "dilated": "hf_ring.bench.dilated", "generate": "hf_ring.bench.generate",
+           "scale": "hf_ring.bench.scale"}
 
 
 def main() -> None:

@@ -1,0 +1,128 @@
+"""Causal-LM loss over a long shard without a (rows x vocab) logits tensor.
+
+The lm_head and the cross-entropy run over chunks of rows. The forward keeps
+only the summed loss; the backward recomputes each chunk's logits and turns
+them into that chunk's gradients at once. So at most one chunk of logits (and
+its softmax) lives at any time, and what is saved for the backward is the
+hidden states, the weight and the targets.
+
+The numbers are those of transformers' ``ForCausalLMLoss`` on the full logits:
+logits computed in the model dtype and upcast to fp32, an optional Gemma-style
+final soft cap, ``ignore_index`` targets left out, the sum divided by
+``num_items_in_batch`` when given and by the count of counted targets otherwise.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+LOSS_CHUNK_ELEMENTS = 1 << 25
+"""Default budget of one chunk of fp32 logits (128 MiB); rows per chunk = this // vocab."""
+
+
+def chunk_rows_for(vocab: int, chunk_rows: Optional[int] = None) -> int:
+    """Rows per chunk: ``chunk_rows`` if given, else the default logits budget over ``vocab`` (at least 1)."""
+    if chunk_rows is None:
+        return max(1, LOSS_CHUNK_ELEMENTS // max(vocab, 1))
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"loss chunk_rows must be a positive int, got {chunk_rows!r}")
+    return chunk_rows
+
+
+def shifted_targets(labels: Optional[torch.Tensor], shift_labels: Optional[torch.Tensor],
+                    ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """The target of every row: ``shift_labels`` as given, else ``labels`` shifted left by one within the tensor."""
+    if shift_labels is not None:
+        return shift_labels
+    if labels is None:
+        raise ValueError("the causal-LM loss needs labels or shift_labels")
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  softcap: Optional[float]):
+    """fp32 logits of a chunk (as the untiled model makes them) and, under a soft cap, d(capped)/d(raw)."""
+    logits = F.linear(h, weight, bias).float()
+    if softcap is None:
+        return logits, None
+    t = torch.tanh(logits / softcap)
+    return t * softcap, 1.0 - t * t
+
+
+class _TiledLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, divisor, chunk, ignore_index, softcap):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for s in range(0, hidden.shape[0], chunk):
+            logits, _ = _chunk_logits(hidden[s:s + chunk], weight, bias, softcap)
+            total += F.cross_entropy(logits, targets[s:s + chunk], ignore_index=ignore_index, reduction="sum")
+            del logits
+        ctx.save_for_backward(hidden, weight, bias, targets, divisor)
+        ctx.chunk, ctx.ignore_index, ctx.softcap = chunk, ignore_index, softcap
+        return total / divisor
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, bias, targets, divisor = ctx.saved_tensors
+        chunk, ignore_index, softcap = ctx.chunk, ctx.ignore_index, ctx.softcap
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        scale = (grad_loss / divisor).float()
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        for s in range(0, hidden.shape[0], chunk):
+            h, t = hidden[s:s + chunk], targets[s:s + chunk]
+            logits, dcap = _chunk_logits(h, weight, bias, softcap)
+            # d(sum CE)/d logits = softmax - onehot on counted rows, 0 on ignored ones (in place: one chunk buffer).
+            g = torch.softmax(logits, dim=-1)
+            del logits
+            counted = t != ignore_index
+            rows = counted.nonzero().squeeze(1)
+            g[rows, t[rows]] -= 1.0
+            g.mul_((counted.unsqueeze(1) * scale))
+            if dcap is not None:
+                g.mul_(dcap)
+                del dcap
+            g = g.to(hidden.dtype)
+            if need_h:
+                grad_h[s:s + chunk] = g @ weight
+            if need_w:
+                grad_w.addmm_(g.t().float(), h.float())
+            if need_b:
+                grad_b += g.float().sum(0)
+            del g
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
+
+
+def tiled_causal_lm_loss(hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                         labels: Optional[torch.Tensor] = None, shift_labels: Optional[torch.Tensor] = None,
+                         num_items_in_batch: Union[int, torch.Tensor, None] = None,
+                         ignore_index: int = IGNORE_INDEX, softcap: Optional[float] = None,
+                         chunk_rows: Optional[int] = None) -> torch.Tensor:
+    """The causal-LM loss of ``lm_head(hidden_states)`` computed ``chunk_rows`` rows at a time.
+
+    ``hidden_states`` is ``(..., rows, hidden)``; ``labels``/``shift_labels`` are
+    ``(..., rows)``. Equal to transformers' ``ForCausalLMLoss`` on the full
+    logits, in value and gradients, for any chunk size.
+    """
+    if hidden_states.dim() < 2:
+        raise ValueError(f"hidden_states must be (..., rows, hidden), got shape {tuple(hidden_states.shape)}")
+    targets = shifted_targets(labels, shift_labels, ignore_index)
+    if tuple(targets.shape) != tuple(hidden_states.shape[:-1]):
+        name = "shift_labels" if shift_labels is not None else "labels"
+        raise ValueError(f"{name} of shape {tuple(targets.shape)} does not match the hidden states' rows "
+                         f"{tuple(hidden_states.shape[:-1])}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    targets = targets.reshape(-1).to(hidden.device)
+    if num_items_in_batch is None:
+        divisor = (targets != ignore_index).sum().float()
+    else:
+        divisor = torch.as_tensor(num_items_in_batch, device=hidden.device).float()
+    chunk = chunk_rows_for(weight.shape[0], chunk_rows)
+    return _TiledLoss.apply(hidden, weight, bias, targets, divisor, chunk, ignore_index, softcap)
