@@ -28,7 +28,6 @@ import time
 from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
 import hf_ring
 
@@ -134,7 +133,7 @@ def train_step(model, batch: Dict[str, torch.Tensor], sp: hf_ring.SequenceParall
     out.loss.backward()
     loss = out.loss.detach().clone()
     if sp.sp_size > 1:
-        dist.all_reduce(loss, group=sp.sp_group)
+        hf_ring.comm.all_reduce(loss, sp.sp_group, "the loss sum over the sequence-parallel group")
     return float(loss)
 
 
@@ -154,7 +153,7 @@ def retrieval_accuracy(model, batches: List[Dict[str, torch.Tensor]], sp: hf_rin
             pred = logits[:, int(rows[0])].argmax(-1)
             hit = torch.tensor([float((pred == batch["input_ids"][:, -1].to(pred.device)).sum()), float(len(pred))])
         if sp.sp_size > 1:
-            dist.all_reduce(hit, group=sp.sp_group)
+            hf_ring.comm.all_reduce(hit, sp.sp_group, "the retrieval count over the sequence-parallel group")
         correct, total = correct + hit[0].item(), total + hit[1].item()
     model.train()
     return correct / max(total, 1)

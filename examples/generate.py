@@ -26,7 +26,6 @@ import time
 from typing import List
 
 import torch
-import torch.distributed as dist
 
 import hf_ring
 from hf_ring import comm

@@ -26,11 +26,11 @@ from contextlib import contextmanager
 from typing import Any, Dict, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 from accelerate.data_loader import DataLoaderDispatcher
 from accelerate.utils import recursively_apply
 from torch.distributed.device_mesh import DeviceMesh
 
+from .comm import all_reduce
 from .context import CONTEXT_KEY
 from .data import gather_sequence, shard_batch
 from .layout import local_positions
@@ -123,7 +123,7 @@ def _global_order(tree: Any, n: int, local: int) -> Any:
 def _sp_mean(loss: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
     """The mean over the sp group of the ranks' (shard) losses, held by each of them."""
     loss = loss.detach().clone()
-    dist.all_reduce(loss, group=sp.sp_group)
+    all_reduce(loss, sp.sp_group, "the loss mean over the sequence-parallel group")
     return loss / sp.sp_size
 
 
