@@ -620,3 +620,28 @@ def sp_tiled_train_case(path, seed, b, n, loss_chunk_rows, row_chunk_rows, *, pa
     finally:
         tiling.revert(model)
         hf_ring.clear_sequence_parallel()
+
+
+REF_NAMES = ("out", "dq", "dk", "dv")
+
+
+def packed_reference(args, position_ids=None, *, causal=True, window=None, branches=None, pad=0, softcap=None,
+                     sinks=None):
+    """float64 reference outputs and gradients of ``make_qkv(*args)`` with documents, soft-capping and/or sinks.
+
+    ``position_ids`` ``(B, n)`` mark the documents (None: one per row); ``pad`` masks the first keys of sample 0.
+    """
+    import reference as R
+
+    seed, b, hq, hkv, n, d = args
+    q, k, v, dout = make_qkv(*args)
+    if position_ids is None:
+        position_ids = torch.arange(n).expand(b, n)
+    bias = R.packed_bias(position_ids, hq, causal=causal, window=window, branches=branches)
+    if pad:
+        bias[0, :, :, :pad] = float("-inf")
+    if sinks is None:
+        fn = lambda q, k, v: R.attention(q, k, v, bias=bias, softcap=softcap)  # noqa: E731
+        return dict(zip(REF_NAMES, R.with_grads(fn, q, k, v, dout)))
+    fn = lambda q, k, v, sinks: R.attention(q, k, v, bias=bias, softcap=softcap, sinks=sinks)  # noqa: E731
+    return dict(zip(REF_NAMES + ("dsinks",), R.with_grads_sinks(fn, q, k, v, sinks, dout)))

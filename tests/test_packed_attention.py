@@ -9,6 +9,7 @@ import torch
 import hf_ring
 import reference as R
 from cases import assemble, make_qkv, packed_case
+from cases import packed_reference as reference
 from helpers import rel_err
 from hf_ring.documents import check_documents, document_starts, key_span, longest
 
@@ -51,19 +52,6 @@ def run(pools, world, args, **kw):
     if results[0]["dsinks"] is not None:
         got["dsinks"] = sum(r["dsinks"] for r in results)  # each rank returns its rows' share
     return got, results
-
-
-def reference(args, position_ids, *, causal=True, window=None, branches=None, pad=0, softcap=None, sinks=None):
-    seed, b, hq, hkv, n, d = args
-    q, k, v, dout = make_qkv(*args)
-    bias = R.packed_bias(position_ids, hq, causal=causal, window=window, branches=branches)
-    if pad:
-        bias[0, :, :, :pad] = float("-inf")
-    if sinks is None:
-        fn = lambda q, k, v: R.attention(q, k, v, bias=bias, softcap=softcap)  # noqa: E731
-        return dict(zip(NAMES, R.with_grads(fn, q, k, v, dout)))
-    fn = lambda q, k, v, sinks: R.attention(q, k, v, bias=bias, softcap=softcap, sinks=sinks)  # noqa: E731
-    return dict(zip(NAMES + ("dsinks",), R.with_grads_sinks(fn, q, k, v, sinks, dout)))
 
 
 def check(got, ref):

@@ -11,6 +11,7 @@ import torch
 import hf_ring
 import reference as R
 from cases import assemble, make_qkv, options_case, packed_case
+from cases import packed_reference as reference
 from helpers import rel_err
 from hf_ring.decode import DENSE, cached_attention, cached_blocks, merge_ranks
 from test_packed_attention import packed, pat
@@ -36,22 +37,6 @@ def run(pools, world, args, **kw):
         got["dsinks"] = sum(shares)
         got["shares"] = shares
     return got
-
-
-def reference(args, *, causal=True, window=None, branches=None, softcap=None, sinks=None, position_ids=None,
-              pad=0):
-    seed, b, hq, hkv, n, d = args
-    q, k, v, dout = make_qkv(*args)
-    if position_ids is None:
-        position_ids = torch.arange(n).expand(b, n)
-    bias = R.packed_bias(position_ids, hq, causal=causal, window=window, branches=branches)
-    if pad:
-        bias[0, :, :, :pad] = float("-inf")
-    if sinks is None:
-        fn = lambda q, k, v: R.attention(q, k, v, bias=bias, softcap=softcap)  # noqa: E731
-        return dict(zip(NAMES, R.with_grads(fn, q, k, v, dout)))
-    fn = lambda q, k, v, sinks: R.attention(q, k, v, bias=bias, softcap=softcap, sinks=sinks)  # noqa: E731
-    return dict(zip(NAMES + ("dsinks",), R.with_grads_sinks(fn, q, k, v, sinks, dout)))
 
 
 def check(got, ref):
