@@ -1,4 +1,4 @@
-"""A row-wise module (an MLP) run over chunks of rows, its activations recomputed in the backward.
+"""A row-wise module (an MLP, a norm) run over chunks of rows, its activations recomputed in the backward.
 
 The forward writes each chunk's output into one preallocated tensor without
 recording a graph; only the input is saved. The backward recomputes one chunk
