@@ -12,6 +12,7 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 
 from .comm import all_gather
+from .checks import raise_together
 from .context import CONTEXT_KEY, ShardedForward
 from .documents import Documents, check_documents, document_starts
 from .layout import local_positions, shard_sizes
@@ -88,19 +89,8 @@ def _shifted_labels(batch: Mapping[str, Any], labels: torch.Tensor, documents: O
     return shifted
 
 
-def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None) -> Dict[str, Any]:
-    """This rank's part of ``batch`` (``input_ids``, optional ``labels``, ``attention_mask``, ``position_ids``).
-
-    Adds global ``position_ids``, globally shifted ``shift_labels`` and the
-    global ``num_items_in_batch`` when labels are given, and ``ring_context``:
-    the facts of this forward that every attention layer reads (global
-    length, padding, documents, the group), so the ranks agree on them once
-    per forward. Any length works, including one shorter than the number of
-    ranks. Packed rows (``position_ids`` restarting inside a row and no
-    ``attention_mask``, or ``cu_seq_lens_q``, as ``DataCollatorWithFlattening``
-    makes them) keep their documents apart: attention never crosses a
-    document border, and neither do the shifted labels.
-    """
+def _check_batch(batch: Any) -> None:
+    """Every local check of a batch given to :func:`shard_batch`."""
     if not isinstance(batch, Mapping):
         raise TypeError(f"batch must be a mapping such as a dict, got {type(batch).__name__}")
     if CONTEXT_KEY in batch:
@@ -115,10 +105,40 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
         t = batch.get(key)
         if t is not None and tuple(t.shape) != (b, n):
             raise ValueError(f"{key} must have the shape of input_ids {(b, n)}, got {tuple(t.shape)}")
+
+
+def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None) -> Dict[str, Any]:
+    """This rank's part of ``batch`` (``input_ids``, optional ``labels``, ``attention_mask``, ``position_ids``).
+
+    Adds global ``position_ids``, globally shifted ``shift_labels`` and the
+    global ``num_items_in_batch`` when labels are given, and ``ring_context``:
+    the facts of this forward that every attention layer reads (global
+    length, padding, documents, the group), so the ranks agree on them once
+    per forward. Any length works, including one shorter than the number of
+    ranks. Packed rows (``position_ids`` restarting inside a row and no
+    ``attention_mask``, or ``cu_seq_lens_q``, as ``DataCollatorWithFlattening``
+    makes them) keep their documents apart: attention never crosses a
+    document border, and neither do the shifted labels.
+    """
     group = _sp(sp)
+    documents = shifted = None
+    try:
+        _check_batch(batch)
+        b, n = batch["input_ids"].shape
+        documents = _documents(batch, batch.get("position_ids"), b, n)
+        if batch.get("labels") is not None:
+            shifted = _shifted_labels(batch, batch["labels"], documents)
+        elif batch.get("shift_labels") is not None:
+            raise ValueError("shift_labels without labels: pass labels (shard_batch shifts them on the global rows)")
+        error = None
+    except (TypeError, ValueError) as err:
+        error = err
+    # One small exchange, so a bad batch on one rank fails every rank of the group, not just that one.
+    raise_together(None if group is None else group.comm, error, "the batch check of shard_batch")
+    ids = batch["input_ids"]
+    b, n = ids.shape
     rank, size, layout = (0, 1, "contiguous") if group is None else (group.sp_rank, group.sp_size, group.layout)
     pos = local_positions(n, rank, size, layout).to(ids.device)
-    documents = _documents(batch, batch.get("position_ids"), b, n)
 
     sliced = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels") + VARLEN_KEYS
     out: Dict[str, Any] = {k: v for k, v in batch.items() if k not in sliced}
@@ -130,14 +150,10 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
     if positions is None:
         positions = torch.arange(n, device=ids.device).expand(b, n)
     out["position_ids"] = positions[:, pos]
-    labels = batch.get("labels")
-    if labels is not None:
-        shifted = _shifted_labels(batch, labels, documents)
-        out["labels"] = labels[:, pos]
+    if shifted is not None:
+        out["labels"] = batch["labels"][:, pos]
         out["shift_labels"] = shifted[:, pos]
         out["num_items_in_batch"] = int((shifted != IGNORE_INDEX).sum())
-    elif batch.get("shift_labels") is not None:
-        raise ValueError("shift_labels without labels: pass labels (shard_batch shifts them on the global rows)")
     out[CONTEXT_KEY] = ShardedForward(
         n, None if group is None else group.comm, layout, padded=mask is not None and not bool(mask.all()),
         contents=0 if group is None else (fingerprint(ids) + hash(documents or ())) & 0x7FFFFFFF, documents=documents,

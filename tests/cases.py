@@ -645,3 +645,15 @@ def packed_reference(args, position_ids=None, *, causal=True, window=None, branc
         return dict(zip(REF_NAMES, R.with_grads(fn, q, k, v, dout)))
     fn = lambda q, k, v, sinks: R.attention(q, k, v, bias=bias, softcap=softcap, sinks=sinks)  # noqa: E731
     return dict(zip(REF_NAMES + ("dsinks",), R.with_grads_sinks(fn, q, k, v, sinks, dout)))
+
+
+def one_rank_bad_batch_case(n):
+    """shard_batch where only the last rank's labels have the wrong shape."""
+    hf_ring.setup_sequence_parallel(None)
+    try:
+        ids = torch.arange(n)[None]
+        bad = dist.get_rank() == dist.get_world_size() - 1
+        labels = ids[:, :-1] if bad else ids
+        return raises_on_rank(hf_ring.shard_batch, {"input_ids": ids, "labels": labels})
+    finally:
+        hf_ring.clear_sequence_parallel()

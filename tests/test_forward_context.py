@@ -106,3 +106,18 @@ def test_mixed_dtypes_without_autocast_are_refused():
     q, k, v, _ = make_qkv(1, 1, 2, 2, 6, 8)
     with pytest.raises(TypeError, match="share one dtype"):
         hf_ring.backend.ring_dilated_attention(_Attn(tiny_config()), q, k, v.to(torch.bfloat16), None)
+
+
+def test_bad_batch_on_one_rank_raises_the_same_error_on_every_rank(pools):
+    from cases import one_rank_bad_batch_case
+
+    results = pools(3).run(one_rank_bad_batch_case, 12)
+    assert results[0] == results[1] == results[2], results
+    assert results[0][0] == "ValueError" and results[0][1].startswith("rank 2: labels must have the shape")
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0, 0.0])
+def test_unusable_scale_is_refused(scale):
+    q, k, v, _ = make_qkv(1, 1, 2, 2, 6, 8)
+    with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+        hf_ring.ring_attention(q, k, v, scale=scale)
