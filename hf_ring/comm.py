@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import zlib
 from datetime import timedelta
 from typing import List, Optional, Sequence, Tuple
 
@@ -167,6 +168,10 @@ class Pending:
         return self._received
 
 
+CONTROL_INTS = 512
+"""Integers in every small control exchange (agreements, shared errors), whatever it carries."""
+
+
 class RingComm:
     """A process group's ring: point-to-point exchanges with any peer, and small bounded collectives."""
 
@@ -206,9 +211,28 @@ class RingComm:
         return Pending(works, sent, received, what, self.timeout, self.backend)
 
     def all_gather_ints(self, values: Sequence[int], what: str) -> List[List[int]]:
-        """Every rank's copy of a few small integers, by rank (one tiny all-gather)."""
-        t = torch.tensor(list(values), dtype=torch.long, device=device_for(self.group))
-        return [row.tolist() for row in self.all_gather(t, what)]
+        """Every rank's copy of a few small integers, by rank (one small all-gather).
+
+        Every such exchange has the same size and starts with a code of
+        ``what``, so ranks that reached different exchanges (one rank skipped a
+        step the others made) get a clear error on all of them instead of a
+        size mismatch inside the backend.
+        """
+        values = [int(v) for v in values]
+        if len(values) >= CONTROL_INTS:
+            raise ValueError(f"{what}: {len(values)} integers do not fit one exchange of {CONTROL_INTS - 1}")
+        code = zlib.crc32(what.encode()) & 0x7FFFFFFF
+        row = [code] + values + [0] * (CONTROL_INTS - 1 - len(values))
+        t = torch.tensor(row, dtype=torch.long, device=device_for(self.group))
+        table = [r.tolist() for r in self.all_gather(t, what)]
+        if len({r[0] for r in table}) > 1:
+            where = ["here" if r[0] == code else "elsewhere" for r in table]
+            raise ValueError(
+                f"the ranks reached different exchanges ({what!r} on rank {self.rank}; by rank: {where}): a rank "
+                "skipped or added a step the others made, e.g. one rank passed its batch through hf_ring.shard_batch "
+                "and another did not, or ran another model"
+            )
+        return [r[1:1 + len(values)] for r in table]
 
     def all_gather(self, tensor: Tensor, what: str) -> Tensor:
         """Every rank's ``tensor`` stacked by rank, ``(world_size, *tensor.shape)``."""

@@ -250,10 +250,13 @@ def unsharded_forward_case(path, n, shard_ranks=()):
     try:
         model = load(path, "ring_dilated")
         data = batch(5 + dist.get_rank(), 1, n)  # what a stock Trainer does: each rank its own batch
-        if dist.get_rank() in shard_ranks:
-            data = hf_ring.shard_batch(data)
-        with torch.no_grad():
-            return raises_on_rank(model, **data)
+
+        def forward():
+            sharded = hf_ring.shard_batch(data) if dist.get_rank() in shard_ranks else data
+            with torch.no_grad():
+                return model(**sharded)
+
+        return raises_on_rank(forward)
     finally:
         hf_ring.clear_sequence_parallel()
 
