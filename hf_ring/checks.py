@@ -251,11 +251,21 @@ def _float_code(x: Optional[float]) -> int:
 
 
 def option_codes(softcap: Optional[float], sinks: Optional[Tensor], position_ids: Optional[Tensor],
-                 documents: Any) -> List[Tuple[str, int]]:
+                 documents: Any, message_rows: Optional[int] = None) -> List[Tuple[str, int]]:
     """The options beyond the basic ones that every rank must share, as integers for the agreement."""
     return [("softcap", _float_code(softcap)), ("sinks", _NONE if sinks is None else 1),
             ("position_ids", _NONE if position_ids is None else 1),
-            ("documents", _NONE if documents is None else hash(documents) & ((1 << 61) - 1))]
+            ("documents", _NONE if documents is None else hash(documents) & ((1 << 61) - 1)),
+            ("message_rows", _NONE if message_rows is None else message_rows)]
+
+
+def check_message_rows(message_rows) -> Optional[int]:
+    """K/V rows per ring message, or None for the default."""
+    if message_rows is None:
+        return None
+    if isinstance(message_rows, bool) or not isinstance(message_rows, int) or message_rows < 1:
+        raise ValueError(f"message_rows must be a positive int (K/V rows per ring message) or None, got {message_rows!r}")
+    return message_rows
 
 
 def _name_the_option(comm: RingComm, codes: Sequence[Tuple[str, int]]) -> None:

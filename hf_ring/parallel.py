@@ -81,7 +81,8 @@ BUCKET_BYTES = 25 * 2**20
 """Gradients are reduced in flat buckets of about this size: one collective per bucket, not per parameter."""
 
 
-def sync_gradients(model: torch.nn.Module, sp: Optional[SequenceParallel] = None) -> None:
+def sync_gradients(model: torch.nn.Module, sp: Optional[SequenceParallel] = None,
+                   bucket_bytes: int = BUCKET_BYTES) -> None:
     """Sum parameter gradients over the sp group and average them over the dp group.
 
     For training without DDP. Under DDP use ``loss * sp.loss_scale`` instead.
@@ -90,7 +91,7 @@ def sync_gradients(model: torch.nn.Module, sp: Optional[SequenceParallel] = None
     counts as zeros there, so it ends up with the same gradient on every rank;
     one whose gradient is ``None`` on every rank stays ``None`` (one small
     reduction of flags decides, so no rank waits for a collective another rank
-    skipped). Gradients travel in flat buckets of about ``BUCKET_BYTES``, one
+    skipped). Gradients travel in flat buckets of about ``bucket_bytes``, one
     per dtype and device, each reduced once over sp and once over dp.
     """
     sp = sp or current()
@@ -111,7 +112,7 @@ def sync_gradients(model: torch.nn.Module, sp: Optional[SequenceParallel] = None
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-    for bucket in _buckets(grads, BUCKET_BYTES):
+    for bucket in _buckets(grads, bucket_bytes):
         flat = torch.cat([g.reshape(-1) for g in bucket])
         if sp.sp_size > 1:
             comm.all_reduce(flat, sp.sp_group, "the gradient sum over the sequence-parallel group")

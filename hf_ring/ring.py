@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .blocks import Rows, allowed_pairs, default_tile, tiles
-from .checks import agree, check_call, check_position_ids, full_key_mask, gather_documents, option_codes, resolve_group
+from .checks import agree, check_call, check_message_rows, check_position_ids, full_key_mask, gather_documents, option_codes, resolve_group
 from .comm import Pending, RingComm
 from .documents import Documents, check_documents, dilated_multiplicity, longest, same_document, within_one
 from .kernels import accumulator_dtype, add_sinks, block_backward, block_forward, check_sinks, check_softcap, merge_into, sinks_backward
@@ -352,13 +352,14 @@ def document_tile(documents: Documents, seq_len: int, dilated: bool) -> int:
 def run(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], *, seq_len: int, layout: str, causal: bool,
         window: Optional[int], pattern: Optional[DilatedPattern], scale: float, key_mask: Optional[Tensor],
         documents: Optional[Documents] = None, softcap: Optional[float] = None,
-        sinks: Optional[Tensor] = None) -> Tensor:
+        sinks: Optional[Tensor] = None, message_rows: Optional[int] = None) -> Tensor:
     """The ring over validated, agreed arguments.
 
     ``key_mask`` only when some rank has padded keys; ``documents`` the global
     document starts (None: one sequence per row).
     """
     rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
+    budget = message_budget(seq_len, world, k.shape[1]) if message_rows is None else message_rows * k.shape[1]
     branches, dilated = branches_of(pattern), None
     tile = min(default_tile(window), PADDED_TILE) if key_mask is not None else None
     if documents is not None:
@@ -368,7 +369,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], *, seq_len: i
     if softcap is not None:
         tile = min(tile or default_tile(window), SOFTCAP_TILE)
     plan = rank_plan(seq_len, rank, world, layout if world > 1 else "contiguous", causal, window,
-                     branches, q.shape[1], k.shape[1], message_budget(seq_len, world, k.shape[1]), tile, documents)
+                     branches, q.shape[1], k.shape[1], budget, tile, documents)
     rctx = _Ctx(comm, plan, scale, causal, window, key_mask, documents=documents, dilated=dilated,
                 softcap=softcap, backward_tile=min(BACKWARD_TILE, tile or BACKWARD_TILE))
     return RingAttentionFunction.apply(q, k, v, sinks, rctx)
@@ -391,6 +392,7 @@ def ring_attention(
     softcap: Optional[float] = None,
     sinks: Optional[Tensor] = None,
     documents: Optional[Documents] = None,
+    message_rows: Optional[int] = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -412,6 +414,9 @@ def ring_attention(
     the global document starts already (per batch row, the ascending rows
     where a document starts, beginning with 0; see
     :func:`hf_ring.documents.document_starts`): no exchange is then needed.
+    ``message_rows`` sets the K/V rows per message on the ring (default: an
+    eighth of a shard, at least 512): smaller messages bound the ring's
+    buffers further, at some speed.
     Without a group and without torch.distributed it runs as one process.
     Every argument is validated and the ranks agree on all of them (one small
     all-gather) before any K/V moves: a mismatch raises the same error on every rank.
@@ -423,10 +428,11 @@ def ring_attention(
     position_ids = check_position_ids(position_ids, q)
     if position_ids is not None and documents is not None:
         raise ValueError("pass either position_ids (the ranks then learn the documents) or documents, not both")
-    n, padded = agree(comm, q, k, seq_len, opts, option_codes(softcap, sinks, position_ids, documents))
+    message_rows = check_message_rows(message_rows)
+    n, padded = agree(comm, q, k, seq_len, opts, option_codes(softcap, sinks, position_ids, documents, message_rows))
     if position_ids is not None:
         documents = gather_documents(comm, position_ids, n, opts.layout, k.device)
     documents = check_documents(documents, q.shape[0], n)
     return run(q, k, v, comm, seq_len=n, layout=opts.layout, causal=opts.causal, window=opts.window,
                pattern=opts.pattern, scale=opts.scale, key_mask=full_key_mask(opts.key_mask, k, padded),
-               documents=documents, softcap=softcap, sinks=sinks)
+               documents=documents, softcap=softcap, sinks=sinks, message_rows=message_rows)

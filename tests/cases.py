@@ -42,14 +42,7 @@ def ring_case(seed, b, hq, hkv, n, d, *, dtype=torch.float32, layout="zigzag", m
         res["max_mask"] = max(sides)
         return res
     if message_rows is not None:
-        import hf_ring.schedule as schedule
-
-        saved = schedule.MIN_MESSAGE_ROWS, schedule.MESSAGES_PER_SHARD
-        schedule.MIN_MESSAGE_ROWS, schedule.MESSAGES_PER_SHARD = message_rows, 10**9
-        try:
-            return ring_case(seed, b, hq, hkv, n, d, dtype=dtype, layout=layout, **kw)
-        finally:
-            schedule.MIN_MESSAGE_ROWS, schedule.MESSAGES_PER_SHARD = saved
+        kw["message_rows"] = message_rows
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     q, k, v, dout = make_qkv(seed, b, hq, hkv, n, d, dtype)
     pos = hf_ring.local_positions(n, rank, world, layout)
@@ -302,16 +295,9 @@ def packed_case(seed, b, hq, hkv, n, d, *, position_ids=None, sinks=None, layout
     shrinks the per-message budget so shards travel in many small messages.
     """
     import hf_ring.ring as ring
-    import hf_ring.schedule as schedule
 
     if message_rows is not None:
-        saved = schedule.MIN_MESSAGE_ROWS, schedule.MESSAGES_PER_SHARD
-        schedule.MIN_MESSAGE_ROWS, schedule.MESSAGES_PER_SHARD = message_rows, 10**9
-        try:
-            return packed_case(seed, b, hq, hkv, n, d, position_ids=position_ids, sinks=sinks, layout=layout,
-                               pad=pad, spy=spy, known_starts=known_starts, **kw)
-        finally:
-            schedule.MIN_MESSAGE_ROWS, schedule.MESSAGES_PER_SHARD = saved
+        kw["message_rows"] = message_rows
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     q, k, v, dout = make_qkv(seed, b, hq, hkv, n, d)

@@ -122,3 +122,17 @@ def test_unusable_scale_is_refused(scale):
     q, k, v, _ = make_qkv(1, 1, 2, 2, 6, 8)
     with pytest.raises(ValueError, match="scale must be a finite number > 0"):
         hf_ring.ring_attention(q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("rows", [0, -3, 2.5, True])
+def test_bad_message_rows_are_refused(rows):
+    q, k, v, _ = make_qkv(1, 1, 2, 2, 6, 8)
+    with pytest.raises(ValueError, match="message_rows must be a positive int"):
+        hf_ring.ring_attention(q, k, v, message_rows=rows)
+
+
+def test_ranks_with_different_message_sizes_fail_alike(pools):
+    from cases import options_case
+
+    res = pools(2).run(options_case, [{"message_rows": 2}, {}])
+    assert res[0] == res[1] and res[0][0] == "ValueError" and "different message_rows" in res[0][1], res

@@ -9,7 +9,6 @@ import torch.distributed as dist
 
 import hf_ring
 import hf_ring.comm as comm
-import hf_ring.parallel as parallel
 from cases import make_qkv, raises_on_rank
 from dist_pool import run_once
 
@@ -121,7 +120,7 @@ def sync_case(sp_size, bucket_bytes):
     ``d`` has a gradient on global rank 0 only, ``e`` on no rank, ``frozen`` does not require one.
     """
     rank = dist.get_rank()
-    sp = hf_ring.setup_sequence_parallel(None, sp_size)
+    hf_ring.setup_sequence_parallel(None, sp_size)
     model = torch.nn.Module()
     for i, (name, (shape, dtype)) in enumerate(SHAPES.items()):
         p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=name != "frozen")
@@ -129,17 +128,16 @@ def sync_case(sp_size, bucket_bytes):
         if name in ("a", "b", "c") or (name == "d" and rank == 0):
             p.grad = _grad_value(shape, dtype, rank, i)
     calls, real = [], comm.all_reduce
-    saved_bytes = parallel.BUCKET_BYTES
 
     def counting(tensor, group, what, **kw):
         calls.append((what, tensor.numel()))
         return real(tensor, group, what, **kw)
 
-    comm.all_reduce, parallel.BUCKET_BYTES = counting, bucket_bytes
+    comm.all_reduce = counting  # a spy: it counts the collectives and passes them on
     try:
-        hf_ring.sync_gradients(model)
+        hf_ring.sync_gradients(model, bucket_bytes=bucket_bytes)
     finally:
-        comm.all_reduce, parallel.BUCKET_BYTES = real, saved_bytes
+        comm.all_reduce = real
         hf_ring.clear_sequence_parallel()
     grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
     return {"grads": grads, "calls": calls}
@@ -219,9 +217,7 @@ def test_absent_peer_ends_in_comm_timeout(what):
 def ring_with_killed_rank(victim, phase, n):
     """Ring attention forward and backward; ``victim`` SIGKILLs itself at its second kernel call of ``phase``."""
     import hf_ring.ring as ring
-    import hf_ring.schedule as schedule
 
-    schedule.MIN_MESSAGE_ROWS, schedule.MESSAGES_PER_SHARD = 32, 10**9  # many messages: the ring is mid-flight
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == victim:
         name = "block_forward" if phase == "forward" else "block_backward"
@@ -238,7 +234,8 @@ def ring_with_killed_rank(victim, phase, n):
     pos = hf_ring.local_positions(n, rank, world, "zigzag")
     ql, kl, vl = (t[:, :, pos].clone().requires_grad_(True) for t in (q, k, v))
     t0 = time.monotonic()
-    err = raises_on_rank(lambda: hf_ring.ring_attention(ql, kl, vl).backward(dout[:, :, pos]))
+    # Many small messages, so the ring is mid-flight when the victim dies.
+    err = raises_on_rank(lambda: hf_ring.ring_attention(ql, kl, vl, message_rows=32).backward(dout[:, :, pos]))
     return err, time.monotonic() - t0
 
 
