@@ -349,5 +349,14 @@ def main(argv=None) -> dict:
     return {"history": history}
 
 
+def close() -> None:
+    """Tear the process group down once every rank is done: a rank that exits while its peer's connection
+    is still open can abort at exit."""
+    if torch.distributed.is_initialized():
+        hf_ring.comm.all_reduce(torch.zeros(1, device=hf_ring.comm.device_for(None)), None, "the final barrier")
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     main()
+    close()

@@ -187,3 +187,4 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
+    ft.close()
