@@ -51,3 +51,9 @@ def cancelling_scale(name, q, k, v, dout):
     other = k if name == "dq" else q
     terms = (dout.double() * v.double().repeat_interleave(q.shape[1] // v.shape[1], 1)).sum(-1).abs().max()
     return float(terms * other.double().abs().max() / q.shape[-1] ** 0.5)
+
+
+def worst_rel_err(got: dict, ref: dict) -> float:
+    """The largest :func:`rel_err` over tensors of the same names (e.g. every parameter gradient)."""
+    assert got.keys() == ref.keys() and ref, (sorted(got), sorted(ref))
+    return max(rel_err(got[k], ref[k]) for k in ref)

@@ -7,24 +7,12 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 import hf_ring
 from cases import sp_tiled_train_case
+from helpers import rel_err as rel
+from helpers import worst_rel_err as worst_grad
 from hf_ring.patches import tiling
 from models import batch, load, saved_model_dir
 
 TOL = 1e-5
-
-
-def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """Max abs error over the reference's max abs value; a zero reference must be matched exactly."""
-    err = (got.double() - ref.double()).abs().max().item()
-    scale = ref.double().abs().max().item()
-    if scale == 0.0:
-        return 0.0 if err == 0.0 else float("inf")
-    return err / scale
-
-
-def worst_grad(got: dict, ref: dict) -> float:
-    assert set(got) == set(ref)
-    return max(rel(got[k], ref[k]) for k in ref)
 
 
 # ---- the loss function alone, against transformers' loss on full logits in float64 ----------------------------
@@ -131,6 +119,18 @@ def _step(model, data, **extra):
     return out, {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
+def _check_tiled_step(model, data, ref, ref_grads, **chunks):
+    """A step of ``model`` with loss, MLP and norms tiled gives ``ref``'s loss and gradients, and no logits."""
+    hf_ring.configure_tiling(model, loss=True, mlp=True, norm=True, **chunks)
+    try:
+        out, grads = _step(model, data)
+    finally:
+        tiling.revert(model)
+    assert out.logits is None
+    assert rel(out.loss.detach(), ref.loss.detach()) <= TOL
+    assert worst_grad(grads, ref_grads) <= TOL
+
+
 @pytest.mark.parametrize("kind,overrides", [
     ("llama", {}),
     ("mistral", {}),
@@ -145,15 +145,7 @@ def test_tiled_model_step_equals_untiled(kind, overrides, checkpointing):
     if checkpointing:
         ref_model.gradient_checkpointing_enable()
         model.gradient_checkpointing_enable()
-    ref, ref_grads = _step(ref_model, data)
-    hf_ring.configure_tiling(model, loss=True, mlp=True, norm=True, loss_chunk_rows=7, row_chunk_rows=9)
-    try:
-        out, grads = _step(model, data)
-    finally:
-        tiling.revert(model)
-    assert out.logits is None
-    assert rel(out.loss.detach(), ref.loss.detach()) <= TOL
-    assert worst_grad(grads, ref_grads) <= TOL
+    _check_tiled_step(model, data, *_step(ref_model, data), loss_chunk_rows=7, row_chunk_rows=9)
 
 
 def _family_model(kind):
@@ -174,14 +166,7 @@ def test_tiled_step_other_families(kind):
     data = batch(6, 1, 23, pad="right")
     ref, ref_grads = _step(model, data)
     model.zero_grad(set_to_none=True)
-    hf_ring.configure_tiling(model, loss=True, mlp=True, norm=True, loss_chunk_rows=5, row_chunk_rows=6)
-    try:
-        out, grads = _step(model, data)
-    finally:
-        tiling.revert(model)
-    assert out.logits is None
-    assert rel(out.loss.detach(), ref.loss.detach()) <= TOL
-    assert worst_grad(grads, ref_grads) <= TOL
+    _check_tiled_step(model, data, ref, ref_grads, loss_chunk_rows=5, row_chunk_rows=6)
 
 
 def test_logits_come_back_without_labels_or_when_asked():

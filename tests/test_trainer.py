@@ -8,22 +8,12 @@ import torch
 
 import hf_ring
 from cases import sft_case, sft_example_case, trainer_case
+from helpers import rel_err as rel
+from helpers import worst_rel_err as worst
 from models import saved_model_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
-
-
-def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """max|got - ref| / max|ref| of one tensor; an exactly zero reference must be matched exactly."""
-    err = (got.double() - ref.double()).abs().max().item()
-    scale = ref.double().abs().max().item()
-    return err / scale if scale > 0 else (0.0 if err == 0 else float("inf"))
-
-
-def worst(got: dict, ref: dict) -> float:
-    assert got.keys() == ref.keys() and ref
-    return max(rel(got[k], ref[k]) for k in ref)
 
 
 def check_losses(got, ref):
