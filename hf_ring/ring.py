@@ -73,6 +73,17 @@ class _Ctx:
     backward_tile: int = BACKWARD_TILE
 
 
+def rows_major(b: int, h: int, s: int, d: int, dtype: torch.dtype, device) -> Tensor:
+    """Zeros of shape ``(B, H, S, D)`` stored as ``(B, S, H, D)``.
+
+    That is the order the model reads the attention output in (and the order
+    its projections' gradients come in), so the ``transpose(1, 2)`` back to
+    ``(B, S, H·D)`` is a view: no second copy of the output per layer, which
+    would be saved for the backward beside this one.
+    """
+    return torch.zeros(b, s, h, d, dtype=dtype, device=device).transpose(1, 2)
+
+
 def _piece_view(x: Tensor, piece: Piece) -> Tensor:
     return x[:, head_slice(piece.heads), piece.rows.slice]
 
@@ -233,7 +244,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx, sinks: Optional[Ten
         out, lse = block_forward(q, k, v, scale=ctx.scale,
                                  **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
         return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
-    out = torch.zeros(b, hq, s, d, dtype=accumulator_dtype(q), device=q.device)
+    out = rows_major(b, hq, s, d, accumulator_dtype(q), q.device)
     lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
     for step, kv in _visits(ctx, k, v):
         for blk in step.recv.blocks:
@@ -270,9 +281,9 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
         return block_backward(dout, q, k, v, out, lse, scale=ctx.scale,
                               **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
     acc = accumulator_dtype(q)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-    dv = torch.zeros_like(dk)
+    dq = rows_major(*q.shape, acc, q.device)
+    dk = rows_major(*k.shape, acc, q.device)
+    dv = rows_major(*k.shape, acc, q.device)
     returning: Optional[Tuple[Step, Pending]] = None
     for step, kv in _visits(ctx, k, v):
         if step.shift == 0:
@@ -333,7 +344,8 @@ class RingAttentionFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        dout = dout.contiguous()
+        if dout.stride(-1) != 1:  # e.g. the expanded gradient of a sum; the kernels read any other strides
+            dout = dout.contiguous()
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.rctx)
         dsinks = None if sinks is None else sinks_backward(dout, out, lse, sinks)
         return dq, dk, dv, dsinks, None
