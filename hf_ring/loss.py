@@ -1,10 +1,11 @@
 """Causal-LM loss over a long shard without a (rows x vocab) logits tensor.
 
-The lm_head and the cross-entropy run over chunks of rows. The forward keeps
-only the summed loss; the backward recomputes each chunk's logits and turns
-them into that chunk's gradients at once. So at most one chunk of logits (and
-its softmax) lives at any time, and what is saved for the backward is the
-hidden states, the weight and the targets.
+The lm_head and the cross-entropy run over chunks of rows. When gradients
+are wanted the forward turns each chunk's logits into that chunk's gradients
+at once (the unit-gradient case; the backward scales them). So at most one
+chunk of logits (and its softmax) lives at any time, and what is kept for the
+backward is the gradient of the hidden states and of the weight, in place of
+the hidden states the backward would otherwise recompute the logits from.
 
 The numbers are those of transformers' ``ForCausalLMLoss`` on the full logits:
 logits computed in the model dtype and upcast to fp32, an optional Gemma-style
@@ -52,50 +53,75 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return t * softcap, 1.0 - t * t
 
 
+def _chunk_loss_and_grad(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], t: torch.Tensor,
+                         ignore_index: int, softcap: Optional[float], with_grad: bool, divisor: torch.Tensor):
+    """Summed cross-entropy of one chunk and, with ``with_grad``, d(sum / divisor)/d(logits) in ``h.dtype``."""
+    logits, dcap = _chunk_logits(h, weight, bias, softcap)
+    counted = t != ignore_index
+    rows = counted.nonzero().squeeze(1)
+    lse = torch.logsumexp(logits, dim=-1)
+    total = (lse[rows] - logits[rows, t[rows]]).sum()
+    if not with_grad:
+        return total, None
+    # softmax - onehot on counted rows, 0 on ignored ones, built in the logits' own buffer.
+    g = logits.sub_(lse.unsqueeze(1)).exp_()
+    del logits
+    g[rows, t[rows]] -= 1.0
+    g.mul_(counted.unsqueeze(1) / divisor)
+    if dcap is not None:
+        g.mul_(dcap)
+    return total, g.to(h.dtype)
+
+
 class _TiledLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, divisor, chunk, ignore_index, softcap):
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for s in range(0, hidden.shape[0], chunk):
-            logits, _ = _chunk_logits(hidden[s:s + chunk], weight, bias, softcap)
-            total += F.cross_entropy(logits, targets[s:s + chunk], ignore_index=ignore_index, reduction="sum")
-            del logits
-        ctx.save_for_backward(hidden, weight, bias, targets, divisor)
-        ctx.chunk, ctx.ignore_index, ctx.softcap = chunk, ignore_index, softcap
-        return total / divisor
+    """Loss and gradients in one pass over the chunks.
+
+    Each chunk's logits are made once: the forward turns them into the loss
+    and, when a gradient will be wanted, at once into the gradients of the
+    hidden states and the weight for a unit output gradient, which the
+    backward hands on as they are (or scaled by any other output gradient).
+    The three matrix products (logits, d hidden, d weight) then run once each,
+    where recomputing in the backward would run the logits product twice.
+    """
 
     @staticmethod
-    def backward(ctx, grad_loss):
-        hidden, weight, bias, targets, divisor = ctx.saved_tensors
-        chunk, ignore_index, softcap = ctx.chunk, ctx.ignore_index, ctx.softcap
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        scale = (grad_loss / divisor).float()
+    def forward(ctx, hidden, weight, bias, targets, divisor, chunk, ignore_index, softcap, grad_enabled):
+        # needs_input_grad does not see torch.no_grad() (an evaluation loss): the caller's mode says it.
+        need_h, need_w, need_b = (need and grad_enabled for need in ctx.needs_input_grad[:3])
+        with_grad = need_h or need_w or need_b
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         for s in range(0, hidden.shape[0], chunk):
-            h, t = hidden[s:s + chunk], targets[s:s + chunk]
-            logits, dcap = _chunk_logits(h, weight, bias, softcap)
-            # d(sum CE)/d logits = softmax - onehot on counted rows, 0 on ignored ones (in place: one chunk buffer).
-            g = torch.softmax(logits, dim=-1)
-            del logits
-            counted = t != ignore_index
-            rows = counted.nonzero().squeeze(1)
-            g[rows, t[rows]] -= 1.0
-            g.mul_((counted.unsqueeze(1) * scale))
-            if dcap is not None:
-                g.mul_(dcap)
-                del dcap
-            g = g.to(hidden.dtype)
+            h = hidden[s:s + chunk]
+            part, g = _chunk_loss_and_grad(h, weight, bias, targets[s:s + chunk], ignore_index, softcap,
+                                           with_grad, divisor)
+            total += part
+            if g is None:
+                continue
             if need_h:
-                grad_h[s:s + chunk] = g @ weight
+                torch.mm(g, weight, out=grad_h[s:s + chunk])
             if need_w:
                 grad_w.addmm_(g.t().float(), h.float())
             if need_b:
                 grad_b += g.float().sum(0)
             del g
-        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
+        ctx.save_for_backward(grad_h, grad_w, grad_b, divisor)
+        ctx.dtypes = weight.dtype, None if bias is None else bias.dtype
+        return total / divisor
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w, grad_b, divisor = ctx.saved_tensors
+        w_dtype, b_dtype = ctx.dtypes
+        if bool(grad_loss == 1):  # the usual case: no second rows-sized tensor for a scaled copy
+            return (grad_h, None if grad_w is None else grad_w.to(w_dtype),
+                    None if grad_b is None else grad_b.to(b_dtype), None, None, None, None, None, None)
+        scale = grad_loss.float()
+        return (None if grad_h is None else grad_h * scale.to(grad_h.dtype),
+                None if grad_w is None else (grad_w * scale).to(w_dtype),
+                None if grad_b is None else (grad_b * scale).to(b_dtype), None, None, None, None, None, None)
 
 
 def tiled_causal_lm_loss(hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -125,4 +151,5 @@ def tiled_causal_lm_loss(hidden_states: torch.Tensor, weight: torch.Tensor, bias
     else:
         divisor = torch.as_tensor(num_items_in_batch, device=hidden.device).float()
     chunk = chunk_rows_for(weight.shape[0], chunk_rows)
-    return _TiledLoss.apply(hidden, weight, bias, targets, divisor, chunk, ignore_index, softcap)
+    return _TiledLoss.apply(hidden, weight, bias, targets, divisor, chunk, ignore_index, softcap,
+                            torch.is_grad_enabled())

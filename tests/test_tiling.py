@@ -67,6 +67,43 @@ def test_tiled_loss_equals_full_logits_loss(chunk, form):
         assert rel(leaf.grad, ref) <= TOL
 
 
+def test_tiled_loss_scales_by_any_output_gradient_and_backwards_twice():
+    hidden, weight, bias, labels = _inputs(5)
+    ref_loss, ref_grads = _reference(hidden, weight, bias, labels=labels)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    loss = hf_ring.tiled_causal_lm_loss(*leaves, labels=labels, chunk_rows=5)
+    (loss * 3.0).backward(retain_graph=True)
+    for leaf, ref in zip(leaves, ref_grads):
+        assert rel(leaf.grad, 3.0 * ref) <= TOL
+    loss.backward()  # the gradients the forward computed are still intact
+    for leaf, ref in zip(leaves, ref_grads):
+        assert rel(leaf.grad, 4.0 * ref) <= TOL
+
+
+class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_tiled_loss_makes_each_chunks_logits_once_and_no_gradients_without_grad_mode():
+    hidden, weight, bias, labels = _inputs(6)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    chunks = math.ceil(hidden.shape[0] * hidden.shape[1] / 7)
+    with _CountMatmuls() as counted:
+        hf_ring.tiled_causal_lm_loss(*leaves, labels=labels, chunk_rows=7).backward()
+    assert counted.count == 3 * chunks  # logits, d hidden, d weight: once each per chunk
+    with torch.no_grad(), _CountMatmuls() as counted:
+        loss = hf_ring.tiled_causal_lm_loss(*leaves, labels=labels, chunk_rows=7)
+    assert counted.count == chunks
+    assert rel(loss, _reference(hidden, weight, bias, labels=labels)[0]) <= TOL
+
+
 def test_tiled_loss_rows_all_ignored_is_nan_like_the_untiled_loss():
     hidden, weight, bias, labels = _inputs(2)
     labels[:] = -100
