@@ -185,7 +185,7 @@ def chunk_pair(plan: PairPlan, budget: int, causal: bool, window: Optional[int])
     in each message and re-classified from positions. Sender and receiver
     call this with the same arguments, so they agree on every message.
     """
-    if sum(len(p.heads) * p.rows.count for p in plan.pieces) <= budget:
+    if _size(plan) <= budget:
         return [plan]
     chunks: List[List[Tuple[int, int, int]]] = [[]]  # (piece id, first item, count)
     room = budget
@@ -229,6 +229,29 @@ def message_budget(seq_len: int, world_size: int, hkv: int) -> int:
     return max(MIN_MESSAGE_ROWS * hkv, -(-rows * hkv // MESSAGES_PER_SHARD))
 
 
+def _size(plan: PairPlan) -> int:
+    return sum(len(p.heads) * p.rows.count for p in plan.pieces)
+
+
+@lru_cache(maxsize=512)
+def messages_per_transfer(
+    seq_len: int, shift: int, world_size: int, layout: str, causal: bool, window: Optional[int],
+    branches: Branches, hq: int, hkv: int, budget: int, tile: Optional[int] = None,
+    documents: Optional[Documents] = None,
+) -> int:
+    """How many messages every transfer of ring step ``shift`` is cut into: enough for the largest.
+
+    All transfers of a step are cut into the same number of messages, so the
+    ranks move in lockstep: message i of every transfer travels in the same
+    round, and a rank that receives twice the rows (and computes half the
+    queries against each) gets messages of twice the size rather than twice
+    as many, which would leave its peer idle for the extra rounds.
+    """
+    largest = max(_size(pair_plan(seq_len, r, (r - shift) % world_size, world_size, layout, causal, window,
+                                  branches, hq, hkv, tile, documents)) for r in range(world_size))
+    return max(1, -(-largest // budget))
+
+
 @lru_cache(maxsize=512)
 def rank_plan(
     seq_len: int, rank: int, world_size: int, layout: str, causal: bool,
@@ -237,19 +260,21 @@ def rank_plan(
 ) -> RankPlan:
     """Every step rank ``rank`` takes part in; step 0 (its own K/V) comes first.
 
-    A shift whose messages exceed ``budget`` rows x heads (default
-    :func:`message_budget`) becomes several steps. ``documents``: see :func:`pair_plan`.
+    Each shift's transfers are cut into :func:`messages_per_transfer` messages
+    of at most ``budget`` rows x heads (default :func:`message_budget`), each a
+    step of its own. ``documents``: see :func:`pair_plan`.
     """
     if budget is None:
         budget = message_budget(seq_len, world_size, hkv)
-    steps = [Step(0, rank, rank, pair_plan(seq_len, rank, rank, world_size, layout, causal, window,
-                                            branches, hq, hkv, tile, documents), ())]
+    args = (world_size, layout, causal, window, branches, hq, hkv, tile, documents)
+    steps = [Step(0, rank, rank, pair_plan(seq_len, rank, rank, *args), ())]
     for s in range(1, world_size):
         src, dst = (rank - s) % world_size, (rank + s) % world_size
-        recv = chunk_pair(pair_plan(seq_len, rank, src, world_size, layout, causal, window, branches, hq, hkv, tile,
-                                    documents), budget, causal, window)
-        send = chunk_pair(pair_plan(seq_len, dst, rank, world_size, layout, causal, window, branches, hq, hkv, tile,
-                                    documents), budget, causal, window)
+        count = messages_per_transfer(seq_len, s, world_size, layout, causal, window, branches, hq, hkv, budget,
+                                      tile, documents)
+        recv_plan, send_plan = pair_plan(seq_len, rank, src, *args), pair_plan(seq_len, dst, rank, *args)
+        recv = chunk_pair(recv_plan, -(-_size(recv_plan) // count), causal, window)
+        send = chunk_pair(send_plan, -(-_size(send_plan) // count), causal, window)
         for i in range(max(len(recv), len(send))):
             r = recv[i] if i < len(recv) else PairPlan((), ())
             snd = send[i].pieces if i < len(send) else ()
