@@ -8,6 +8,7 @@ from .cache import ShardedCache
 from .comm import CommTimeoutError
 from .config import configure
 from .data import gather_sequence, shard_batch
+from .decode import RanksDivergedError
 from .generation import generate
 from .groups import SequenceParallel, current
 from .layout import local_positions, shard_sizes
@@ -22,6 +23,7 @@ from .trainer import SequenceParallelTrainerMixin, prepare_trainer
 __all__ = [
     "CommTimeoutError",
     "DilatedPattern",
+    "RanksDivergedError",
     "SequenceParallel",
     "SequenceParallelTrainerMixin",
     "ShardedCache",

@@ -230,7 +230,7 @@ def _decode_step(query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[
     blocks = ctx.blocks(query.shape[1], key.shape[1], opts.causal, opts.window, branches_of(opts.pattern), query.device)
     key_mask = None if key_valid is None else key_valid[:, k_pos.to(key_valid.device)]
     out, lse = cached_attention(query, key, value, blocks, scale=opts.scale, key_mask=key_mask, softcap=softcap)
-    return merge_ranks(out, lse, ctx.comm, sinks).to(query.dtype)
+    return merge_ranks(out, lse, ctx.comm, sinks, same_ids=ctx.take_check()).to(query.dtype)
 
 
 def ring_dilated_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,

@@ -96,12 +96,20 @@ class DecodeStep:
 
     Every rank runs the same new tokens at global positions ``q_pos``; each
     attends them over its own cache rows and the ranks merge the partials.
+    ``check_ids``: the step's input tokens, which the first layer's merge
+    checks are the same on every rank (see :meth:`take_check`).
     """
 
     cache: ShardedCache
     comm: Optional[RingComm]
     q_pos: Tensor
+    check_ids: Optional[Tensor] = None
     _blocks: Dict[Any, List[CachedBlock]] = field(default_factory=dict, repr=False)
+
+    def take_check(self) -> Optional[Tensor]:
+        """The token ids to check across ranks, once per step (the first layer's merge carries them)."""
+        ids, self.check_ids = self.check_ids, None
+        return ids
 
     def blocks(self, hq: int, hkv: int, causal: bool, window: Optional[int],
                branches: Sequence[Tuple[int, int]], device: torch.device) -> List[CachedBlock]:

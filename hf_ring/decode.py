@@ -174,17 +174,49 @@ def merge_partials(outs: Tensor, lses: Tensor) -> Tensor:
     return _merge(outs, lses)[0]
 
 
-def merge_ranks(out: Tensor, lse: Tensor, comm: Optional[RingComm], sinks: Optional[Tensor] = None) -> Tensor:
+class RanksDivergedError(ValueError):
+    """The ranks of one :func:`hf_ring.generate` call fed different tokens to the model."""
+
+
+def _id_halves(ids: Tensor, dtype: torch.dtype) -> Tensor:
+    """Token ids as two 16-bit halves, exact in any float dtype the partials travel in."""
+    ids = ids.reshape(-1).to(torch.long)
+    return torch.cat([ids >> 16, ids & 0xFFFF]).to(dtype)
+
+
+def merge_ranks(out: Tensor, lse: Tensor, comm: Optional[RingComm], sinks: Optional[Tensor] = None,
+                same_ids: Optional[Tensor] = None) -> Tensor:
     """Every rank's partial ``(out, lse)`` merged: one all-gather, bitwise the same result on every rank.
 
     Each rank merges the gathered partials in rank order, so all hold the same
     numbers. ``sinks`` ``(Hq,)`` (one logit per query head, zero value) join
     the merged result once, so generation matches the full forward.
+    ``same_ids``: token ids every rank must hold alike (the tokens this step
+    runs, which each rank picked from its own logits); they ride in the same
+    all-gather, and ranks that differ raise :class:`RanksDivergedError` on
+    every rank.
     """
     sinks = check_sinks(sinks, out.shape[1])
     if comm is not None and comm.world_size > 1:
-        packed = torch.cat([out, lse.to(out.dtype).unsqueeze(-1)], dim=-1)
+        packed = torch.cat([out, lse.to(out.dtype).unsqueeze(-1)], dim=-1).reshape(-1)
+        extra = 0
+        if same_ids is not None:
+            ids = _id_halves(same_ids, packed.dtype).to(packed.device)
+            extra = ids.numel()
+            packed = torch.cat([packed, ids])
         parts = comm.all_gather(packed, "the decode merge across ranks")
+        if extra:
+            got = parts[:, parts.shape[1] - extra:]
+            if not bool((got == got[0]).all()):
+                differ = [r for r in range(parts.shape[0]) if not bool((got[r] == got[0]).all())]
+                raise RanksDivergedError(
+                    f"the ranks ran different tokens at this decoding step (ranks {differ} differ from rank 0): "
+                    "their logits differed although every rank computed them from the same numbers, which happens "
+                    "when ranks run on different hardware or thread counts. Pass broadcast_logits=True to "
+                    "hf_ring.generate to take rank 0's logits on every rank"
+                )
+            parts = parts[:, : parts.shape[1] - extra]
+        parts = parts.view(parts.shape[0], *out.shape[:-1], out.shape[-1] + 1)
         out, lse = _merge(parts[..., :-1], parts[..., -1])
     if sinks is not None:
         out, _ = add_sinks(out, lse, sinks)

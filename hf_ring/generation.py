@@ -10,8 +10,12 @@ on the model's forward:
 - **step** (every later forward): every rank runs the same new token(s); each
   new row's K/V is stored on one rank only (the least loaded), each rank
   attends the new queries over its own rows and the ranks merge the partial
-  results with one small all-gather per layer. Rank 0 broadcasts the logits,
-  so every rank picks the same token even if kernels round differently.
+  results with one small all-gather per layer, which leaves every rank the
+  same numbers. So every rank computes the same logits and picks the same
+  token with no broadcast; the step's tokens ride in its first all-gather to
+  check that, and a final exchange checks the last one. Where ranks may round
+  differently (mixed hardware), ``broadcast_logits=True`` makes every rank
+  take rank 0's logits.
 
 Every rank gets the same output sequences; no rank ever holds the whole cache.
 """
@@ -29,6 +33,7 @@ from .cache import ShardedCache
 from .checks import raise_together
 from .comm import RingComm
 from .context import CONTEXT_KEY, DecodeStep, ShardedForward
+from .decode import RanksDivergedError
 from .layout import owner, shard_sizes
 from .groups import current
 
@@ -50,7 +55,8 @@ class Generation:
 
     cache: ShardedCache
     comm: Optional[RingComm]
-    src: int = 0  # the rank whose logits every rank takes
+    broadcast_logits: bool = False
+    src: Optional[int] = None  # the rank whose logits every rank takes this forward; None: each its own
 
 
 def _rope_type(config) -> str:
@@ -139,8 +145,8 @@ def _pre_forward(state: Generation):
             state.src = owner(m - 1, m, world, cache.layout)  # its last local row is the prompt's last token
         else:
             # Later tokens, and prompts too short to give every rank a row, run on every rank.
-            kwargs[CONTEXT_KEY] = DecodeStep(cache, state.comm, cache.begin_step(m))
-            state.src = 0
+            kwargs[CONTEXT_KEY] = DecodeStep(cache, state.comm, cache.begin_step(m), check_ids=ids)
+            state.src = 0 if state.broadcast_logits else None
         return args, kwargs
 
     return hook
@@ -148,7 +154,7 @@ def _pre_forward(state: Generation):
 
 def _post_forward(state: Generation):
     def hook(module, args, kwargs, output):
-        if state.comm is None:
+        if state.comm is None or state.src is None:
             return output
         logits = output.logits[:, -1:].contiguous()
         output.logits = state.comm.broadcast(logits, state.src, "the next-token logits broadcast")
@@ -177,8 +183,20 @@ def _check_inputs(input_ids, attention_mask) -> None:
                              f"got {getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
 
 
+def _check_same_output(comm: RingComm, result: Any) -> None:
+    """The ranks' output sequences are equal (the last token was checked by no later step)."""
+    sequences = result if isinstance(result, torch.Tensor) else result.sequences
+    digests = [row[0] for row in comm.all_gather_ints([_digest(sequences)], "the output check after generation")]
+    if len(set(digests)) > 1:
+        raise RanksDivergedError(
+            "the ranks generated different sequences: their logits differed although every rank computed them "
+            "from the same numbers, which happens when ranks run on different hardware or thread counts. Pass "
+            "broadcast_logits=True to hf_ring.generate to take rank 0's logits on every rank"
+        )
+
+
 def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, *,
-             allow_beyond_max_positions: bool = False, **generate_kwargs: Any):
+             allow_beyond_max_positions: bool = False, broadcast_logits: bool = False, **generate_kwargs: Any):
     """``model.generate`` over a sequence-parallel group, with the KV cache sharded across its ranks.
 
     Every rank of the group calls this with the same full ``input_ids`` (and
@@ -192,6 +210,10 @@ def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, 
     Positions past ``config.max_position_embeddings`` are refused unless the
     RoPE type is ``dynamic`` or ``allow_beyond_max_positions=True``. A bad
     argument on any rank raises the same error on every rank of the group.
+    Every rank computes the same logits at each decoding step, and the ranks
+    check they ran the same tokens (:class:`hf_ring.RanksDivergedError` if
+    not); ``broadcast_logits=True`` sends rank 0's logits to every rank at
+    each step instead, for ranks that may round differently.
     """
     sp = current()
     comm = sp.comm if sp is not None and sp.sp_size > 1 else None
@@ -207,14 +229,17 @@ def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, 
         _agree(comm, input_ids, attention_mask, cache, bool(_setting(model, generate_kwargs, "do_sample")), model.device)
         if comm.rank != 0:
             generate_kwargs.pop("streamer", None)
-    state = Generation(cache, comm)
+    state = Generation(cache, comm, broadcast_logits=bool(broadcast_logits))
     hooks = [model.register_forward_pre_hook(_pre_forward(state), with_kwargs=True),
              model.register_forward_hook(_post_forward(state), with_kwargs=True)]
     try:
-        return model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)
+        result = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)
     finally:
         for h in hooks:
             h.remove()
+    if comm is not None:
+        _check_same_output(comm, result)
+    return result
 
 
 def _setting(model, generate_kwargs: dict, name: str):

@@ -74,6 +74,26 @@ def raises_on_rank(fn, *args, **kwargs):
     return None
 
 
+def sp_diverging_generate_case(path, ids, **kwargs):
+    """``hf_ring.generate`` where rank 1's lm_head differs, so its own logits pick other tokens.
+
+    Returns the sequences, or the (error type, message) this rank raised.
+    """
+    from models import load
+
+    hf_ring.setup_sequence_parallel(None)
+    try:
+        model = load(path, "ring_dilated")
+        if dist.get_rank() == 1:
+            with torch.no_grad():
+                model.lm_head.weight.copy_(torch.randn_like(model.lm_head.weight))
+        result = {}
+        error = raises_on_rank(lambda: result.setdefault("sequences", hf_ring.generate(model, ids, **kwargs)))
+        return error if error is not None else result["sequences"]
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
 def sp_train_case(path, sp_size, seed, b, n, pattern=None, layout="zigzag", pad="none"):
     """One training step of a tiny model with the sequence split over ``sp_size`` ranks."""
     from models import batch, load

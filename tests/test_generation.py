@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import hf_ring
-from cases import (ListStreamer, raises_on_rank, sdpa_sharded_case, sp_cache_forward_case, sp_generate_case,
-                   unseeded_sampling_case)
+from cases import (ListStreamer, raises_on_rank, sdpa_sharded_case, sp_cache_forward_case, sp_diverging_generate_case,
+                   sp_generate_case, unseeded_sampling_case)
 from helpers import dilated_sdpa_mask, rel_err
 from models import load, saved_model_dir
 
@@ -261,3 +261,16 @@ def test_bad_argument_on_one_rank_raises_the_same_error_on_every_rank(pools, bad
     results = pools(2).run(one_rank_bad_argument_case, saved_model_dir("llama"), ids, bad)
     assert results[0] == results[1], results
     assert results[0][0] == exc and match in results[0][1] and results[0][1].startswith("rank 1:")
+
+
+@pytest.mark.parametrize("new", [2, NEW])
+def test_ranks_that_pick_different_tokens_raise_on_every_rank_unless_logits_are_broadcast(pools, new):
+    path = saved_model_dir("llama")
+    ids, _ = prompts(11, 1, 40)
+    kw = dict(GREEDY, max_new_tokens=new)
+    # new=2: the second token is the first each rank picks itself, and the last: only the final check sees it.
+    for res in pools(2).run(sp_diverging_generate_case, path, ids, **kw):
+        assert res[0] == "RanksDivergedError" and "broadcast_logits=True" in res[1], res
+    ref = sdpa_generate(path, ids, None, **kw)
+    for res in pools(2).run(sp_diverging_generate_case, path, ids, broadcast_logits=True, **kw):
+        assert torch.equal(res, ref)
