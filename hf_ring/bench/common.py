@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import statistics
 import tempfile
 import time
 from datetime import timedelta
@@ -25,23 +26,43 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def best_time(fn: Callable[[], None], repeats: int) -> float:
-    """Fastest of ``repeats`` runs, in seconds."""
-    best = float("inf")
+def timed(fn: Callable[[], None], repeats: int, barrier: Optional[Callable[[], None]] = None) -> List[float]:
+    """Seconds of ``repeats`` timed calls of ``fn``, after one untimed warm-up call at the same size.
+
+    Every configuration of every benchmark is timed this way, so none is
+    favoured by a warm-up the others lack. ``barrier`` lines the ranks up
+    before each call.
+    """
+    fn()
+    times = []
     for _ in range(repeats):
+        if barrier is not None:
+            barrier()
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def summary(per_rank: List[List[float]]) -> Dict[str, float]:
+    """Median, fastest and slowest of repeated runs, each run counted at its slowest rank."""
+    runs = [max(ts) for ts in zip(*per_rank)]
+    return {"median": statistics.median(runs), "min": min(runs), "max": max(runs), "runs": len(runs)}
+
+
+def spread(stats: Dict[str, float]) -> str:
+    """``min-max`` of a :func:`summary`, for tables."""
+    return f"{stats['min']:.3g}-{stats['max']:.3g}"
 
 
 def measure_attention(impl: str, n: int, layout: str, b: int, h: int, d: int, repeats: int,
                       pattern: Optional[Dict] = None, what: str = "both") -> Dict:
     """Time causal attention on this rank's shard: ``impl`` is "sdpa" (one process) or "ring".
 
-    Returns the fastest forward and forward+backward times, the peak resident
-    memory above the pre-input baseline, and the bytes this rank sent
-    point-to-point during one forward+backward.
+    Returns the timed runs of the forward and of forward+backward (see
+    :func:`timed`), the peak resident memory above the pre-input baseline,
+    and the bytes this rank sent point-to-point during one forward+backward
+    (counted during the warm-up call).
     """
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -49,6 +70,7 @@ def measure_attention(impl: str, n: int, layout: str, b: int, h: int, d: int, re
     import hf_ring
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    barrier = dist.barrier if world > 1 else None
 
     def inputs(length):
         g = torch.Generator().manual_seed(0)
@@ -61,48 +83,47 @@ def measure_attention(impl: str, n: int, layout: str, b: int, h: int, d: int, re
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return hf_ring.ring_attention(q, k, v, layout=layout, seq_len=length, pattern=pattern)
 
-    # Warm up kernels, threads and the allocator on a small problem so the
-    # timings and the memory high-water mark below belong to size n alone.
+    # Load kernels, threads and the allocator on a small problem so the memory
+    # high-water mark below belongs to size n alone.
     wq, wk, wv, wdo = inputs(256)
     attn_fn(wq, wk, wv, 256).backward(wdo)
     base = rss_mb()
     q, k, v, do = inputs(n)
 
-    def attn():
-        return attn_fn(q, k, v, n)
-
     def fwd():
         with torch.no_grad():
-            attn()
+            attn_fn(q, k, v, n)
+
+    sent: List[int] = []
+    calls = []
 
     def fwd_bwd():
-        attn().backward(do)
+        attn_fn(q, k, v, n).backward(do)
         q.grad = k.grad = v.grad = None
 
-    result = {}
-    if what in ("both", "fwd"):
-        if world > 1:
-            dist.barrier()
-        result["fwd_s"] = best_time(fwd, repeats)
-    if what in ("both", "fwd_bwd"):
-        if world > 1:
-            dist.barrier()
-        sent = []
-        if world > 1:
-            original = dist.batch_isend_irecv
-
+    def counted_fwd_bwd():  # the first (warm-up) call counts the bytes sent
+        calls.append(1)
+        original = dist.batch_isend_irecv if world > 1 and len(calls) == 1 else None
+        if original is not None:
             def counting(ops):
                 sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
                 return original(ops)
 
             dist.batch_isend_irecv = counting
+        try:
             fwd_bwd()
-            dist.batch_isend_irecv = original
-        result["fwd_bwd_s"] = best_time(fwd_bwd, repeats)
+        finally:
+            if original is not None:
+                dist.batch_isend_irecv = original
+
+    result: Dict = {}
+    if what in ("both", "fwd"):
+        result["fwd_runs"] = timed(fwd, repeats, barrier)
+    if what in ("both", "fwd_bwd"):
+        result["fwd_bwd_runs"] = timed(counted_fwd_bwd, repeats, barrier)
         result["sent_mb"] = sum(sent) / 2**20
     result["peak_mb"] = peak_rss_mb() - base
     return result
-
 
 
 def _entry(rank, world_size, init_file, fn, args, results):

@@ -3,14 +3,16 @@
 Default pattern: segments (2048, 4096, 8192, 16384, 32768, 65536) with rates
 (1, 2, 4, 8, 16, 32), capped at n. Dense SDPA is timed only up to
 ``--dense-max`` tokens (its cost grows as n²). Every configuration runs in
-fresh one-thread processes, one after another, in this one run.
+fresh one-thread processes, one after another, in this one run, with the
+same untimed warm-up and the same number of timed repeats (median reported,
+spread beside it).
 """
 from __future__ import annotations
 
 import argparse
 from typing import Dict, List, Optional
 
-from .common import format_table, measure_attention, run_ranks, save
+from .common import format_table, measure_attention, run_ranks, save, spread, summary
 
 SEGMENTS = [2048, 4096, 8192, 16384, 32768, 65536]
 RATES = [1, 2, 4, 8, 16, 32]
@@ -33,14 +35,14 @@ def planned_sent_mb(n: int, world: int, layout: str, branches, h: int, b: int, d
 def _run(world: int, impl: str, n: int, layout: str, b: int, h: int, d: int, repeats: int,
          pattern: Optional[Dict]) -> Dict:
     res = run_ranks(world, measure_attention, impl, n, layout, b, h, d, repeats, pattern)
-    return {"fwd_s": max(r["fwd_s"] for r in res), "fwd_bwd_s": max(r["fwd_bwd_s"] for r in res),
+    fwd, fwd_bwd = summary([r["fwd_runs"] for r in res]), summary([r["fwd_bwd_runs"] for r in res])
+    return {"fwd_s": fwd["median"], "fwd_bwd_s": fwd_bwd["median"], "fwd_bwd_spread": spread(fwd_bwd),
             "sent_mb": max(r.get("sent_mb", 0.0) for r in res), "peak_mb": max(r["peak_mb"] for r in res)}
 
 
-def run(sizes: List[int], layouts: List[str], dense_max: int, b: int, h: int, d: int) -> List[Dict]:
+def run(sizes: List[int], layouts: List[str], dense_max: int, b: int, h: int, d: int, repeats: int) -> List[Dict]:
     rows = []
     for n in sizes:
-        repeats = 2 if n <= 16384 else 1
         segs = [min(w, n) for w in SEGMENTS]
         pattern = {"segment_lengths": segs, "dilation_rates": RATES}
         dense = _run(1, "sdpa", n, "contiguous", b, h, d, repeats, None) if n <= dense_max else None
@@ -50,6 +52,7 @@ def run(sizes: List[int], layouts: List[str], dense_max: int, b: int, h: int, d:
             row = {
                 "n": n, "world": world, "layout": layout if world > 1 else "-",
                 "fwd_s": round(got["fwd_s"], 3), "fwd_bwd_s": round(got["fwd_bwd_s"], 3),
+                "fwd_bwd_spread": got["fwd_bwd_spread"],
                 "dense_fwd_s": round(dense["fwd_s"], 3) if dense else "",
                 "dense_fwd_bwd_s": round(dense["fwd_bwd_s"], 3) if dense else "",
                 "speedup_fwd_bwd": round(dense["fwd_bwd_s"] / got["fwd_bwd_s"], 2) if dense else "",
@@ -93,9 +96,10 @@ def main(argv=None) -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per configuration, after one warm-up")
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
-    rows = run(args.sizes, args.layouts, args.dense_max, args.batch, args.heads, args.head_dim)
+    rows = run(args.sizes, args.layouts, args.dense_max, args.batch, args.heads, args.head_dim, args.repeats)
     print("\n" + format_table(rows, list(rows[0])))
     by = {(r["n"], r["world"], r["layout"]): r["fwd_bwd_s"] for r in rows}
     scaling = {f"p={w} {lay}": round(by[(262144, w, lay)] / by[(65536, w, lay)], 2)

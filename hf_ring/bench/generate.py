@@ -6,7 +6,9 @@ a prompt of each length and generates ``--new-tokens`` greedy tokens with
 dynamic cache runs alongside as the single-process reference. Reported per
 configuration: prefill time (and its ratio to one process), decode tokens/s,
 the KV cache bytes each rank holds, the resident-set peak per rank, and
-whether the tokens equal the reference's.
+whether the tokens equal the reference's. Every configuration runs one
+untimed warm-up call of the same size and then ``--repeats`` timed calls
+(median reported, spread beside it, each call counted at its slowest rank).
 """
 from __future__ import annotations
 
@@ -17,15 +19,15 @@ from typing import Dict, List
 import torch
 
 from ..cache import cache_nbytes
-from .common import format_table, peak_rss_mb, rss_mb, run_ranks, save
+from .common import format_table, peak_rss_mb, rss_mb, run_ranks, save, spread, summary
 
 MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1 << 20, attention_dropout=0.0,
              tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
 
-def _measure(impl: str, n: int, new_tokens: int, layout: str) -> Dict:
-    """One generate call on this rank: forward start times give prefill and per-token decode time."""
+def _measure(impl: str, n: int, new_tokens: int, layout: str, repeats: int, broadcast_logits: bool) -> Dict:
+    """Generate calls on this rank: forward start times give prefill and per-token decode time."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -41,45 +43,60 @@ def _measure(impl: str, n: int, new_tokens: int, layout: str) -> Dict:
     hf_ring.configure(model, layout=layout)
     # Token 0 is the pad token: keep it out of the prompt, or generate would infer padding and mask it.
     ids = torch.randint(1, MODEL["vocab_size"], (1, n), generator=torch.Generator().manual_seed(1))
-    starts: List[float] = []
-    hook = model.register_forward_pre_hook(lambda m, a: starts.append(time.perf_counter()))
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
               return_dict_in_generate=True)
-    with torch.no_grad():
-        out = hf_ring.generate(model, ids, **kw) if impl == "ring" else model.generate(ids, **kw)
-    end = time.perf_counter()
-    hook.remove()
-    starts.append(end)
+    if impl == "ring":
+        kw["broadcast_logits"] = broadcast_logits
+    prefill, decode = [], []
+    for _ in range(1 + repeats):  # the first call is the untimed warm-up
+        starts: List[float] = []
+        hook = model.register_forward_pre_hook(lambda m, a: starts.append(time.perf_counter()))
+        if dist.is_initialized():
+            dist.barrier()
+        with torch.no_grad():
+            out = hf_ring.generate(model, ids, **kw) if impl == "ring" else model.generate(ids, **kw)
+        starts.append(time.perf_counter())
+        hook.remove()
+        prefill.append(starts[1] - starts[0])
+        decode.append((starts[-1] - starts[1]) / (len(starts) - 2))  # seconds per decoded token
     hf_ring.clear_sequence_parallel()
-    decode = starts[-1] - starts[1]
-    return {"prefill_s": starts[1] - starts[0], "decode_tok_s": (len(starts) - 2) / decode,
+    return {"prefill_runs": prefill[1:], "decode_s_runs": decode[1:],
             "cache_mb": cache_nbytes(out.past_key_values) / 2**20, "peak_mb": peak_rss_mb() - base,
             "tokens": out.sequences[0, n:].tolist()}
 
 
-def run(sizes: List[int], new_tokens: int, layout: str, reference: bool) -> List[Dict]:
+def _summarise(res: List[Dict]) -> Dict:
+    prefill, decode = summary([r["prefill_runs"] for r in res]), summary([r["decode_s_runs"] for r in res])
+    return {"prefill": prefill, "decode_tok_s": 1 / decode["median"],
+            "decode_spread": f"{1 / decode['max']:.3g}-{1 / decode['min']:.3g}",
+            "cache_mb": max(r["cache_mb"] for r in res), "peak_mb": max(r["peak_mb"] for r in res),
+            "tokens": res[0]["tokens"], "same_on_ranks": all(r["tokens"] == res[0]["tokens"] for r in res)}
+
+
+def run(sizes: List[int], new_tokens: int, layout: str, reference: bool, repeats: int,
+        broadcast_logits: bool) -> List[Dict]:
     rows = []
     for n in sizes:
-        ref = run_ranks(1, _measure, "sdpa", n, new_tokens, layout)[0] if reference else None
+        ref = _summarise(run_ranks(1, _measure, "sdpa", n, new_tokens, layout, repeats, False)) if reference else None
         one = None
         for world in (1, 2):
-            res = run_ranks(world, _measure, "ring", n, new_tokens, layout)
-            got = {"prefill_s": max(r["prefill_s"] for r in res), "decode_tok_s": min(r["decode_tok_s"] for r in res),
-                   "cache_mb": max(r["cache_mb"] for r in res), "peak_mb": max(r["peak_mb"] for r in res),
-                   "tokens": res[0]["tokens"], "same_on_ranks": all(r["tokens"] == res[0]["tokens"] for r in res)}
+            got = _summarise(run_ranks(world, _measure, "ring", n, new_tokens, layout, repeats, broadcast_logits))
             one = one or got
             row = {
                 "n": n, "world": world, "layout": layout if world > 1 else "-",
-                "prefill_s": round(got["prefill_s"], 3), "prefill_ratio": round(got["prefill_s"] / one["prefill_s"], 3),
-                "decode_tok_s": round(got["decode_tok_s"], 1),
+                "prefill_s": round(got["prefill"]["median"], 3), "prefill_spread": spread(got["prefill"]),
+                "prefill_ratio": round(got["prefill"]["median"] / one["prefill"]["median"], 3),
+                "decode_tok_s": round(got["decode_tok_s"], 1), "decode_spread": got["decode_spread"],
+                "decode_speedup": round(got["decode_tok_s"] / one["decode_tok_s"], 3),
                 "cache_mb_per_rank": round(got["cache_mb"], 2),
                 "cache_ratio": round(got["cache_mb"] / one["cache_mb"], 3),
                 "peak_mb_per_rank": round(got["peak_mb"], 1),
                 "same_tokens": got["same_on_ranks"] and got["tokens"] == one["tokens"],
+                "repeats": got["prefill"]["runs"],
             }
             if ref is not None:
                 row.update({
-                    "sdpa_prefill_s": round(ref["prefill_s"], 3), "sdpa_decode_tok_s": round(ref["decode_tok_s"], 1),
+                    "sdpa_prefill_s": round(ref["prefill"]["median"], 3), "sdpa_decode_tok_s": round(ref["decode_tok_s"], 1),
                     "sdpa_cache_mb": round(ref["cache_mb"], 2), "same_tokens_as_sdpa": got["tokens"] == ref["tokens"],
                 })
             rows.append(row)
@@ -118,11 +135,13 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
     ap.add_argument("--no-reference", action="store_true", help="skip the single-process SDPA generate")
+    ap.add_argument("--repeats", type=int, default=2, help="timed generate calls per configuration, after one warm-up")
+    ap.add_argument("--broadcast-logits", action="store_true", help="hf_ring.generate(broadcast_logits=True)")
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
-    rows = run(args.sizes, args.new_tokens, args.layout, not args.no_reference)
-    cols = ["n", "world", "layout", "prefill_s", "prefill_ratio", "decode_tok_s", "cache_mb_per_rank", "cache_ratio",
-            "peak_mb_per_rank", "same_tokens"]
+    rows = run(args.sizes, args.new_tokens, args.layout, not args.no_reference, args.repeats, args.broadcast_logits)
+    cols = ["n", "world", "layout", "prefill_s", "prefill_spread", "prefill_ratio", "decode_tok_s", "decode_spread",
+            "decode_speedup", "cache_mb_per_rank", "cache_ratio", "peak_mb_per_rank", "same_tokens"]
     if not args.no_reference:
         cols += ["sdpa_prefill_s", "sdpa_decode_tok_s", "same_tokens_as_sdpa"]
     print("\n" + format_table(rows, cols))

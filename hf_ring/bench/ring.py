@@ -2,53 +2,100 @@
 
 Every configuration runs in fresh one-thread processes, one after another, so
 ratios are measured side by side in one run and peak memory is per process.
+Every configuration gets the same untimed warm-up call at its size and the
+same number of timed repeats; tables give the median and the spread
+(fastest-slowest), each repeat counted at its slowest rank. ``--breakdown``
+adds where each rank's forward+backward time goes (kernels, merges, waiting
+for K/V or gradients, posting transfers).
 """
 from __future__ import annotations
 
 import argparse
+import time
+from collections import defaultdict
 from typing import Dict, List
 
-from .common import format_table, measure_attention as _measure, run_ranks, save
-
+from .common import format_table, measure_attention, run_ranks, save, spread, summary
 
 BASE_N = 512
+CONFIGS = (("sdpa", 1, "-"), ("ring", 1, "-"), ("ring", 2, "zigzag"), ("ring", 2, "contiguous"))
+
+
+def _timed_parts(impl: str, n: int, layout: str, b: int, h: int, d: int, repeats: int) -> Dict:
+    """``measure_attention`` with the ring's kernels, merges and waits timed (seconds per forward+backward)."""
+    from .. import comm, ring
+
+    spent: Dict[str, float] = defaultdict(float)
+
+    def clock(owner, name: str, label: str):
+        inner = getattr(owner, name)
+
+        def timed_call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - t0
+
+        setattr(owner, name, timed_call)
+
+    clock(ring, "block_forward", "forward kernels")
+    clock(ring, "block_backward", "backward kernels")
+    clock(ring, "merge_into", "merges")
+    clock(ring, "_post", "posting transfers")
+    clock(ring, "_scatter_grads", "adding returned gradients")
+    clock(comm.Pending, "wait", "waiting for peers")
+    got = measure_attention(impl, n, layout if layout != "-" else "zigzag", b, h, d, repeats, what="fwd_bwd")
+    calls = repeats + 1  # the warm-up call is timed too
+    got["parts"] = {k: v / calls for k, v in spent.items()}
+    return got
 
 
 def _measured(impl: str, world: int, n: int, layout: str, b: int, h: int, d: int, repeats: int,
-              floor: Dict) -> Dict:
-    """Slowest rank's times and largest rank's peak memory above the same run at ``BASE_N``.
+              floor: Dict, breakdown: bool) -> Dict:
+    """Time summaries and the largest rank's peak memory above the same run at ``BASE_N``.
 
     The resident-set high-water mark carries a fixed cost (libraries paged
     in, the autograd engine's first large backward) that does not depend on
     n; subtracting a run at a small length leaves the memory that grows with n.
     """
+    lay = layout if layout != "-" else "zigzag"
     key = (impl, world, layout)
     if key not in floor:
-        small = run_ranks(world, _measure, impl, BASE_N, layout, b, h, d, 1)
+        small = run_ranks(world, measure_attention, impl, BASE_N, lay, b, h, d, 1)
         floor[key] = max(r["peak_mb"] for r in small)
-    res = run_ranks(world, _measure, impl, n, layout, b, h, d, repeats)
-    return {"fwd_s": max(r["fwd_s"] for r in res), "fwd_bwd_s": max(r["fwd_bwd_s"] for r in res),
-            "peak_mb": max(r["peak_mb"] for r in res) - floor[key]}
+    res = run_ranks(world, measure_attention, impl, n, lay, b, h, d, repeats)
+    out = {"fwd": summary([r["fwd_runs"] for r in res]), "fwd_bwd": summary([r["fwd_bwd_runs"] for r in res]),
+           "peak_mb": max(r["peak_mb"] for r in res) - floor[key], "sent_mb": max(r["sent_mb"] for r in res)}
+    if breakdown and impl == "ring":
+        parts = run_ranks(world, _timed_parts, impl, n, layout, b, h, d, repeats)
+        out["parts"] = [{k: round(v, 3) for k, v in sorted(r["parts"].items())} for r in parts]
+    return out
 
 
-def run(sizes: List[int], repeats: int, b: int, h: int, d: int) -> List[Dict]:
+def run(sizes: List[int], repeats: int, b: int, h: int, d: int, breakdown: bool) -> List[Dict]:
     rows, floor = [], {}
     for n in sizes:
-        ref = _measured("sdpa", 1, n, "contiguous", b, h, d, repeats, floor)
-        configs = [("ring", 1, "zigzag"), ("ring", 2, "zigzag"), ("ring", 2, "contiguous")]
-        for impl, world, layout in configs:
-            got = _measured(impl, world, n, layout, b, h, d, repeats, floor)
-            fwd, fb, peak = got["fwd_s"], got["fwd_bwd_s"], got["peak_mb"]
-            rows.append({
-                "n": n, "world": world, "layout": layout if world > 1 else "-",
-                "sdpa_fwd_s": round(ref["fwd_s"], 3), "fwd_s": round(fwd, 3),
-                "fwd_ratio": round(fwd / ref["fwd_s"], 3),
-                "sdpa_fwd_bwd_s": round(ref["fwd_bwd_s"], 3), "fwd_bwd_s": round(fb, 3),
-                "fwd_bwd_ratio": round(fb / ref["fwd_bwd_s"], 3),
-                "sdpa_peak_mb": round(ref["peak_mb"], 1), "peak_mb_per_rank": round(peak, 1),
-                "peak_ratio": round(peak / ref["peak_mb"], 3),
-            })
-            print(format_table(rows[-1:], list(rows[-1])), flush=True)
+        got = {cfg: _measured(cfg[0], cfg[1], n, cfg[2], b, h, d, repeats, floor, breakdown) for cfg in CONFIGS}
+        sdpa, one = got[CONFIGS[0]], got[CONFIGS[1]]
+        for (impl, world, layout), m in got.items():
+            row = {
+                "n": n, "impl": impl, "world": world, "layout": layout,
+                "fwd_s": round(m["fwd"]["median"], 3), "fwd_spread": spread(m["fwd"]),
+                "fwd_bwd_s": round(m["fwd_bwd"]["median"], 3), "fwd_bwd_spread": spread(m["fwd_bwd"]),
+                "fwd_ratio": round(m["fwd"]["median"] / sdpa["fwd"]["median"], 3),
+                "fwd_bwd_ratio": round(m["fwd_bwd"]["median"] / sdpa["fwd_bwd"]["median"], 3),
+                "speedup_over_1_rank": round(one["fwd_bwd"]["median"] / m["fwd_bwd"]["median"], 3),
+                "peak_mb_per_rank": round(m["peak_mb"], 1),
+                "peak_ratio_to_1_rank": round(m["peak_mb"] / one["peak_mb"], 3),
+                "sent_mb": round(m["sent_mb"], 1), "repeats": m["fwd_bwd"]["runs"],
+            }
+            if "parts" in m:
+                row["time_parts"] = m["parts"]
+            rows.append(row)
+            print(format_table([row], [c for c in row if c != "time_parts"]), flush=True)
+            for rank, parts in enumerate(m.get("parts", [])):
+                print(f"  rank {rank}: " + ", ".join(f"{k} {v:.3f} s" for k, v in parts.items()), flush=True)
     return rows
 
 
@@ -57,34 +104,41 @@ def _plot(rows: List[Dict]):
         import matplotlib.pyplot as plt
 
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for ax, key, title in ((axes[0], "fwd_ratio", "forward"), (axes[1], "fwd_bwd_ratio", "forward+backward")):
-            labels = sorted({(r["world"], r["layout"]) for r in rows})
-            for world, layout in labels:
-                pts = [(r["n"], r[key]) for r in rows if (r["world"], r["layout"]) == (world, layout)]
-                ax.plot(*zip(*pts), marker="o", label=f"p={world} {layout}")
-            ax.axhline(1.0, color="gray", ls="--", lw=1)
+        ring_rows = [r for r in rows if r["impl"] == "ring"]
+        labels = sorted({(r["world"], r["layout"]) for r in ring_rows})
+        for world, layout in labels:
+            pts = [r for r in ring_rows if (r["world"], r["layout"]) == (world, layout)]
+            name = f"p={world} {layout}" if world > 1 else "p=1"
+            axes[0].plot([r["n"] for r in pts], [r["speedup_over_1_rank"] for r in pts], marker="o", label=name)
+            axes[1].plot([r["n"] for r in pts], [r["peak_ratio_to_1_rank"] for r in pts], marker="o", label=name)
+        axes[0].axhline(2.0, color="gray", ls="--", lw=1)
+        axes[0].set_ylabel("forward+backward speed-up over one rank (median)")
+        axes[1].set_ylabel("peak memory per rank / one rank")
+        for ax in axes:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("sequence length")
-            ax.set_ylabel("time / single-process SDPA")
-            ax.set_title(f"causal {title} (B=1, H=8, D=64, fp32)")
             ax.legend()
+        fig.suptitle("exact causal ring attention (B=1, H=8, D=64, fp32, one thread per rank)")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
 
     return draw
 
 
+COLUMNS = ["n", "impl", "world", "layout", "fwd_bwd_s", "fwd_bwd_spread", "fwd_bwd_ratio", "speedup_over_1_rank",
+           "fwd_s", "fwd_ratio", "peak_mb_per_rank", "peak_ratio_to_1_rank", "sent_mb"]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m hf_ring.bench ring", description=__doc__)
     ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration, after one warm-up")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--breakdown", action="store_true", help="also time the ring's parts (extra runs)")
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
-    rows = run(args.sizes, args.repeats, args.batch, args.heads, args.head_dim)
-    cols = ["n", "world", "layout", "fwd_ratio", "fwd_bwd_ratio", "fwd_s", "fwd_bwd_s",
-            "sdpa_fwd_s", "sdpa_fwd_bwd_s", "peak_mb_per_rank", "sdpa_peak_mb", "peak_ratio"]
-    print("\n" + format_table(rows, cols))
+    rows = run(args.sizes, args.repeats, args.batch, args.heads, args.head_dim, args.breakdown)
+    print("\n" + format_table(rows, COLUMNS))
     save(args.out, "ring", {"config": vars(args), "rows": rows}, _plot(rows))
