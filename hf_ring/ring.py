@@ -33,7 +33,7 @@ from .comm import Pending, RingComm
 from .documents import Documents, check_documents, dilated_multiplicity, longest, same_document, within_one
 from .kernels import accumulator_dtype, add_sinks, block_backward, block_forward, check_sinks, check_softcap, merge_into, sinks_backward
 from .pattern import DENSE, DilatedPattern, branches_of, head_slice
-from .schedule import Block, Piece, RankPlan, Step, message_budget, rank_plan
+from .schedule import Block, Piece, RankPlan, Step, message_budget, rank_plan, sent, view_within
 
 Tensor = torch.Tensor
 
@@ -90,7 +90,7 @@ def _piece_view(x: Tensor, piece: Piece) -> Tensor:
 
 def _whole(pieces: Sequence[Piece], x: Tensor) -> bool:
     """One piece that is the entire tensor: it is sent as it is, without packing."""
-    if len(pieces) != 1:
+    if len(pieces) != 1 or pieces[0].within is not None:
         return False
     p = pieces[0]
     return (p.heads == range(x.shape[1]) and p.rows.stride == 1 and p.rows.local == 0
@@ -98,26 +98,39 @@ def _whole(pieces: Sequence[Piece], x: Tensor) -> bool:
 
 
 def _numels(pieces: Sequence[Piece], b: int, d: int) -> List[int]:
-    return [b * len(p.heads) * p.rows.count * d for p in pieces]
+    """Elements of each piece that travels (views of another piece travel inside it)."""
+    return [b * len(p.heads) * p.rows.count * d for p in sent(pieces)]
 
 
 def _pack(x: Tensor, pieces: Sequence[Piece]) -> Tensor:
-    """The pieces of ``x`` laid one after another in a flat buffer."""
+    """The pieces of ``x`` that travel, laid one after another in a flat buffer."""
     if _whole(pieces, x):
         return x.reshape(-1)
     b, d = x.shape[0], x.shape[3]
     flat = x.new_empty(sum(_numels(pieces, b, d)))
     for view, piece in zip(_unpack(flat, pieces, b, d), pieces):
-        view.copy_(_piece_view(x, piece))
+        if piece.within is None:
+            view.copy_(_piece_view(x, piece))
     return flat
 
 
+def _with_views(pieces: Sequence[Piece], own: List[Tensor], index) -> List[Tensor]:
+    """Per piece its tensor: the ones that travel from ``own``, the others as strided views of their parent."""
+    it = iter(own)
+    out = [next(it) if p.within is None else None for p in pieces]
+    for i, p in enumerate(pieces):
+        if p.within is not None:
+            out[i] = index(out[p.within], *view_within(pieces[p.within], p))
+    return out
+
+
 def _unpack(flat: Tensor, pieces: Sequence[Piece], b: int, d: int) -> List[Tensor]:
+    """Views of every piece in a flat buffer of the travelling pieces, ``(B, heads, rows, D)`` each."""
     views, off = [], 0
-    for piece, n in zip(pieces, _numels(pieces, b, d)):
+    for piece, n in zip(sent(pieces), _numels(pieces, b, d)):
         views.append(flat[off : off + n].view(b, len(piece.heads), piece.rows.count, d))
         off += n
-    return views
+    return _with_views(pieces, views, lambda t, heads, items: t[:, heads, items])
 
 
 def _post(comm: RingComm, step: Step, send: Sequence[Tensor], recv: Sequence[Tuple[torch.Size, torch.dtype]],
@@ -139,21 +152,21 @@ def _kv_traffic(step: Step, k: Tensor, v: Tensor, key_mask: Optional[Tensor]):
         total = sum(_numels(step.recv.pieces, k.shape[0], k.shape[3]))
         recv = [(torch.Size((total,)), k.dtype)] * 2
         if key_mask is not None:
-            recv.append((torch.Size((k.shape[0] * sum(p.rows.count for p in step.recv.pieces),)), torch.uint8))
+            recv.append((torch.Size((k.shape[0] * sum(p.rows.count for p in sent(step.recv.pieces)),)), torch.uint8))
     return send, recv
 
 
 def _pack_mask(key_mask: Tensor, pieces: Sequence[Piece]) -> Tensor:
-    return torch.cat([key_mask[:, p.rows.slice].reshape(-1) for p in pieces]).to(torch.uint8)
+    return torch.cat([key_mask[:, p.rows.slice].reshape(-1) for p in sent(pieces)]).to(torch.uint8)
 
 
 def _unpack_mask(flat: Tensor, pieces: Sequence[Piece], b: int) -> List[Tensor]:
     views, off = [], 0
-    for p in pieces:
+    for p in sent(pieces):
         n = b * p.rows.count
         views.append(flat[off : off + n].view(b, p.rows.count).bool())
         off += n
-    return views
+    return _with_views(pieces, views, lambda t, heads, items: t[:, items])
 
 
 def _kv_views(step: Step, k: Tensor, v: Tensor, key_mask: Optional[Tensor], got: Optional[List[Tensor]]):
@@ -269,8 +282,9 @@ def _scatter_grads(dk: Tensor, dv: Tensor, step: Step, got: List[Tensor]) -> Non
         return
     b, d = dk.shape[0], dk.shape[3]
     for piece, gk, gv in zip(step.send, _unpack(got[0], step.send, b, d), _unpack(got[1], step.send, b, d)):
-        _piece_view(dk, piece).add_(gk)
-        _piece_view(dv, piece).add_(gv)
+        if piece.within is None:  # a view's gradients were added into its parent's by the receiver
+            _piece_view(dk, piece).add_(gk)
+            _piece_view(dv, piece).add_(gv)
 
 
 def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, Tensor]:

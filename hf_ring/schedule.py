@@ -25,10 +25,57 @@ from .pattern import Branches, head_groups
 
 @dataclass(frozen=True)
 class Piece:
-    """K/V heads ``heads`` at rows ``rows`` of the source rank, one slab of a message."""
+    """K/V heads ``heads`` at rows ``rows`` of the source rank, one slab of a message.
+
+    ``within``: the index of another piece of the same message whose heads and
+    rows include these ones. Such a piece is not sent: it is a strided view of
+    that one (the offset-0 rows of dilation rate 4 are among those of rate 2).
+    """
 
     heads: range
     rows: Rows
+    within: Optional[int] = None
+
+
+def contains(outer: Piece, inner: Piece) -> bool:
+    """Every (head, row) of ``inner`` is one of ``outer``'s, at a fixed step: a strided view of it."""
+    o, i = outer.rows, inner.rows
+    if i.pos < o.pos or i.last_pos > o.last_pos or (i.pos - o.pos) % o.stride or i.local - o.local != i.pos - o.pos:
+        return False
+    if i.count > 1 and i.stride % o.stride:
+        return False
+    if any(h not in outer.heads for h in inner.heads):
+        return False
+    return len(inner.heads) == 1 or inner.heads.step % outer.heads.step == 0
+
+
+def view_within(outer: Piece, inner: Piece) -> Tuple[slice, slice]:
+    """The head and item slices of ``outer``'s ``(B, heads, items, D)`` slab that hold ``inner``."""
+    h0 = outer.heads.index(inner.heads[0])
+    hs = inner.heads.step // outer.heads.step if len(inner.heads) > 1 else 1
+    i0 = (inner.rows.pos - outer.rows.pos) // outer.rows.stride
+    st = inner.rows.stride // outer.rows.stride if inner.rows.count > 1 else 1
+    return (slice(h0, h0 + (len(inner.heads) - 1) * hs + 1, hs),
+            slice(i0, i0 + (inner.rows.count - 1) * st + 1, st))
+
+
+def sent(pieces) -> List[Piece]:
+    """The pieces that travel (those that are no view of another)."""
+    return [p for p in pieces if p.within is None]
+
+
+def _share_rows(pieces: List[Piece]) -> List[Piece]:
+    """Mark each piece that another (larger, sent) piece includes: its rows travel once, in that one."""
+    order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i].heads) * pieces[i].rows.count)
+    out = list(pieces)
+    kept: List[int] = []
+    for i in order:
+        parent = next((j for j in kept if contains(pieces[j], pieces[i])), None)
+        if parent is None:
+            kept.append(i)
+        else:
+            out[i] = Piece(pieces[i].heads, pieces[i].rows, parent)
+    return out
 
 
 @dataclass(frozen=True)
@@ -173,7 +220,7 @@ def pair_plan(
                         for _, (qt, kt, kind) in found:
                             off = (kt.pos - kp.pos) // rate
                             blocks.append(Block(qt, q_heads, pid, off, kt.count, kt.pos, kind))
-    return PairPlan(tuple(pieces), tuple(blocks))
+    return PairPlan(tuple(_share_rows(pieces)), tuple(blocks))
 
 
 def chunk_pair(plan: PairPlan, budget: int, causal: bool, window: Optional[int]) -> List[PairPlan]:
@@ -181,15 +228,19 @@ def chunk_pair(plan: PairPlan, budget: int, causal: bool, window: Optional[int])
 
     Visiting K/V, their gradients and the next message in flight are the
     ring's memory beyond a rank's own tensors; bounding each message bounds
-    them, whatever the shard size. Every block is cut to the part of its keys
-    in each message and re-classified from positions. Sender and receiver
-    call this with the same arguments, so they agree on every message.
+    them, whatever the shard size. The sent pieces are cut to fill messages; a
+    piece that is a view of another goes, cut alike, with each part of that
+    one. Every block is cut to the part of its keys in each message and
+    re-classified from positions. Sender and receiver call this with the same
+    arguments, so they agree on every message.
     """
     if _size(plan) <= budget:
         return [plan]
-    chunks: List[List[Tuple[int, int, int]]] = [[]]  # (piece id, first item, count)
+    chunks: List[List[Tuple[int, int, int]]] = [[]]  # (piece id, first item, count) of the sent pieces
     room = budget
     for pid, piece in enumerate(plan.pieces):
+        if piece.within is not None:
+            continue
         width = len(piece.heads)
         start = 0
         while start < piece.rows.count:
@@ -203,9 +254,23 @@ def chunk_pair(plan: PairPlan, budget: int, causal: bool, window: Optional[int])
     out = []
     for chunk in chunks:
         pieces = [Piece(plan.pieces[pid].heads, plan.pieces[pid].rows.sub(first, count)) for pid, first, count in chunk]
+        entries = list(chunk)
+        for aid, alias in enumerate(plan.pieces):  # views go with the parts of their parent in this message
+            if alias.within is None:
+                continue
+            parent = plan.pieces[alias.within]
+            _, items = view_within(parent, alias)
+            for new_parent, (pid, first, count) in enumerate(chunk):
+                if pid != alias.within:
+                    continue
+                lo = max(0, -(-(first - items.start) // items.step))
+                hi = min(alias.rows.count - 1, (first + count - 1 - items.start) // items.step)
+                if lo <= hi:
+                    pieces.append(Piece(alias.heads, alias.rows.sub(lo, hi - lo + 1), new_parent))
+                    entries.append((aid, lo, hi - lo + 1))
         blocks = []
         for blk in plan.blocks:
-            for new_id, (pid, first, count) in enumerate(chunk):
+            for new_id, (pid, first, count) in enumerate(entries):
                 if pid != blk.piece:
                     continue
                 lo, hi = max(blk.k_off, first), min(blk.k_off + blk.nk, first + count)
@@ -230,7 +295,8 @@ def message_budget(seq_len: int, world_size: int, hkv: int) -> int:
 
 
 def _size(plan: PairPlan) -> int:
-    return sum(len(p.heads) * p.rows.count for p in plan.pieces)
+    """Rows x heads that travel."""
+    return sum(len(p.heads) * p.rows.count for p in sent(plan.pieces))
 
 
 @lru_cache(maxsize=512)

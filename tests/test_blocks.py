@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import reference as R
 from hf_ring import local_positions
 from hf_ring.blocks import Rows, tiles
-from hf_ring.schedule import pair_plan, rank_plan
+from hf_ring.schedule import contains, pair_plan, rank_plan, sent
 
 
 def coverage(n, world, layout, causal, window, branches, hq, hkv, bwd_tile=None, budget=None):
@@ -76,12 +76,40 @@ def test_dilated_multiplicity(branches, world, layout, causal):
     assert torch.equal(got, expected(n, causal, None, branches, 6))
 
 
+def test_rows_shared_by_branches_travel_once():
+    n, world, hq = 1024, 2, 8
+    travelling = lambda plan: sum(len(p.heads) * p.rows.count for s in plan.steps[1:] for p in sent(s.recv.pieces))  # noqa: E731
+    two = rank_plan(n, 1, world, "contiguous", False, None, ((n, 2),), hq, hq)
+    # the offset-o rows of rate 4 (heads o, o+4) are among the offset-o rows of rate 2 (heads o, o+2, ...)
+    both = rank_plan(n, 1, world, "contiguous", False, None, ((n, 2), (n, 4)), hq, hq)
+    assert travelling(both) == travelling(two)
+    views = [p for s in both.steps[1:] for p in s.recv.pieces if p.within is not None]
+    assert views and sum(len(p.heads) * p.rows.count for p in views) * 4 == n // world * hq
+    for budget in (64, 100):  # cut into messages, each view still travels inside its parent's message
+        cut = rank_plan(n, 1, world, "contiguous", False, None, ((n, 2), (n, 4)), hq, hq, budget)
+        assert travelling(cut) == travelling(two)
+
+
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 70), world=st.integers(1, 4), layout=st.sampled_from(["zigzag", "contiguous"]),
        window=st.one_of(st.none(), st.integers(1, 80)), tile=st.integers(1, 30))
 def test_backward_tiles_cover_the_same_pairs(n, world, layout, window, tile):
     got = coverage(n, world, layout, True, window, ((max(n, 1), 1),), 2, 2, bwd_tile=tile)
     assert torch.equal(got, expected(n, True, window, None, 2))
+
+
+def test_rows_shared_by_branches_travel_once():
+    n, world, hq = 1024, 2, 8
+    travelling = lambda plan: sum(len(p.heads) * p.rows.count for s in plan.steps[1:] for p in sent(s.recv.pieces))  # noqa: E731
+    two = rank_plan(n, 1, world, "contiguous", False, None, ((n, 2),), hq, hq)
+    # the offset-o rows of rate 4 (heads o, o+4) are among the offset-o rows of rate 2 (heads o, o+2, ...)
+    both = rank_plan(n, 1, world, "contiguous", False, None, ((n, 2), (n, 4)), hq, hq)
+    assert travelling(both) == travelling(two)
+    views = [p for s in both.steps[1:] for p in s.recv.pieces if p.within is not None]
+    assert views and sum(len(p.heads) * p.rows.count for p in views) * 4 == n // world * hq
+    for budget in (64, 100):  # cut into messages, each view still travels inside its parent's message
+        cut = rank_plan(n, 1, world, "contiguous", False, None, ((n, 2), (n, 4)), hq, hq, budget)
+        assert travelling(cut) == travelling(two)
 
 
 @settings(max_examples=40, deadline=None)
@@ -132,6 +160,20 @@ def test_dilated_branch_sends_one_rth_of_the_rows():
         assert count(dil) * r == count(dense)
 
 
+def test_rows_shared_by_branches_travel_once():
+    n, world, hq = 1024, 2, 8
+    travelling = lambda plan: sum(len(p.heads) * p.rows.count for s in plan.steps[1:] for p in sent(s.recv.pieces))  # noqa: E731
+    two = rank_plan(n, 1, world, "contiguous", False, None, ((n, 2),), hq, hq)
+    # the offset-o rows of rate 4 (heads o, o+4) are among the offset-o rows of rate 2 (heads o, o+2, ...)
+    both = rank_plan(n, 1, world, "contiguous", False, None, ((n, 2), (n, 4)), hq, hq)
+    assert travelling(both) == travelling(two)
+    views = [p for s in both.steps[1:] for p in s.recv.pieces if p.within is not None]
+    assert views and sum(len(p.heads) * p.rows.count for p in views) * 4 == n // world * hq
+    for budget in (64, 100):  # cut into messages, each view still travels inside its parent's message
+        cut = rank_plan(n, 1, world, "contiguous", False, None, ((n, 2), (n, 4)), hq, hq, budget)
+        assert travelling(cut) == travelling(two)
+
+
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 70), world=st.integers(2, 4), layout=st.sampled_from(["zigzag", "contiguous"]),
        window=st.one_of(st.none(), st.integers(1, 80)), budget=st.integers(1, 40),
@@ -146,4 +188,6 @@ def test_messages_split_by_budget_cover_the_same_pairs(n, world, layout, window,
         plan = rank_plan(n, rank, world, layout, True, window, br, 4, 2, budget)
         for step in plan.steps[1:]:
             for pieces in (step.recv.pieces, step.send):
-                assert sum(len(p.heads) * p.rows.count for p in pieces) <= max(budget, 2)
+                assert sum(len(p.heads) * p.rows.count for p in sent(pieces)) <= max(budget, 2)
+                for p in pieces:  # a piece that does not travel is a view of one in the same message
+                    assert p.within is None or (pieces[p.within].within is None and contains(pieces[p.within], p))

@@ -152,3 +152,29 @@ def test_dilated_in_many_small_messages(pools):
     args = (33, 1, 4, 2, 300, 8)
     got = run(pools, 3, *args, pattern=pat(branches), message_rows=3)
     check(got, reference(*args, branches), args)
+
+
+def padded_dilated(q, k, v, *, branches, pad):
+    """The dilated reference with the first ``pad`` keys of sample 0 masked (left padding)."""
+    n, hq = q.shape[2], q.shape[1]
+    bias = torch.stack([torch.log(R.dilated_multiplicity(n, branches, h).double()) for h in range(hq)])
+    outs = []
+    for i in range(q.shape[0]):
+        bi = bias.clone()
+        if i == 0:
+            bi[..., :pad] = float("-inf")
+        outs.append(R.attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], bias=bi))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("message_rows", [None, 7])
+def test_rows_shared_by_branches_with_padding_and_small_messages(pools, world, message_rows):
+    """Rates 2, 4 and 8 over segments that cross ranks: the shared rows travel once and are read as views."""
+    n, pad = 203, 11
+    branches = ((32, 1), (96, 2), (203, 4), (203, 8))
+    args = (21, 2, 8, 4, n, 8)
+    got = run(pools, world, *args, pattern=pat(branches), pad=pad, message_rows=message_rows)
+    q, k, v, dout = make_qkv(*args)
+    ref = dict(zip(NAMES, R.with_grads(padded_dilated, q, k, v, dout, branches=branches, pad=pad)))
+    check(got, ref, args)
