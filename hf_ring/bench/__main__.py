@@ -3,7 +3,8 @@ import importlib
 import sys
 
 BENCHES = {"ring": "hf_ring.bench.ring", "dilated": "hf_ring.bench.dilated", "generate": "hf_ring.bench.generate",
-           "scale": "hf_ring.bench.scale"}
+           "scale": "hf_ring.bench.scale", "model": "hf_ring.bench.model",
+           "tables": "hf_ring.bench.tables"}
 
 
 def main() -> None:

@@ -1,0 +1,75 @@
+"""``python -m hf_ring.bench model``: one training step of a whole model, ``ring_dilated`` against ``sdpa``.
+
+One process, one thread, the scale benchmark's Llama (4 layers, hidden 256, 8
+heads, 4 K/V heads, vocabulary 32000, fp32) with the same weights under both
+attention implementations. The two alternate step by step (sdpa, ring,
+sdpa, ring, ...), after one untimed warm-up step each, so drift of the
+machine falls on both alike; the table gives the median step of each and
+their ratio. Without sequence parallelism ``ring_dilated`` is exact dense
+attention and should cost what ``sdpa`` costs.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Dict, List
+
+import torch
+
+from .common import format_table, run_ranks, save
+from .scale import MODEL
+
+
+def _steps(n: int, repeats: int, checkpointing: bool) -> Dict:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import hf_ring  # noqa: F401  (registers ring_dilated)
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL), attn_implementation="sdpa", dtype=torch.float32)
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    ids = torch.randint(0, MODEL["vocab_size"], (1, n), generator=torch.Generator().manual_seed(n))
+
+    def step(impl: str) -> float:
+        model.set_attn_implementation(impl)
+        t0 = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        elapsed = time.perf_counter() - t0
+        model.zero_grad(set_to_none=True)
+        return elapsed
+
+    times: Dict[str, List[float]] = {"sdpa": [], "ring_dilated": []}
+    for impl in times:  # warm-up
+        step(impl)
+    for _ in range(repeats):
+        for impl in times:
+            times[impl].append(step(impl))
+    return times
+
+
+def run(sizes: List[int], repeats: int, checkpointing: bool) -> List[Dict]:
+    rows = []
+    for n in sizes:
+        times = run_ranks(1, _steps, n, repeats, checkpointing)[0]
+        sdpa, ring = statistics.median(times["sdpa"]), statistics.median(times["ring_dilated"])
+        ratios = sorted(r / s for r, s in zip(times["ring_dilated"], times["sdpa"]))
+        rows.append({"n": n, "checkpointing": checkpointing, "sdpa_step_s": round(sdpa, 3),
+                     "ring_step_s": round(ring, 3), "ring_over_sdpa": round(ring / sdpa, 3),
+                     "pairwise_ratio_spread": f"{ratios[0]:.3f}-{ratios[-1]:.3f}", "repeats": repeats})
+        print(format_table(rows[-1:], list(rows[-1])), flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m hf_ring.bench model", description=__doc__)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps per implementation, after one warm-up each")
+    ap.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on")
+    ap.add_argument("--out", default="bench_results")
+    args = ap.parse_args(argv)
+    rows = run(args.sizes, args.repeats, args.checkpointing)
+    print("\n" + format_table(rows, list(rows[0])))
+    save(args.out, "model", {"config": vars(args), "model": MODEL, "rows": rows})

@@ -1,0 +1,96 @@
+"""``python -m hf_ring.bench tables``: the README's benchmark tables, rendered from the benchmarks' JSON.
+
+Each table sits in README.md between ``<!-- bench:NAME -->`` and
+``<!-- /bench:NAME -->``; ``--write`` replaces what is there with the rows of
+``DIR/NAME.json`` (as ``python -m hf_ring.bench NAME --out DIR`` wrote it),
+so the figures in the README are the ones the benchmarks measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from typing import Dict, List, Sequence, Tuple
+
+Column = Tuple[str, str]  # (JSON key, header)
+
+COLUMNS: Dict[str, Sequence[Column]] = {
+    "ring": (("n", "n"), ("impl", "impl"), ("world", "ranks"), ("layout", "layout"),
+             ("fwd_bwd_s", "fwd+bwd s (median)"), ("fwd_bwd_spread", "spread"),
+             ("speedup_over_1_rank", "speed-up over 1 rank"), ("fwd_bwd_ratio", "fwd+bwd / SDPA"),
+             ("fwd_ratio", "fwd / SDPA"), ("peak_mb_per_rank", "peak MB per rank"),
+             ("peak_ratio_to_1_rank", "peak / 1 rank"), ("sent_mb", "MB sent per rank")),
+    "dilated": (("n", "n"), ("world", "ranks"), ("layout", "layout"), ("fwd_s", "fwd s"),
+                ("fwd_bwd_s", "fwd+bwd s"), ("fwd_bwd_spread", "spread"), ("dense_fwd_bwd_s", "dense SDPA fwd+bwd s"),
+                ("speedup_fwd_bwd", "speed-up over dense"), ("sent_mb", "MB sent per rank"),
+                ("unshared_sent_mb", "MB if each branch sent its own rows"), ("dense_ring_sent_mb", "dense ring MB"),
+                ("peak_mb", "peak MB per rank")),
+    "generate": (("n", "prompt"), ("world", "ranks"), ("prefill_s", "prefill s"), ("prefill_ratio", "prefill / 1 rank"),
+                 ("decode_tok_s", "decode tok/s"), ("decode_spread", "spread"), ("decode_speedup", "decode / 1 rank"),
+                 ("cache_mb_per_rank", "KV cache MiB per rank"), ("peak_mb_per_rank", "peak MB per rank"),
+                 ("sdpa_decode_tok_s", "SDPA generate tok/s"), ("same_tokens_as_sdpa", "tokens = SDPA's")),
+    "model": (("n", "n"), ("checkpointing", "checkpointing"), ("sdpa_step_s", "sdpa step s"),
+              ("ring_step_s", "ring_dilated step s"), ("ring_over_sdpa", "ring_dilated / sdpa"),
+              ("pairwise_ratio_spread", "spread of step-by-step ratios")),
+    "scale": (("n", "n"), ("world", "ranks"), ("attention", "attention"), ("tiling", "tiled"), ("step_s", "step s"),
+              ("peak_mb", "peak MB per rank"), ("fit_mb", "fit MB"), ("fit_off", "fit off by")),
+}
+
+
+def _cell(value) -> str:
+    if value is None or value == "":
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def render(name: str, payload: Dict) -> str:
+    """The markdown table of one benchmark's JSON."""
+    rows: List[Dict] = [dict(r) for r in payload["rows"]]
+    if name == "scale":
+        for r in rows:
+            f = payload.get("fits", {}).get(f"{r['attention']} tiling={r['tiling']}")
+            if f:
+                pred = f["a_mb"] + f["b_mb_per_token"] * r["n"] / r["world"]
+                r["fit_mb"], r["fit_off"] = round(pred), f"{100 * (r['peak_mb'] - pred) / pred:+.1f}%"
+    cols = [(k, h) for k, h in COLUMNS[name] if any(k in r for r in rows)]
+    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(_cell(r.get(k)) for k, _ in cols) + " |" for r in rows]
+    if name == "scale":
+        for key, f in payload.get("fits", {}).items():
+            lines.append("")
+            lines.append(f"Fit ({key}): peak MB per rank = {f['a_mb']} + {f['b_kib_per_token']} KiB × n/p "
+                         f"(worst point off by {100 * f['max_rel_err']:.1f}%, {f['points']} points).")
+    return "\n".join(lines)
+
+
+def rewrite(text: str, tables: Dict[str, str]) -> str:
+    """``text`` with the content between each ``<!-- bench:NAME -->`` marker pair replaced."""
+    for name, table in tables.items():
+        pattern = re.compile(rf"(<!-- bench:{name} -->\n)(.*?)(<!-- /bench:{name} -->)", re.S)
+        text = pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(3), text)
+    return text
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m hf_ring.bench tables", description=__doc__)
+    ap.add_argument("--dir", default="docs/bench", help="where the benchmarks' JSON files are")
+    ap.add_argument("--readme", default="README.md")
+    ap.add_argument("--write", action="store_true", help="rewrite the tables in --readme (else print them)")
+    args = ap.parse_args(argv)
+    tables = {}
+    for name in COLUMNS:
+        path = os.path.join(args.dir, f"{name}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                tables[name] = render(name, json.load(f))
+    if not args.write:
+        for name, table in tables.items():
+            print(f"{name}:\n{table}\n")
+        return
+    with open(args.readme) as f:
+        text = f.read()
+    with open(args.readme, "w") as f:
+        f.write(rewrite(text, tables))
