@@ -285,7 +285,9 @@ def chunk_pair(plan: PairPlan, budget: int, causal: bool, window: Optional[int])
 
 
 MESSAGES_PER_SHARD = 8
-MIN_MESSAGE_ROWS = 512
+MIN_MESSAGE_ROWS = 1024
+"""Rows of the largest message of a step: the CPU kernels lose speed on key blocks much under 512 rows, and a
+zigzag step's smaller transfer gets messages of half this."""
 
 
 def message_budget(seq_len: int, world_size: int, hkv: int) -> int:
