@@ -98,20 +98,6 @@ def test_backward_tiles_cover_the_same_pairs(n, world, layout, window, tile):
     assert torch.equal(got, expected(n, True, window, None, 2))
 
 
-def test_rows_shared_by_branches_travel_once():
-    n, world, hq = 1024, 2, 8
-    travelling = lambda plan: sum(len(p.heads) * p.rows.count for s in plan.steps[1:] for p in sent(s.recv.pieces))  # noqa: E731
-    two = rank_plan(n, 1, world, "contiguous", False, None, ((n, 2),), hq, hq)
-    # the offset-o rows of rate 4 (heads o, o+4) are among the offset-o rows of rate 2 (heads o, o+2, ...)
-    both = rank_plan(n, 1, world, "contiguous", False, None, ((n, 2), (n, 4)), hq, hq)
-    assert travelling(both) == travelling(two)
-    views = [p for s in both.steps[1:] for p in s.recv.pieces if p.within is not None]
-    assert views and sum(len(p.heads) * p.rows.count for p in views) * 4 == n // world * hq
-    for budget in (64, 100):  # cut into messages, each view still travels inside its parent's message
-        cut = rank_plan(n, 1, world, "contiguous", False, None, ((n, 2), (n, 4)), hq, hq, budget)
-        assert travelling(cut) == travelling(two)
-
-
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 60), world=st.integers(1, 4), layout=st.sampled_from(["zigzag", "contiguous"]),
        branches=st.lists(st.tuples(st.integers(1, 70), st.integers(1, 5)), min_size=1, max_size=3),
@@ -158,20 +144,6 @@ def test_dilated_branch_sends_one_rth_of_the_rows():
         dil = rank_plan(n, 1, world, "contiguous", False, None, ((n, r),), hq, hq)
         count = lambda plan: sum(len(p.heads) * p.rows.count for s in plan.steps[1:] for p in s.recv.pieces)  # noqa: E731
         assert count(dil) * r == count(dense)
-
-
-def test_rows_shared_by_branches_travel_once():
-    n, world, hq = 1024, 2, 8
-    travelling = lambda plan: sum(len(p.heads) * p.rows.count for s in plan.steps[1:] for p in sent(s.recv.pieces))  # noqa: E731
-    two = rank_plan(n, 1, world, "contiguous", False, None, ((n, 2),), hq, hq)
-    # the offset-o rows of rate 4 (heads o, o+4) are among the offset-o rows of rate 2 (heads o, o+2, ...)
-    both = rank_plan(n, 1, world, "contiguous", False, None, ((n, 2), (n, 4)), hq, hq)
-    assert travelling(both) == travelling(two)
-    views = [p for s in both.steps[1:] for p in s.recv.pieces if p.within is not None]
-    assert views and sum(len(p.heads) * p.rows.count for p in views) * 4 == n // world * hq
-    for budget in (64, 100):  # cut into messages, each view still travels inside its parent's message
-        cut = rank_plan(n, 1, world, "contiguous", False, None, ((n, 2), (n, 4)), hq, hq, budget)
-        assert travelling(cut) == travelling(two)
 
 
 @settings(max_examples=40, deadline=None)
