@@ -220,7 +220,8 @@ def pair_plan(
                         for _, (qt, kt, kind) in found:
                             off = (kt.pos - kp.pos) // rate
                             blocks.append(Block(qt, q_heads, pid, off, kt.count, kt.pos, kind))
-    return PairPlan(tuple(_share_rows(pieces)), tuple(blocks))
+    # Only a transfer has rows to share; a rank's own rows are read in place.
+    return PairPlan(tuple(pieces if dst == src else _share_rows(pieces)), tuple(blocks))
 
 
 def chunk_pair(plan: PairPlan, budget: int, causal: bool, window: Optional[int]) -> List[PairPlan]:
