@@ -108,9 +108,8 @@ def _pack(x: Tensor, pieces: Sequence[Piece]) -> Tensor:
         return x.reshape(-1)
     b, d = x.shape[0], x.shape[3]
     flat = x.new_empty(sum(_numels(pieces, b, d)))
-    for view, piece in zip(_unpack(flat, pieces, b, d), pieces):
-        if piece.within is None:
-            view.copy_(_piece_view(x, piece))
+    for view, piece in zip(_sent_views(flat, pieces, b, d), sent(pieces)):
+        view.copy_(_piece_view(x, piece))
     return flat
 
 
@@ -124,13 +123,18 @@ def _with_views(pieces: Sequence[Piece], own: List[Tensor], index) -> List[Tenso
     return out
 
 
-def _unpack(flat: Tensor, pieces: Sequence[Piece], b: int, d: int) -> List[Tensor]:
-    """Views of every piece in a flat buffer of the travelling pieces, ``(B, heads, rows, D)`` each."""
+def _sent_views(flat: Tensor, pieces: Sequence[Piece], b: int, d: int) -> List[Tensor]:
+    """Views of the travelling pieces in their flat buffer, ``(B, heads, rows, D)`` each."""
     views, off = [], 0
     for piece, n in zip(sent(pieces), _numels(pieces, b, d)):
         views.append(flat[off : off + n].view(b, len(piece.heads), piece.rows.count, d))
         off += n
-    return _with_views(pieces, views, lambda t, heads, items: t[:, heads, items])
+    return views
+
+
+def _unpack(flat: Tensor, pieces: Sequence[Piece], b: int, d: int) -> List[Tensor]:
+    """Views of every piece in a flat buffer of the travelling pieces (the others inside their parent's)."""
+    return _with_views(pieces, _sent_views(flat, pieces, b, d), lambda t, heads, items: t[:, heads, items])
 
 
 def _post(comm: RingComm, step: Step, send: Sequence[Tensor], recv: Sequence[Tuple[torch.Size, torch.dtype]],
@@ -281,10 +285,11 @@ def _scatter_grads(dk: Tensor, dv: Tensor, step: Step, got: List[Tensor]) -> Non
     if not step.send:
         return
     b, d = dk.shape[0], dk.shape[3]
-    for piece, gk, gv in zip(step.send, _unpack(got[0], step.send, b, d), _unpack(got[1], step.send, b, d)):
-        if piece.within is None:  # a view's gradients were added into its parent's by the receiver
-            _piece_view(dk, piece).add_(gk)
-            _piece_view(dv, piece).add_(gv)
+    # A view's gradients were added into its parent's by the receiver: only travelling pieces come back.
+    grads_k, grads_v = _sent_views(got[0], step.send, b, d), _sent_views(got[1], step.send, b, d)
+    for piece, gk, gv in zip(sent(step.send), grads_k, grads_v):
+        _piece_view(dk, piece).add_(gk)
+        _piece_view(dv, piece).add_(gv)
 
 
 def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, Tensor]:
