@@ -177,6 +177,13 @@ def merge_partials(outs: Tensor, lses: Tensor) -> Tensor:
 class RanksDivergedError(ValueError):
     """The ranks of one :func:`hf_ring.generate` call fed different tokens to the model."""
 
+    def __init__(self, what: str):
+        super().__init__(
+            f"{what}: their logits differed although every rank computed them from the same numbers, which "
+            "happens when ranks run on different hardware or thread counts. Pass broadcast_logits=True to "
+            "hf_ring.generate to take rank 0's logits on every rank"
+        )
+
 
 def _id_halves(ids: Tensor, dtype: torch.dtype) -> Tensor:
     """Token ids as two 16-bit halves, exact in any float dtype the partials travel in."""
@@ -210,11 +217,7 @@ def merge_ranks(out: Tensor, lse: Tensor, comm: Optional[RingComm], sinks: Optio
             if not bool((got == got[0]).all()):
                 differ = [r for r in range(parts.shape[0]) if not bool((got[r] == got[0]).all())]
                 raise RanksDivergedError(
-                    f"the ranks ran different tokens at this decoding step (ranks {differ} differ from rank 0): "
-                    "their logits differed although every rank computed them from the same numbers, which happens "
-                    "when ranks run on different hardware or thread counts. Pass broadcast_logits=True to "
-                    "hf_ring.generate to take rank 0's logits on every rank"
-                )
+                    f"the ranks ran different tokens at this decoding step (ranks {differ} differ from rank 0)")
             parts = parts[:, : parts.shape[1] - extra]
         parts = parts.view(parts.shape[0], *out.shape[:-1], out.shape[-1] + 1)
         out, lse = _merge(parts[..., :-1], parts[..., -1])
