@@ -228,8 +228,8 @@ def _decode_step(query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[
     if k_pos.numel() != key.shape[2]:
         raise RuntimeError(f"the sharded cache records {k_pos.numel()} rows but the layer returned {key.shape[2]}")
     blocks = ctx.blocks(query.shape[1], key.shape[1], opts.causal, opts.window, branches_of(opts.pattern), query.device)
-    key_mask = None if key_valid is None else key_valid[:, k_pos.to(key_valid.device)]
-    out, lse = cached_attention(query, key, value, blocks, scale=opts.scale, key_mask=key_mask, softcap=softcap)
+    out, lse = cached_attention(query, key, value, blocks, scale=opts.scale, key_mask=ctx.key_mask(key_valid),
+                                softcap=softcap)
     return merge_ranks(out, lse, ctx.comm, sinks, same_ids=ctx.take_check()).to(query.dtype)
 
 

@@ -105,11 +105,28 @@ class DecodeStep:
     q_pos: Tensor
     check_ids: Optional[Tensor] = None
     _blocks: Dict[Any, List[CachedBlock]] = field(default_factory=dict, repr=False)
+    _key_masks: List[Tuple[Tensor, Optional[Tensor]]] = field(default_factory=list, repr=False)
 
     def take_check(self) -> Optional[Tensor]:
         """The token ids to check across ranks, once per step (the first layer's merge carries them)."""
         ids, self.check_ids = self.check_ids, None
         return ids
+
+    def key_mask(self, key_valid: Optional[Tensor]) -> Optional[Tensor]:
+        """This rank's cache rows of the 2-D padding mask ``key_valid`` ``(B, total)``, None when none is padded.
+
+        Every layer of a step passes the same mask tensor, so the gather and
+        the check run once per step, not once per layer.
+        """
+        if key_valid is None:
+            return None
+        for seen, rows in self._key_masks:
+            if seen is key_valid:
+                return rows
+        rows = key_valid[:, self.cache.index.to(key_valid.device)]
+        rows = None if bool(rows.all()) else rows
+        self._key_masks.append((key_valid, rows))
+        return rows
 
     def blocks(self, hq: int, hkv: int, causal: bool, window: Optional[int],
                branches: Sequence[Tuple[int, int]], device: torch.device) -> List[CachedBlock]:

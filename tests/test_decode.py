@@ -114,6 +114,41 @@ def test_blocks_skip_unneeded_keys():
     assert blocks[0].q_heads == range(1, 4, 2)
 
 
+def _same_blocks(a, b):
+    def key(blk):
+        rows = [None if t is None else t.tolist() for t in (blk.q_rows, blk.k_rows, blk.mask)]
+        return (blk.q_heads, blk.kv_heads, *map(str, rows))
+    return [key(x) for x in a] == [key(x) for x in b]
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 70), q_len=st.integers(1, 3), drop=st.integers(0, 5), causal=st.booleans(),
+       window=st.one_of(st.none(), st.integers(1, 80)),
+       branches=st.sampled_from([DENSE, ((64, 1),), ((16, 1),), ((16, 2),), ((8, 1), (16, 2))]))
+def test_all_visible_shortcut_gives_the_general_blocks(n, q_len, drop, causal, window, branches):
+    # Decoding's one-pass check for "every cached key visible" must yield exactly the blocks of the general path.
+    import hf_ring.decode as decode_mod
+
+    k_pos = torch.arange(n)[drop:] if drop < n else torch.arange(n)
+    q_pos = torch.arange(n, n + q_len) if causal else torch.arange(q_len)
+    kw = dict(hq=4, hkv=2, causal=causal, window=window, branches=branches)
+    fast = cached_blocks(q_pos, k_pos, **kw)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(decode_mod, "_every_pair_allowed", lambda *a: False)
+        general = cached_blocks(q_pos, k_pos, **kw)
+    assert _same_blocks(fast, general)
+
+
+def test_all_visible_shortcut_is_taken_for_dense_decoding():
+    from hf_ring.decode import _every_pair_allowed
+
+    assert _every_pair_allowed(torch.tensor([100]), torch.arange(100), True, None, DENSE)
+    assert not _every_pair_allowed(torch.tensor([100]), torch.arange(102), True, None, DENSE)  # a future key
+    assert not _every_pair_allowed(torch.tensor([100]), torch.arange(100), True, 50, DENSE)  # keys out of the window
+    assert not _every_pair_allowed(torch.tensor([100]), torch.arange(100), True, None, ((64, 1),))  # two segments
+    assert not _every_pair_allowed(torch.tensor([100]), torch.arange(100), True, None, ((128, 2),))  # dilated
+
+
 def test_merge_partials_ignores_empty_partials():
     out = torch.randn(3, 1, 2, 1, 4)
     lse = torch.tensor([0.5, float("-inf"), -1.0]).view(3, 1, 1, 1).expand(3, 1, 2, 1).clone()
