@@ -446,7 +446,7 @@ def ring_attention(
     where a document starts, beginning with 0; see
     :func:`hf_ring.documents.document_starts`): no exchange is then needed.
     ``message_rows`` sets the K/V rows per message on the ring (default: an
-    eighth of a shard, at least 1024): smaller messages bound the ring's
+    eighth of a shard, at least 512): smaller messages bound the ring's
     buffers further, at some speed.
     Without a group and without torch.distributed it runs as one process.
     Every argument is validated and the ranks agree on all of them (one small

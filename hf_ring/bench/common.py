@@ -147,6 +147,9 @@ def run_ranks(world_size: int, fn: Callable, *args) -> List[Dict]:
     # A fixed mmap threshold makes glibc return large freed blocks at once, so
     # the resident-set high-water mark follows the live tensors.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 17))
+    # One OpenMP thread from process start, as torchrun and accelerate launch set it, so every configuration
+    # runs as a launched job does (torch.set_num_threads below limits torch's own pool only after import).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
