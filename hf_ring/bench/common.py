@@ -44,6 +44,24 @@ def timed(fn: Callable[[], None], repeats: int, barrier: Optional[Callable[[], N
     return times
 
 
+def clock(owner, name: str, label: str, spent: Dict[str, float]) -> None:
+    """Replace ``owner.name`` by a wrapper that adds the seconds each call takes to ``spent[label]``.
+
+    For the breakdowns of where a rank's time goes; only inside a benchmark's
+    own worker process, whose modules are not shared with anything else.
+    """
+    inner = getattr(owner, name)
+
+    def timed_call(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
+
+    setattr(owner, name, timed_call)
+
+
 def summary(per_rank: List[List[float]]) -> Dict[str, float]:
     """Median, fastest and slowest of repeated runs, each run counted at its slowest rank."""
     runs = [max(ts) for ts in zip(*per_rank)]

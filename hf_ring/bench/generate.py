@@ -13,13 +13,14 @@ untimed warm-up call of the same size and then ``--repeats`` timed calls
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Dict, List
 
 import torch
 
 from ..cache import cache_nbytes
-from .common import format_table, peak_rss_mb, rss_mb, run_ranks, save, spread, summary
+from .common import clock, format_table, peak_rss_mb, rss_mb, run_ranks, save, spread, summary
 
 MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1 << 20, attention_dropout=0.0,
@@ -32,7 +33,11 @@ def _measure(impl: str, n: int, new_tokens: int, layout: str, repeats: int, broa
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import hf_ring
+    from .. import backend
 
+    spent: Dict[str, float] = {}  # clocked during the timed runs: microseconds against milliseconds
+    clock(backend, "cached_attention", "attention over the local cache", spent)
+    clock(backend, "merge_ranks", "merging partials (exchange and waits included)", spent)
     base = rss_mb()
     if dist.is_initialized():
         hf_ring.setup_sequence_parallel(None, layout=layout)
@@ -47,9 +52,10 @@ def _measure(impl: str, n: int, new_tokens: int, layout: str, repeats: int, broa
               return_dict_in_generate=True)
     if impl == "ring":
         kw["broadcast_logits"] = broadcast_logits
-    prefill, decode = [], []
+    prefill, decode, parts = [], [], []
     for _ in range(1 + repeats):  # the first call is the untimed warm-up
         starts: List[float] = []
+        spent.clear()
         hook = model.register_forward_pre_hook(lambda m, a: starts.append(time.perf_counter()))
         if dist.is_initialized():
             dist.barrier()
@@ -58,11 +64,24 @@ def _measure(impl: str, n: int, new_tokens: int, layout: str, repeats: int, broa
         starts.append(time.perf_counter())
         hook.remove()
         prefill.append(starts[1] - starts[0])
-        decode.append((starts[-1] - starts[1]) / (len(starts) - 2))  # seconds per decoded token
+        steps = len(starts) - 2  # forwards after the prefill
+        decode.append((starts[-1] - starts[1]) / steps)  # seconds per decoded token
+        parts.append({k: v / steps for k, v in spent.items()})
     hf_ring.clear_sequence_parallel()
-    return {"prefill_runs": prefill[1:], "decode_s_runs": decode[1:],
+    return {"prefill_runs": prefill[1:], "decode_s_runs": decode[1:], "decode_parts": parts[1:],
             "cache_mb": cache_nbytes(out.past_key_values) / 2**20, "peak_mb": peak_rss_mb() - base,
             "tokens": out.sequences[0, n:].tolist()}
+
+
+def _decode_parts(res: List[Dict], decode_s: float) -> List[Dict[str, float]]:
+    """Per rank, milliseconds per decoded token in each clocked part (median over the runs) and the rest."""
+    out = []
+    for r in res:
+        labels = sorted({k for run in r["decode_parts"] for k in run})
+        ms = {k: 1e3 * statistics.median(run.get(k, 0.0) for run in r["decode_parts"]) for k in labels}
+        ms["rest of the model and generate"] = 1e3 * decode_s - sum(ms.values())
+        out.append({k: round(v, 2) for k, v in ms.items()})
+    return out
 
 
 def _summarise(res: List[Dict]) -> Dict:
@@ -70,7 +89,8 @@ def _summarise(res: List[Dict]) -> Dict:
     return {"prefill": prefill, "decode_tok_s": 1 / decode["median"],
             "decode_spread": f"{1 / decode['max']:.3g}-{1 / decode['min']:.3g}",
             "cache_mb": max(r["cache_mb"] for r in res), "peak_mb": max(r["peak_mb"] for r in res),
-            "tokens": res[0]["tokens"], "same_on_ranks": all(r["tokens"] == res[0]["tokens"] for r in res)}
+            "tokens": res[0]["tokens"], "same_on_ranks": all(r["tokens"] == res[0]["tokens"] for r in res),
+            "decode_ms_parts": _decode_parts(res, decode["median"])}
 
 
 def run(sizes: List[int], new_tokens: int, layout: str, reference: bool, repeats: int,
@@ -92,7 +112,7 @@ def run(sizes: List[int], new_tokens: int, layout: str, reference: bool, repeats
                 "cache_ratio": round(got["cache_mb"] / one["cache_mb"], 3),
                 "peak_mb_per_rank": round(got["peak_mb"], 1),
                 "same_tokens": got["same_on_ranks"] and got["tokens"] == one["tokens"],
-                "repeats": got["prefill"]["runs"],
+                "repeats": got["prefill"]["runs"], "decode_ms_per_token_parts": got["decode_ms_parts"],
             }
             if ref is not None:
                 row.update({
@@ -100,7 +120,10 @@ def run(sizes: List[int], new_tokens: int, layout: str, reference: bool, repeats
                     "sdpa_cache_mb": round(ref["cache_mb"], 2), "same_tokens_as_sdpa": got["tokens"] == ref["tokens"],
                 })
             rows.append(row)
-            print(format_table(rows[-1:], list(rows[-1])), flush=True)
+            print(format_table(rows[-1:], [c for c in rows[-1] if c != "decode_ms_per_token_parts"]), flush=True)
+            for rank, ms in enumerate(row["decode_ms_per_token_parts"]):
+                print(f"  rank {rank}, ms per decoded token: " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()),
+                      flush=True)
     return rows
 
 

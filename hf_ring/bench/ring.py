@@ -11,11 +11,10 @@ for K/V or gradients, posting transfers).
 from __future__ import annotations
 
 import argparse
-import time
 from collections import defaultdict
 from typing import Dict, List
 
-from .common import format_table, measure_attention, run_ranks, save, spread, summary
+from .common import clock, format_table, measure_attention, run_ranks, save, spread, summary
 
 BASE_N = 512
 CONFIGS = (("sdpa", 1, "-"), ("ring", 1, "-"), ("ring", 2, "zigzag"), ("ring", 2, "contiguous"))
@@ -26,25 +25,12 @@ def _timed_parts(impl: str, n: int, layout: str, b: int, h: int, d: int, repeats
     from .. import comm, ring
 
     spent: Dict[str, float] = defaultdict(float)
-
-    def clock(owner, name: str, label: str):
-        inner = getattr(owner, name)
-
-        def timed_call(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                spent[label] += time.perf_counter() - t0
-
-        setattr(owner, name, timed_call)
-
-    clock(ring, "block_forward", "forward kernels")
-    clock(ring, "block_backward", "backward kernels")
-    clock(ring, "merge_into", "merges")
-    clock(ring, "_post", "posting transfers")
-    clock(ring, "_scatter_grads", "adding returned gradients")
-    clock(comm.Pending, "wait", "waiting for peers")
+    clock(ring, "block_forward", "forward kernels", spent)
+    clock(ring, "block_backward", "backward kernels", spent)
+    clock(ring, "merge_into", "merges", spent)
+    clock(ring, "_post", "posting transfers", spent)
+    clock(ring, "_scatter_grads", "adding returned gradients", spent)
+    clock(comm.Pending, "wait", "waiting for peers", spent)
     got = measure_attention(impl, n, layout if layout != "-" else "zigzag", b, h, d, repeats, what="fwd_bwd")
     calls = repeats + 1  # the warm-up call is timed too
     got["parts"] = {k: v / calls for k, v in spent.items()}
