@@ -3,8 +3,9 @@
 Every configuration runs in fresh one-thread processes, one after another, so
 ratios are measured side by side in one run and peak memory is per process.
 Every configuration gets the same untimed warm-up call at its size and the
-same number of timed repeats; tables give the median and the spread
-(fastest-slowest), each repeat counted at its slowest rank. ``--breakdown``
+same number of timed repeats, in each of ``--rounds`` interleaved sweeps
+over the configurations; tables give the median and the spread
+(fastest-slowest) of all of them, each repeat counted at its slowest rank. ``--breakdown``
 adds where each rank's forward+backward time goes (kernels, merges, waiting
 for K/V or gradients, posting transfers).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 from collections import defaultdict
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from .common import clock, format_table, measure_attention, run_ranks, save, spread, summary
 
@@ -38,12 +39,14 @@ def _timed_parts(impl: str, n: int, layout: str, b: int, h: int, d: int, repeats
 
 
 def _measured(impl: str, world: int, n: int, layout: str, b: int, h: int, d: int, repeats: int,
-              floor: Dict, breakdown: bool) -> Dict:
-    """Time summaries and the largest rank's peak memory above the same run at ``BASE_N``.
+              floor: Dict, breakdown: bool, earlier: Optional[Dict] = None) -> Dict:
+    """Timed runs per rank and the largest rank's peak memory above the same run at ``BASE_N``.
 
     The resident-set high-water mark carries a fixed cost (libraries paged
     in, the autograd engine's first large backward) that does not depend on
     n; subtracting a run at a small length leaves the memory that grows with n.
+    ``earlier``: this configuration's result from an earlier round, whose
+    runs are kept beside the new ones.
     """
     lay = layout if layout != "-" else "zigzag"
     key = (impl, world, layout)
@@ -51,18 +54,35 @@ def _measured(impl: str, world: int, n: int, layout: str, b: int, h: int, d: int
         small = run_ranks(world, measure_attention, impl, BASE_N, lay, b, h, d, 1)
         floor[key] = max(r["peak_mb"] for r in small)
     res = run_ranks(world, measure_attention, impl, n, lay, b, h, d, repeats)
-    out = {"fwd": summary([r["fwd_runs"] for r in res]), "fwd_bwd": summary([r["fwd_bwd_runs"] for r in res]),
+    out = {"fwd_runs": [r["fwd_runs"] for r in res], "fwd_bwd_runs": [r["fwd_bwd_runs"] for r in res],
            "peak_mb": max(r["peak_mb"] for r in res) - floor[key], "sent_mb": max(r["sent_mb"] for r in res)}
-    if breakdown and impl == "ring":
+    if earlier is not None:
+        for k in ("fwd_runs", "fwd_bwd_runs"):  # rank by rank, so a repeat's ranks stay side by side
+            out[k] = [old + new for old, new in zip(earlier[k], out[k])]
+        out["peak_mb"] = max(out["peak_mb"], earlier["peak_mb"])
+        if "parts" in earlier:
+            out["parts"] = earlier["parts"]
+    elif breakdown and impl == "ring":
         parts = run_ranks(world, _timed_parts, impl, n, layout, b, h, d, repeats)
         out["parts"] = [{k: round(v, 3) for k, v in sorted(r["parts"].items())} for r in parts]
     return out
 
 
-def run(sizes: List[int], repeats: int, b: int, h: int, d: int, breakdown: bool) -> List[Dict]:
+def run(sizes: List[int], repeats: int, b: int, h: int, d: int, breakdown: bool, rounds: int = 1) -> List[Dict]:
+    """Every configuration at every size; ``rounds`` > 1 sweeps the configurations again and pools the runs.
+
+    Speed on a shared machine drifts over minutes: configurations measured
+    one after another would carry that drift into their ratios, while rounds
+    interleave them, so each one's runs are spread over the same stretch.
+    """
     rows, floor = [], {}
     for n in sizes:
-        got = {cfg: _measured(cfg[0], cfg[1], n, cfg[2], b, h, d, repeats, floor, breakdown) for cfg in CONFIGS}
+        got: Dict = {}
+        for _ in range(rounds):
+            for cfg in CONFIGS:
+                got[cfg] = _measured(cfg[0], cfg[1], n, cfg[2], b, h, d, repeats, floor, breakdown, got.get(cfg))
+        for m in got.values():
+            m["fwd"], m["fwd_bwd"] = summary(m.pop("fwd_runs")), summary(m.pop("fwd_bwd_runs"))
         sdpa, one = got[CONFIGS[0]], got[CONFIGS[1]]
         for (impl, world, layout), m in got.items():
             row = {
@@ -123,8 +143,10 @@ def main(argv=None) -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--breakdown", action="store_true", help="also time the ring's parts (extra runs)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="sweeps over the configurations, interleaved; each runs --repeats timed runs per round")
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
-    rows = run(args.sizes, args.repeats, args.batch, args.heads, args.head_dim, args.breakdown)
+    rows = run(args.sizes, args.repeats, args.batch, args.heads, args.head_dim, args.breakdown, args.rounds)
     print("\n" + format_table(rows, COLUMNS))
     save(args.out, "ring", {"config": vars(args), "rows": rows}, _plot(rows))
