@@ -104,14 +104,13 @@ def _every_pair_allowed(q_pos: Tensor, k_pos: Tensor, causal: bool, window: Opti
     if len(branches) != 1 or branches[0][1] != 1:
         return False
     w = branches[0][0]
-    k_lo, k_hi = torch.aminmax(k_pos)
-    q_lo, q_hi = torch.aminmax(q_pos)
-    lo, hi, q_lo, q_hi = int(min(k_lo, q_lo)), int(max(k_hi, q_hi)), int(q_lo), int(q_hi)
-    if lo // w != hi // w:
+    k_lo, k_hi = (int(x) for x in torch.aminmax(k_pos))
+    q_lo, q_hi = (int(x) for x in torch.aminmax(q_pos))
+    if min(k_lo, q_lo) // w != max(k_hi, q_hi) // w:
         return False
-    if causal and int(k_hi) > q_lo:
+    if causal and k_hi > q_lo:
         return False
-    return window is None or int(k_lo) > q_hi - window
+    return window is None or k_lo > q_hi - window
 
 
 def check_no_documents(documents) -> None:
