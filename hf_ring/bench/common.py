@@ -160,22 +160,38 @@ def _entry(rank, world_size, init_file, fn, args, results):
             dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn: Callable, *args) -> List[Dict]:
-    """Run ``fn(*args)`` in ``world_size`` fresh one-thread processes (a gloo group when > 1)."""
-    # A fixed mmap threshold makes glibc return large freed blocks at once, so
-    # the resident-set high-water mark follows the live tensors.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 17))
+MMAP_VAR = "MALLOC_MMAP_THRESHOLD_"
+
+
+def run_ranks(world_size: int, fn: Callable, *args, exact_peak: bool = True) -> List[Dict]:
+    """Run ``fn(*args)`` in ``world_size`` fresh one-thread processes (a gloo group when > 1).
+
+    ``exact_peak``: glibc gets a fixed mmap threshold, so it returns large
+    freed blocks at once and the resident-set high-water mark follows the
+    live tensors. Every large allocation then costs fresh pages, which slows
+    code that allocates many buffers (the ring's messages: ~10% at 8K on two
+    ranks); runs that only time pass False and run with glibc's defaults, as
+    a launched job does.
+    """
     # One OpenMP thread from process start, as torchrun and accelerate launch set it, so every configuration
     # runs as a launched job does (torch.set_num_threads below limits torch's own pool only after import).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    outer = os.environ.pop(MMAP_VAR, None)
+    if exact_peak:
+        os.environ[MMAP_VAR] = str(1 << 17)
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         procs = [ctx.Process(target=_entry, args=(r, world_size, init_file, fn, args, results))
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
+        try:
+            for p in procs:
+                p.start()  # a spawned process takes the environment as it is now
+        finally:
+            os.environ.pop(MMAP_VAR, None)
+            if outer is not None:
+                os.environ[MMAP_VAR] = outer
         got = dict(results.get(timeout=3600) for _ in range(world_size))
         for p in procs:
             p.join()
