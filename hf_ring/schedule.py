@@ -287,10 +287,10 @@ def chunk_pair(plan: PairPlan, budget: int, causal: bool, window: Optional[int])
 
 MESSAGES_PER_SHARD = 8
 MIN_MESSAGE_ROWS = 512
-"""Rows of the largest message of a step (a zigzag step's smaller transfer gets half this). Below a few hundred
-rows per message the per-round waits start to cost; above it the buffers in flight do: at 8K on two ranks,
-1024-row messages took the peak per rank from 0.61x to 0.69x of one rank's, while the CPU kernels ran blocks
-of 256, 512 and 1024 keys at the same speed (forward+backward 0.83, 0.85 and 0.88 s for the same pairs)."""
+"""Rows of the largest message of a step (a zigzag step's smaller transfer gets half this). Larger messages cost
+memory, not speed: at 8K on two ranks, 1024-row messages took the peak per rank from 0.61x to 0.69x of one
+rank's, while the CPU kernels ran blocks of 256, 512 and 1024 keys at the same speed (forward+backward 0.83,
+0.85 and 0.88 s for the same pairs). Smaller ones add rounds, each with its wait."""
 
 
 def message_budget(seq_len: int, world_size: int, hkv: int) -> int:

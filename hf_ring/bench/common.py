@@ -178,14 +178,14 @@ def run_ranks(world_size: int, fn: Callable, *args, exact_peak: bool = True) -> 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    outer = os.environ.pop(MMAP_VAR, None)
-    if exact_peak:
-        os.environ[MMAP_VAR] = str(1 << 17)
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         procs = [ctx.Process(target=_entry, args=(r, world_size, init_file, fn, args, results))
                  for r in range(world_size)]
+        outer = os.environ.pop(MMAP_VAR, None)
         try:
+            if exact_peak:
+                os.environ[MMAP_VAR] = str(1 << 17)
             for p in procs:
                 p.start()  # a spawned process takes the environment as it is now
         finally:
