@@ -59,6 +59,30 @@ def allowed_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window
     return allowed
 
 
+def band_of(q: Rows, k_pos: int, causal: bool, window: Optional[int]) -> Tuple[Optional[int], int]:
+    """The mask rule on a block of progressions as a band of item offsets: key item j is allowed for query item i
+    iff ``lo <= j - i <= hi`` (``lo=None``: no lower bound).
+
+    Both progressions share the stride and the residue (a dilated branch's rows
+    of one offset), so ``k <= q`` and ``k > q - window`` are bounds on ``j - i``.
+    Only for a partially visible causal block (kind ``"mask"``).
+    """
+    if not causal:
+        raise ValueError("a band describes a causal block; a non-causal block is full")
+    delta, rem = divmod(q.pos - k_pos, q.stride)
+    if rem:
+        raise ValueError(f"query and key progressions of one block must share their residue, got {q} and {k_pos}")
+    lo = None if window is None else -((window - 1 - (q.pos - k_pos)) // q.stride)
+    return lo, delta
+
+
+def band_mask(sq: int, sk: int, lo: Optional[int], hi: int, device=None) -> torch.Tensor:
+    """Bool ``(sq, sk)``: ``lo <= j - i <= hi`` (the band of :func:`band_of` as a mask)."""
+    offset = torch.arange(sk, device=device).unsqueeze(0) - torch.arange(sq, device=device).unsqueeze(1)
+    allowed = offset <= hi
+    return allowed if lo is None else allowed & (offset >= lo)
+
+
 def classify(q: Rows, k: Rows, causal: bool, window: Optional[int]) -> Optional[str]:
     """Kind of the block ``q x k``, or None when no pair in it is allowed."""
     if q.count <= 0 or k.count <= 0:

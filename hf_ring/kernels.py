@@ -9,10 +9,20 @@ dilated attention inside documents adds ``log m``). Rows with no allowed key get
 ``out = 0`` and ``lse = -inf`` so they vanish in a log-sum-exp merge.
 ``softcap`` caps the scores, ``cap·tanh(s/cap)``, before the mask (Gemma 2).
 
-Backends: on CPU the fused aten flash kernels; on CUDA torch's flash kernel
-for unmasked fp16/bf16 blocks; otherwise (and always with ``softcap``, which
-the fused kernels cannot apply) an exact math path in fp32 (or fp64 for fp64
-inputs) that never expands K/V to the query-head count.
+A partially visible causal block can instead come as a ``band`` ``(lo, hi)``
+of allowed item offsets (key item j for query item i iff ``lo <= j - i <= hi``),
+which the CUDA flash kernel takes without a mask.
+
+Backends, chosen per block by :func:`backend`:
+
+- CPU: the fused aten flash kernels (a band or mask as an additive bias).
+- CUDA (:mod:`hf_ring.cuda_kernels`): flash for fp16/bf16 blocks without a
+  mask (dense, diagonal-causal, band), memory-efficient attention for fp32
+  and for blocks with a mask or bias; both without repeating K/V.
+- Otherwise (fp64, ``softcap``, which no fused kernel in torch applies, or a
+  head size the kernels refuse): an exact math path in fp32 (fp64 for fp64
+  inputs) over tiles of at most :data:`MATH_TILE` rows a side, which never
+  expands K/V to the query-head count.
 """
 from __future__ import annotations
 
@@ -22,7 +32,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .blocks import allowed_pairs
+from . import cuda_kernels
+from .blocks import band_mask
+from .cuda_kernels import Band
 
 Tensor = torch.Tensor
 
@@ -33,13 +45,17 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def _backend(q: Tensor, mask: Optional[Tensor], softcap: Optional[float] = None) -> str:
+def backend(q: Tensor, mask: Optional[Tensor] = None, softcap: Optional[float] = None) -> str:
+    """The kernel that runs a block of ``q``'s device and dtype: ``cpu_flash``, ``cuda_flash``, ``cuda_efficient`` or ``math``."""
     if softcap is not None:
         return "math"
     if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
         return "cpu_flash"
-    if q.device.type == "cuda" and mask is None and q.dtype in (torch.float16, torch.bfloat16):
-        return "cuda_flash"
+    if q.device.type == "cuda":
+        if mask is None and cuda_kernels.flash_supports(q):
+            return "cuda_flash"
+        if cuda_kernels.efficient_supports(q):
+            return "cuda_efficient"
     return "math"
 
 
@@ -47,7 +63,7 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     if mask.is_floating_point():
         return mask.to(dtype)
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-    return bias.masked_fill_(~mask, _NEG_INF)
+    return bias.masked_fill_(mask.logical_not(), _NEG_INF)
 
 
 def accumulator_dtype(x: Tensor) -> torch.dtype:
@@ -81,10 +97,10 @@ def _scores(q: Tensor, k: Tensor, scale: float, causal: bool, mask: Optional[Ten
         s = t * softcap
     if causal:
         keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
-        s = s.masked_fill(~keep, _NEG_INF)
+        s = s.masked_fill(keep.logical_not(), _NEG_INF)
     if mask is not None:
         m = _grouped(mask, b, hkv)
-        s = s + m.to(dt) if m.is_floating_point() else s.masked_fill(~m, _NEG_INF)
+        s = s + m.to(dt) if m.is_floating_point() else s.masked_fill(m.logical_not(), _NEG_INF)
     return s, t
 
 
@@ -93,43 +109,63 @@ MATH_TILE = 1024
 whatever the block (a CUDA block of a whole 32K shard would otherwise need tens of GB)."""
 
 
-def _row_tiles(n: int) -> List[slice]:
-    return [slice(i, min(i + MATH_TILE, n)) for i in range(0, n, MATH_TILE)]
+def _row_tiles(n: int) -> List[Tuple[int, int]]:
+    """``(first row, rows)`` of each tile along one side of a block."""
+    return [(i, min(MATH_TILE, n - i)) for i in range(0, n, MATH_TILE)]
 
 
-def _tile_args(causal: bool, mask: Optional[Tensor], qs: slice, ks: slice,
+def _rows(x: Tensor, tile: Tuple[int, int], dim: int = 2) -> Tensor:
+    return x.narrow(dim, *tile)
+
+
+def _tile_args(causal: bool, mask: Optional[Tensor], qt: Tuple[int, int], kt: Tuple[int, int],
                device) -> Optional[Tuple[bool, Optional[Tensor]]]:
-    """``(causal, mask)`` of the tile ``qs x ks`` of a block, or None when no pair in it is allowed.
+    """``(causal, mask)`` of the tile ``qt x kt`` (``(first row, rows)`` each) of a block, or None when no pair
+    in it is allowed.
 
     A block's ``causal`` is top-left aligned (both sides hold the same
     positions), so only a diagonal tile keeps it; other tiles get it as a mask.
     """
-    sub = None if mask is None else mask[..., qs, ks]
-    if not causal or qs == ks:
+    sub = None if mask is None else _rows(_rows(mask, qt, -2), kt, -1)
+    (q0, nq), (k0, nk) = qt, kt
+    if not causal or qt == kt:
         return causal, sub
-    if ks.start >= qs.stop:
+    if k0 >= q0 + nq:
         return None
-    if ks.stop - 1 <= qs.start:
+    if k0 + nk - 1 <= q0:
         return False, sub
-    allowed = allowed_pairs(torch.arange(qs.start, qs.stop, device=device), torch.arange(ks.start, ks.stop, device=device),
-                            True, None)
+    allowed = band_mask(nq, nk, None, q0 - k0, device=device)
     return False, allowed if sub is None else sub & allowed
 
 
+def _merged(o1: Tensor, l1: Tensor, o2: Tensor, l2: Tensor) -> Tuple[Tensor, Tensor]:
+    """Log-sum-exp merge of two partial results, out of place (the math path's tiles are fresh tensors)."""
+    new = torch.logaddexp(l1, l2)
+    safe = new.masked_fill(torch.isneginf(new), 0.0)
+    out = o1 * torch.exp(l1 - safe).unsqueeze(-1) + o2.to(o1.dtype) * torch.exp(l2 - safe).unsqueeze(-1)
+    return out, new
+
+
 def _math_forward(q, k, v, scale, causal, mask, softcap=None):
-    """Exact attention of a block by materialised scores, in tiles of at most ``MATH_TILE`` rows a side."""
+    """Exact attention of a block by materialised scores, in tiles of at most ``MATH_TILE`` rows a side.
+
+    Views and out-of-place merges only, so it runs on any device, fake ones included.
+    """
     b, hq, sq, d = q.shape
     if sq <= MATH_TILE and k.shape[2] <= MATH_TILE:
         return _math_tile_forward(q, k, v, scale, causal, mask, softcap)
-    out = torch.zeros(b, hq, sq, d, dtype=accumulator_dtype(q), device=q.device)
-    lse = torch.full((b, hq, sq), _NEG_INF, dtype=torch.float32, device=q.device)
-    for qs in _row_tiles(sq):
-        for ks in _row_tiles(k.shape[2]):
-            args = _tile_args(causal, mask, qs, ks, q.device)
+    outs, lses = [], []
+    for qt in _row_tiles(sq):
+        out = torch.zeros(b, hq, qt[1], d, dtype=accumulator_dtype(q), device=q.device)
+        lse = torch.full((b, hq, qt[1]), _NEG_INF, dtype=torch.float32, device=q.device)
+        for kt in _row_tiles(k.shape[2]):
+            args = _tile_args(causal, mask, qt, kt, q.device)
             if args is not None:
-                o_t, l_t = _math_tile_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], scale, *args, softcap)
-                merge_into(out[:, :, qs], lse[:, :, qs], o_t, l_t)
-    return out.to(q.dtype), lse
+                o_t, l_t = _math_tile_forward(_rows(q, qt), _rows(k, kt), _rows(v, kt), scale, *args, softcap)
+                out, lse = _merged(out, lse, o_t, l_t)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2)
 
 
 def _math_backward(dout, q, k, v, out, lse, scale, causal, mask, softcap=None):
@@ -138,19 +174,26 @@ def _math_backward(dout, q, k, v, out, lse, scale, causal, mask, softcap=None):
     if sq <= MATH_TILE and sk <= MATH_TILE:
         return _math_tile_backward(dout, q, k, v, out, lse, scale, causal, mask, softcap)
     acc = accumulator_dtype(q)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-    for qs in _row_tiles(sq):
-        for ks in _row_tiles(sk):
-            args = _tile_args(causal, mask, qs, ks, q.device)
-            if args is not None:
-                g_q, g_k, g_v = _math_tile_backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks],
-                                                    out[:, :, qs], lse[:, :, qs], scale, *args, softcap)
-                dq[:, :, qs].add_(g_q)
-                dk[:, :, ks].add_(g_k)
-                dv[:, :, ks].add_(g_v)
-    return dq, dk, dv
+    k_tiles = _row_tiles(sk)
+    dqs = []
+    dks: List[Optional[Tensor]] = [None] * len(k_tiles)
+    dvs: List[Optional[Tensor]] = [None] * len(k_tiles)
+    for qt in _row_tiles(sq):
+        dq = torch.zeros(q.shape[0], q.shape[1], qt[1], q.shape[3], dtype=acc, device=q.device)
+        for i, kt in enumerate(k_tiles):
+            args = _tile_args(causal, mask, qt, kt, q.device)
+            if args is None:
+                continue
+            g_q, g_k, g_v = _math_tile_backward(_rows(dout, qt), _rows(q, qt), _rows(k, kt), _rows(v, kt),
+                                                _rows(out, qt), _rows(lse, qt), scale, *args, softcap)
+            dq = dq + g_q
+            dks[i] = g_k if dks[i] is None else dks[i] + g_k
+            dvs[i] = g_v if dvs[i] is None else dvs[i] + g_v
+        dqs.append(dq)
+    zero = lambda kt: torch.zeros(k.shape[0], k.shape[1], kt[1], k.shape[3], dtype=acc, device=q.device)  # noqa: E731
+    dk = torch.cat([g if g is not None else zero(kt) for g, kt in zip(dks, k_tiles)], 2)
+    dv = torch.cat([g if g is not None else zero(kt) for g, kt in zip(dvs, k_tiles)], 2)
+    return torch.cat(dqs, 2), dk, dv
 
 
 def _math_tile_forward(q, k, v, scale, causal, mask, softcap=None):
@@ -181,15 +224,12 @@ def _math_tile_backward(dout, q, k, v, out, lse, scale, causal, mask, softcap=No
     return dq.reshape(b, hq, sq, d), dk, dv
 
 
-def _repeat_kv(x: Tensor, groups: int) -> Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
-def _fold_kv_grad(dx: Tensor, groups: int) -> Tensor:
-    if groups == 1:
-        return dx
-    b, hq, s, d = dx.shape
-    return dx.reshape(b, hq // groups, groups, s, d).sum(2)
+def _with_band(mask: Optional[Tensor], band: Optional[Band], sq: int, sk: int, device) -> Optional[Tensor]:
+    """The mask of a kernel that takes no band: the band as a bool mask, joined to ``mask``."""
+    if band is None:
+        return mask
+    allowed = band_mask(sq, sk, *band, device=device)
+    return allowed if mask is None else mask & allowed
 
 
 def block_forward(
@@ -201,10 +241,22 @@ def block_forward(
     causal: bool = False,
     mask: Optional[Tensor] = None,
     softcap: Optional[float] = None,
+    band: Optional[Band] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Attention of one block: ``out`` in ``q.dtype`` ``(B, Hq, S_q, D)``, ``lse`` fp32 ``(B, Hq, S_q)``."""
-    backend = _backend(q, mask, softcap)
-    if backend == "cpu_flash":
+    kind = backend(q, mask, softcap)
+    if kind == "cuda_flash":
+        try:
+            return cuda_kernels.flash_forward(q, k, v, scale=scale, causal=causal, band=band)
+        except RuntimeError as err:  # a GPU the kernel does not support
+            _warn_fallback(err)
+    mask = _with_band(mask, band, q.shape[2], k.shape[2], q.device)
+    if kind in ("cuda_flash", "cuda_efficient"):
+        try:
+            return cuda_kernels.efficient_forward(q, k, v, scale=scale, causal=causal, mask=mask)
+        except RuntimeError as err:
+            _warn_fallback(err)
+    if kind == "cpu_flash":
         bias = None if mask is None else _additive(mask, q.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=bias, scale=scale
@@ -214,15 +266,6 @@ def block_forward(
             seen = ~torch.isneginf(mask).all(-1) if mask.is_floating_point() else mask.any(-1)
             lse = lse.masked_fill(~seen, _NEG_INF)
         return out, lse
-    if backend == "cuda_flash":
-        g = q.shape[1] // k.shape[1]
-        try:
-            res = torch.ops.aten._scaled_dot_product_flash_attention(
-                q, _repeat_kv(k, g), _repeat_kv(v, g), 0.0, causal, False, scale=scale
-            )
-            return res[0], res[1]
-        except RuntimeError as err:  # shapes or devices the flash kernel does not take
-            _warn_fallback(err)
     return _math_forward(q, k, v, scale, causal, mask, softcap)
 
 
@@ -252,6 +295,7 @@ def block_backward(
     causal: bool = False,
     mask: Optional[Tensor] = None,
     softcap: Optional[float] = None,
+    band: Optional[Band] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the *merged* ``out`` and ``lse`` of the whole attention.
 
@@ -260,36 +304,32 @@ def block_backward(
     """
     # A row with no key anywhere has lse = -inf; +inf makes every p = exp(s - lse) exactly 0.
     lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
-    backend = _backend(q, mask, softcap)
-    if backend == "cpu_flash":
+    kind = backend(q, mask, softcap)
+    if kind == "cuda_flash":
+        try:
+            return cuda_kernels.flash_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, band=band)
+        except RuntimeError as err:
+            _warn_fallback(err)
+    mask = _with_band(mask, band, q.shape[2], k.shape[2], q.device)
+    if kind in ("cuda_flash", "cuda_efficient"):
+        try:
+            return cuda_kernels.efficient_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask)
+        except RuntimeError as err:
+            _warn_fallback(err)
+    if kind == "cpu_flash":
         bias = None if mask is None else _additive(mask, q.dtype)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
         )
-    if backend == "cuda_flash":
-        g = q.shape[1] // k.shape[1]
-        kr, vr = _repeat_kv(k, g), _repeat_kv(v, g)
-        cum = torch.zeros(0, dtype=torch.int32, device=q.device)
-        seed = torch.zeros((), dtype=torch.int64, device=q.device)
-        try:
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dout, q, kr, vr, out, lse, cum, cum, q.shape[2], k.shape[2], 0.0, causal, seed, seed, scale=scale
-            )
-            return dq, _fold_kv_grad(dk, g), _fold_kv_grad(dv, g)
-        except RuntimeError as err:
-            _warn_fallback(err)
     return _math_backward(dout, q, k, v, out, lse, scale, causal, mask, softcap)
 
 
-_WARNED = False
+FALLBACK_WARNING = "hf_ring: a fused CUDA kernel refused a block"
 
 
 def _warn_fallback(err: Exception) -> None:
-    """The exact math path takes over; say so once, since it is slower and uses more memory."""
-    global _WARNED
-    if not _WARNED:
-        _WARNED = True
-        warnings.warn(f"hf_ring: the CUDA flash kernel refused a block ({err}); using the exact math path", stacklevel=3)
+    """The next kernel (efficient attention, then the exact math path) takes over; say so, since it is slower."""
+    warnings.warn(f"{FALLBACK_WARNING} ({err}); using the next kernel", stacklevel=3)
 
 
 def check_softcap(softcap) -> Optional[float]:

@@ -20,14 +20,14 @@ kernels on bounded tiles.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .blocks import Rows, allowed_pairs, default_tile, tiles
+from .blocks import Rows, band_mask, band_of, default_tile, tiles
 from .checks import agree, check_call, check_message_rows, check_position_ids, full_key_mask, gather_documents, option_codes, resolve_group
 from .comm import Pending, RingComm
 from .documents import Documents, check_documents, dilated_multiplicity, longest, same_document, within_one
@@ -66,7 +66,6 @@ class _Ctx:
     causal: bool
     window: Optional[int]
     key_mask: Optional[Tensor] = None  # (B, S_local) bool, True where a key may be attended
-    masks: dict = field(default_factory=dict)
     documents: Optional[Documents] = None  # global start rows of the documents, per batch row
     dilated: Optional[Tuple[Tuple[int, int], ...]] = None  # branches counted inside documents
     softcap: Optional[float] = None
@@ -206,21 +205,15 @@ def _kernel_args(ctx: _Ctx, q: Rows, k_pos: int, nk: int, kind: str, device,
     doc_mask = None
     if docs is not None and not within_one(docs, q.pos, q.last_pos, k_pos, k_pos + nk - 1):
         doc_mask = same_document(docs, q.pos, q.count, k_pos, nk, device)
-    if kind != "mask" and key_valid is None and doc_mask is None:
-        return {"causal": kind == "causal", "mask": None, "softcap": ctx.softcap}
+    if key_valid is None and doc_mask is None:
+        band = band_of(q, k_pos, ctx.causal, ctx.window) if kind == "mask" else None
+        return {"causal": kind == "causal", "mask": None, "softcap": ctx.softcap, "band": band}
     if kind == "full":
         mask = torch.ones(q.count, nk, dtype=torch.bool, device=device)
     elif kind == "causal":
         mask = torch.ones(q.count, nk, dtype=torch.bool, device=device).tril()
     else:
-        key = (q.pos, q.count, q.stride, k_pos, nk)
-        mask = ctx.masks.get(key)
-        if mask is None:
-            qp = torch.arange(q.pos, q.pos + q.count * q.stride, q.stride, device=device)
-            kp = torch.arange(k_pos, k_pos + nk * q.stride, q.stride, device=device)
-            mask = allowed_pairs(qp, kp, ctx.causal, ctx.window)
-            if len(ctx.masks) < 64:  # tiles repeat along a sliding window; keep a few
-                ctx.masks[key] = mask
+        mask = band_mask(q.count, nk, *band_of(q, k_pos, ctx.causal, ctx.window), device=device)
     if key_valid is not None:
         mask = mask[None, None] & key_valid[:, None, None, :]
     if doc_mask is not None:

@@ -1,0 +1,105 @@
+"""The CUDA route of every block kind, on fake CUDA tensors: no GPU needed.
+
+``FakeTensorMode`` runs the CUDA kernels' shape functions on this CPU-only
+build. Each block kind the ring, dilated branches, packed documents and
+decoding make is run through ``block_forward``/``block_backward`` under a
+dispatch-mode spy, which must see the fused kernel the README's table names,
+no math-path op, the kernels' run-time contracts met, K/V with their own head
+count, and nothing as large as the block's scores. Forcing the route to the
+math path must make the same check fail, so it can.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_ring import cuda_kernels, kernels
+from hf_ring.blocks import Rows, allowed_pairs, band_mask, band_of
+from hf_ring.bench import routes
+
+CASES = routes.block_cases()
+FUSED_CASES = [c for c in CASES if c.expect != "math"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_block_kind_runs_its_kernel(case):
+    with routes.fake_cuda():
+        got = routes.run(case)
+        inp = got.inputs
+        out, lse = got.result
+        dq, dk, dv = got.grads
+        assert out.shape == inp.q.shape and out.dtype == case.dtype and out.device.type == "cuda"
+        assert lse.shape == inp.q.shape[:3] and lse.dtype == torch.float32
+        assert dq.shape == inp.q.shape and dk.shape == inp.k.shape and dv.shape == inp.v.shape
+    routes.check(case, got.fwd, got.bwd)
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=[c.name for c in FUSED_CASES])
+def test_check_fails_when_the_route_is_forced_to_the_math_path(case, monkeypatch):
+    monkeypatch.setattr(kernels, "backend", lambda *args, **kw: "math")
+    with routes.fake_cuda():
+        got = routes.run(case)
+    with pytest.raises(AssertionError, match="did not run"):
+        routes.check(case, got.fwd, got.bwd)
+
+
+def test_check_catches_repeated_kv_and_a_broken_contract():
+    """The spy's contract check is itself tested: a repeated K/V and a strided logsumexp are reported."""
+    case = routes.block_cases()[0]
+    with routes.fake_cuda():
+        inp = routes.make_inputs(case)
+        g = case.hq // case.hkv
+        k = inp.k.unsqueeze(2).expand(-1, -1, g, -1, -1).reshape(inp.q.shape[0], case.hq, inp.k.shape[2], case.d)
+        with routes.OpSpy() as spy:
+            torch.ops.aten._flash_attention_forward(
+                inp.q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2), None, None, case.sq, case.sk, 0.0,
+                True, False, scale=0.1)
+            torch.ops.aten._flash_attention_backward(
+                inp.dout.transpose(1, 2), inp.q.transpose(1, 2), inp.k.transpose(1, 2), inp.v.transpose(1, 2),
+                inp.out.transpose(1, 2), inp.lse.transpose(1, 2), None, None, case.sq, case.sk, 0.0, True,
+                torch.empty(2, dtype=torch.uint64, device="cuda"), torch.empty((), dtype=torch.uint64, device="cuda"),
+                scale=0.1)
+    problems = [p for c in spy.calls if c.op.startswith("_flash") for p in routes.contract_problems(c, case)]
+    assert any("K/V reached the kernel with 32 heads" in p for p in problems), problems
+    assert any("logsumexp not fp32, 3-D and contiguous" in p for p in problems), problems
+
+
+def _flash_allows(i: int, j: int, nq: int, nk: int, left: int, right: int) -> bool:
+    """Flash's window rule, aligned to the bottom-right corner; -1 is unbounded."""
+    diag = i + nk - nq
+    return (left < 0 or j >= diag - left) and (right < 0 or j <= diag + right)
+
+
+@settings(max_examples=300, deadline=None)
+@given(sq=st.integers(1, 12), sk=st.integers(1, 12), lo=st.one_of(st.none(), st.integers(-14, 14)),
+       hi=st.integers(-14, 14))
+def test_band_cut_is_the_band_in_flash_window_terms(sq, sk, lo, hi):
+    """Pure index math: the rows, keys and window sizes handed to flash allow exactly the band's pairs."""
+    want = {(i, j) for i in range(sq) for j in range(sk) if (lo is None or j - i >= lo) and j - i <= hi}
+    cut = cuda_kernels.band_cut(sq, sk, lo, hi)
+    if cut is None:
+        assert not want
+        return
+    i0, nq, k0, nk, left, right = cut
+    assert 0 <= i0 and i0 + nq <= sq and 0 <= k0 and k0 + nk <= sk and right >= 0 and (left >= 0 or lo is None)
+    got = {(i0 + i, k0 + j) for i in range(nq) for j in range(nk) if _flash_allows(i, j, nq, nk, left, right)}
+    assert got == want
+    assert bool(band_mask(sq, sk, lo, hi).any()) == bool(want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(stride=st.integers(1, 5), qpos=st.integers(0, 60), dk=st.integers(0, 40), nq=st.integers(1, 9),
+       nk=st.integers(1, 9), window=st.one_of(st.none(), st.integers(1, 50)))
+def test_band_of_is_the_mask_rule(stride, qpos, dk, nq, nk, window):
+    """A causal block of progressions with one stride and residue: the band equals the mask rule on positions."""
+    if window is not None:
+        stride = 1  # windows never combine with dilation
+    k_pos = qpos - dk * stride
+    if k_pos < 0:
+        return
+    q = Rows(0, qpos, nq, stride)
+    qp = torch.arange(qpos, qpos + nq * stride, stride)
+    kp = torch.arange(k_pos, k_pos + nk * stride, stride)
+    assert torch.equal(band_mask(nq, nk, *band_of(q, k_pos, True, window)), allowed_pairs(qp, kp, True, window))
