@@ -14,6 +14,7 @@ from .groups import SequenceParallel, current
 from .layout import local_positions, shard_sizes
 from .loss import tiled_causal_lm_loss
 from .mlp import tiled_rows
+from .offload import offload_checkpoints
 from .parallel import clear_sequence_parallel, setup_sequence_parallel, sync_gradients
 from .patches.tiling import configure as configure_tiling
 from .pattern import DilatedPattern
@@ -34,6 +35,7 @@ __all__ = [
     "gather_sequence",
     "generate",
     "local_positions",
+    "offload_checkpoints",
     "patches",
     "prepare_trainer",
     "ring_attention",

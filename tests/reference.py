@@ -1,6 +1,8 @@
 """Independent float64 reference: dense softmax attention with an explicit mask.
 
-Shares no code with hf_ring: every mask is built here from positions.
+Shares no code with hf_ring: every mask is built here from positions, on
+the CPU, and moved to the inputs' device. The tests and ``python -m
+hf_ring.bench gpu`` (from a checkout) measure the library against it.
 """
 from __future__ import annotations
 
@@ -40,10 +42,10 @@ def attention(q, k, v, *, bias: torch.Tensor, scale: Optional[float] = None, sof
     s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    s = s + bias.double()
+    s = s + bias.to(device=s.device, dtype=torch.float64)
     if sinks is not None:
         b, h, nq = s.shape[:3]
-        s = torch.cat([s, sinks.double().view(1, h, 1, 1).expand(b, h, nq, 1)], dim=-1)
+        s = torch.cat([s, sinks.double().to(s.device).view(1, h, 1, 1).expand(b, h, nq, 1)], dim=-1)
         v = torch.cat([v, torch.zeros_like(v[:, :, :1])], dim=2)
     empty = torch.isneginf(s).all(-1, keepdim=True)
     p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)

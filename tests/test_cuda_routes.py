@@ -103,3 +103,36 @@ def test_band_of_is_the_mask_rule(stride, qpos, dk, nq, nk, window):
     qp = torch.arange(qpos, qpos + nq * stride, stride)
     kp = torch.arange(k_pos, k_pos + nk * stride, stride)
     assert torch.equal(band_mask(nq, nk, *band_of(q, k_pos, True, window)), allowed_pairs(qp, kp, True, window))
+
+
+needs_cuda_build = pytest.mark.skipif(not torch.backends.cuda.is_built(),
+                                      reason="the ring's own indexing needs a CUDA build of torch under fake tensors")
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("kw", [{}, {"window": 700}, {"pattern": {"segment_lengths": [512, 1024, 2048],
+                                                                  "dilation_rates": [1, 2, 4]}}],
+                         ids=["dense", "window", "dilated"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_whole_ring_runs_fused_kernels(kw, dtype):
+    """One process's ring, forward and backward, on fake CUDA tensors: every block a fused kernel, no math path."""
+    import hf_ring.ring as ring
+    from hf_ring.checks import check_options
+
+    n, hq, hkv, d = 4096, 8, 2, 64
+    with routes.fake_cuda():
+        q, k, v, dout = (t.transpose(1, 2) for t in (torch.randn(1, n, h, d, dtype=dtype, device="cuda")
+                                                      for h in (hq, hkv, hkv, hq)))
+        opts = check_options(True, kw.get("window"), kw.get("pattern"), None, d)
+        rctx = ring._Ctx(None, ring.rank_plan(n, 0, 1, "contiguous", True, opts.window,
+                                              ring.branches_of(opts.pattern), hq, hkv, 1 << 30, None, None),
+                         opts.scale, True, opts.window, backward_tile=1024)
+        with routes.OpSpy() as fwd:
+            out, lse = ring.ring_forward(q, k, v, rctx)
+        with routes.OpSpy() as bwd:
+            dq, dk, dv = ring.ring_backward(dout, q, k, v, out, lse, rctx)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    for spy, phase in ((fwd, 0), (bwd, 1)):
+        ops = set(spy.ops())
+        assert not ops & routes.MATH_OPS, ops & routes.MATH_OPS
+        assert any(route[phase] in ops for route in routes.FUSED.values()), ops
