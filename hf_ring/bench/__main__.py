@@ -4,6 +4,7 @@ import sys
 
 BENCHES = {"ring": "hf_ring.bench.ring", "dilated": "hf_ring.bench.dilated", "generate": "hf_ring.bench.generate",
            "scale": "hf_ring.bench.scale", "model": "hf_ring.bench.model",
+           "gpu": "hf_ring.bench.gpu",
            "tables": "hf_ring.bench.tables"}
 
 

@@ -144,12 +144,14 @@ def measure_attention(impl: str, n: int, layout: str, b: int, h: int, d: int, re
     return result
 
 
-def _entry(rank, world_size, init_file, fn, args, results):
+def _entry(rank, world_size, init_file, fn, args, results, backend="gloo"):
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     if world_size > 1:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=600))
     try:
         results.put((rank, fn(*args)))
@@ -163,9 +165,10 @@ def _entry(rank, world_size, init_file, fn, args, results):
 MMAP_VAR = "MALLOC_MMAP_THRESHOLD_"
 
 
-def run_ranks(world_size: int, fn: Callable, *args, exact_peak: bool = True) -> List[Dict]:
+def run_ranks(world_size: int, fn: Callable, *args, exact_peak: bool = True, backend: str = "gloo") -> List[Dict]:
     """Run ``fn(*args)`` in ``world_size`` fresh one-thread processes (a gloo group when > 1).
 
+    ``backend="nccl"``: one GPU per rank (rank r on GPU r), an NCCL group.
     ``exact_peak``: glibc gets a fixed mmap threshold, so it returns large
     freed blocks at once and the resident-set high-water mark follows the
     live tensors. Every large allocation then costs fresh pages, which slows
@@ -180,7 +183,7 @@ def run_ranks(world_size: int, fn: Callable, *args, exact_peak: bool = True) -> 
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_entry, args=(r, world_size, init_file, fn, args, results))
+        procs = [ctx.Process(target=_entry, args=(r, world_size, init_file, fn, args, results, backend))
                  for r in range(world_size)]
         outer = os.environ.pop(MMAP_VAR, None)
         try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -21,39 +21,53 @@ from .common import format_table, run_ranks, save
 from .scale import MODEL
 
 
-def _steps(n: int, repeats: int, checkpointing: bool) -> Dict:
+def steps(n: int, repeats: int, checkpointing: bool, device: str = "cpu", dtype: torch.dtype = torch.float32,
+          impls: Tuple[str, ...] = ("sdpa", "ring_dilated"), offload: bool = False) -> Dict:
+    """Seconds of ``repeats`` training steps per implementation (alternating, after one warm-up each), and on
+    CUDA the peak memory each step allocated (MiB). ``offload``: checkpointed layer inputs in host memory."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    import hf_ring  # noqa: F401  (registers ring_dilated)
+    import hf_ring
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL), attn_implementation="sdpa", dtype=torch.float32)
-    model.train()
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL), attn_implementation="sdpa", dtype=dtype)
+    model.to(device).train()
     if checkpointing:
-        model.gradient_checkpointing_enable()
-    ids = torch.randint(0, MODEL["vocab_size"], (1, n), generator=torch.Generator().manual_seed(n))
+        model.activation_checkpointing_enable()
+    if offload:
+        hf_ring.offload_checkpoints(model)
+    ids = torch.randint(0, MODEL["vocab_size"], (1, n), generator=torch.Generator().manual_seed(n)).to(device)
+    cuda = device.startswith("cuda")
+    peaks: Dict[str, float] = {}
 
     def step(impl: str) -> float:
         model.set_attn_implementation(impl)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
         model(input_ids=ids, labels=ids).loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+            peaks[impl] = max(peaks.get(impl, 0.0), (torch.cuda.max_memory_allocated() - base) / 2**20)
         elapsed = time.perf_counter() - t0
         model.zero_grad(set_to_none=True)
         return elapsed
 
-    times: Dict[str, List[float]] = {"sdpa": [], "ring_dilated": []}
+    times: Dict[str, List[float]] = {impl: [] for impl in impls}
     for impl in times:  # warm-up
         step(impl)
     for _ in range(repeats):
         for impl in times:
             times[impl].append(step(impl))
-    return times
+    return {"times": times, "peak_mb": peaks}
 
 
 def run(sizes: List[int], repeats: int, checkpointing: bool) -> List[Dict]:
     rows = []
     for n in sizes:
-        times = run_ranks(1, _steps, n, repeats, checkpointing)[0]
+        times = run_ranks(1, steps, n, repeats, checkpointing)[0]["times"]
         sdpa, ring = statistics.median(times["sdpa"]), statistics.median(times["ring_dilated"])
         ratios = sorted(r / s for r, s in zip(times["ring_dilated"], times["sdpa"]))
         rows.append({"n": n, "checkpointing": checkpointing, "sdpa_step_s": round(sdpa, 3),

@@ -1,0 +1,24 @@
+"""``python -m hf_ring.bench gpu --fake``: the GPU benchmark's code runs here, its checks hold, its tables render."""
+import json
+import os
+
+from hf_ring.bench import gpu, tables
+
+
+def test_gpu_benchmark_runs_without_a_gpu(tmp_path):
+    gpu.main(["--fake", "--out", str(tmp_path)])
+    got = {name: json.load(open(os.path.join(tmp_path, f"{name}.json")))
+           for name in ("gpu_routes", "gpu_exact", "gpu_speed", "gpu_model", "gpu_nccl")}
+    routes = got["gpu_routes"]["rows"]
+    assert len(routes) == len(gpu.route_check.block_cases())
+    assert all(r["checked"] == "yes" and r["kernel"] == r["expected"] for r in routes), routes
+    exact = got["gpu_exact"]["rows"]
+    assert {r["block"] for r in exact} == set(gpu.EXACT_CASES) and all(r["within"] for r in exact), exact
+    impls = {r["impl"] for r in got["gpu_speed"]["rows"]}
+    assert impls == {"sdpa (flash)", "ring_attention", "ring_attention dilated"}
+    nccl = got["gpu_nccl"]["rows"]
+    assert nccl[0]["max_rel_err_fp32"] <= 1e-5 and nccl[-1]["killed_peer"] == "CommTimeoutError"
+    assert nccl[-1]["raised_after_s"] < nccl[-1]["timeout_s"] + 5
+    for name, payload in got.items():
+        table = tables.render(name, payload)
+        assert len(table.splitlines()) == 2 + len(payload["rows"])
