@@ -101,18 +101,32 @@ def ring_dilated_attention(
     **kwargs: Any,
 ) -> Tuple[Tensor, None]:
     """transformers attention function for ``attn_implementation="ring_dilated"``."""
-    cfg = ring_config.parse(getattr(module.config, ring_config.CONFIG_KEY, None))
-    # transformers' own backends let an explicit is_causal win over the module's attribute.
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    opts = check_options(causal, sliding_window, cfg.pattern, scaling, query.shape[-1], cfg.layout)
-    softcap, sinks = check_softcap(kwargs.get("softcap")), check_sinks(kwargs.get("s_aux"), query.shape[1])
     ctx = kwargs.get(CONTEXT_KEY)
     sp = current()
     sharded = sp is not None and sp.sp_size > 1
-    _refuse_unsupported(dropout, module.training, kwargs, sharded)
-    query, key, value = _autocast_alike(query, key, value)
-    if not query.dtype == key.dtype == value.dtype:
-        raise TypeError(f"q, k, v must share one dtype; got q={query.dtype}, k={key.dtype}, v={value.dtype}")
+    key_valid = None
+    try:  # under sequence parallelism a rank whose arguments fail makes every rank raise, at once
+        cfg = ring_config.parse(getattr(module.config, ring_config.CONFIG_KEY, None))
+        # transformers' own backends let an explicit is_causal win over the module's attribute.
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        opts = check_options(causal, sliding_window, cfg.pattern, scaling, query.shape[-1], cfg.layout)
+        softcap, sinks = check_softcap(kwargs.get("softcap")), check_sinks(kwargs.get("s_aux"), query.shape[1])
+        _refuse_unsupported(dropout, module.training, kwargs, sharded)
+        query, key, value = _autocast_alike(query, key, value)
+        if not query.dtype == key.dtype == value.dtype:
+            raise TypeError(f"q, k, v must share one dtype; got q={query.dtype}, k={key.dtype}, v={value.dtype}")
+        if isinstance(ctx, ShardedForward) and query.shape[2] == key.shape[2]:
+            check_qkv(query, key, value)
+            key_valid = _key_mask_2d(attention_mask)
+            if ctx.world_size > 1 and opts.layout != ctx.layout:
+                raise ValueError(
+                    f"config.ring_dilated layout {opts.layout!r} differs from the sequence-parallel layout "
+                    f"{ctx.layout!r}; use one layout for both (hf_ring.configure and hf_ring.setup_sequence_parallel)"
+                )
+    except (TypeError, ValueError, NotImplementedError) as err:
+        if isinstance(ctx, ShardedForward):
+            ctx.fail(err)
+        raise
     if isinstance(ctx, DecodeStep):
         out = _decode_step(query, key, value, _key_mask_2d(attention_mask), opts, ctx, softcap, sinks)
     elif query.shape[2] != key.shape[2]:
@@ -123,8 +137,7 @@ def ring_dilated_attention(
             )
         out = _over_cache(query, key, value, attention_mask, opts, softcap, sinks)
     elif isinstance(ctx, ShardedForward):
-        check_qkv(query, key, value)
-        out = _sharded(module, query, key, value, _key_mask_2d(attention_mask), opts, ctx, softcap, sinks)
+        out = _sharded(module, query, key, value, key_valid, opts, ctx, softcap, sinks)
     elif sharded:
         refuse_unsharded(sp.comm, query, key, opts)
     else:
@@ -140,11 +153,6 @@ def ring_dilated_attention(
 def _sharded(module, query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[Tensor], opts: Options,
              ctx: ShardedForward, softcap: Optional[float], sinks: Optional[Tensor]) -> Tensor:
     """The ring over the shards of one forward; the ranks agree once per kind of layer."""
-    if ctx.world_size > 1 and opts.layout != ctx.layout:
-        raise ValueError(
-            f"config.ring_dilated layout {opts.layout!r} differs from the sequence-parallel layout {ctx.layout!r}; "
-            "use one layout for both (hf_ring.configure and hf_ring.setup_sequence_parallel)"
-        )
     if ctx.agree(query, key, opts, option_codes(softcap, sinks, None, ctx.documents)) and ctx.world_size > 1:
         patches.check_supported(module.config)  # once per forward: the family does not change between layers
     key_mask = full_key_mask(key_valid, key, ctx.padded)

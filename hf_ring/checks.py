@@ -223,13 +223,20 @@ def facts(q: Tensor, k: Tensor, seq_len: Optional[int], opts: Options, padded: b
     ]
 
 
-def agree_table(comm: RingComm, mine: Sequence[int], codes: Sequence[Tuple[str, int]] = ()) -> List[List[int]]:
-    """Every rank's row; raises the same ValueError on every rank if a shared column differs.
+def agree_table(comm: RingComm, mine: Optional[Sequence[int]], codes: Sequence[Tuple[str, int]] = (),
+                error: Optional[Exception] = None) -> List[List[int]]:
+    """Every rank's row; raises the same error on every rank if a rank's local checks failed or a shared column differs.
 
-    When only the options digest differs, the ranks (all of them, having seen
-    the same table) gather the option codes themselves to name the one that differs.
+    ``error``: what this rank's own argument checks raised (``mine`` is then
+    ignored); it travels in the same exchange, so every rank raises the first
+    failing rank's error at once instead of waiting for it. When only the
+    options digest differs, the ranks (all of them, having seen the same
+    table) gather the option codes themselves to name the one that differs.
     """
-    table = comm.all_gather_ints(list(mine), "the agreement on attention arguments before the ring")
+    row = list(mine) if error is None else [0] * len(_COLUMNS)
+    both = comm.all_gather_ints(row + _error_row(error), "the agreement on attention arguments before the ring")
+    _raise_first([r[len(_COLUMNS):] for r in both])
+    table = [r[: len(_COLUMNS)] for r in both]
     sharded = [row[_SHARDED] for row in table]
     if not all(sharded):
         raise ValueError(_disagreement("sharded inputs", sharded))
@@ -321,16 +328,26 @@ def _padded(key_mask: Optional[Tensor]) -> bool:
     return key_mask is not None and not bool(key_mask.all())
 
 
-def agree(comm: Optional[RingComm], q: Tensor, k: Tensor, seq_len: Optional[int], opts: Options,
-          codes: Sequence[Tuple[str, int]] = ()) -> Tuple[int, bool]:
-    """The global length, and whether any rank has padded keys, agreed by every rank of the ring."""
-    seq_len = _check_seq_len(seq_len)
-    padded = _padded(opts.key_mask)
+def agree(comm: Optional[RingComm], q: Tensor, k: Tensor, seq_len: Optional[int], opts: Optional[Options],
+          codes: Sequence[Tuple[str, int]] = (), error: Optional[Exception] = None) -> Tuple[int, bool]:
+    """The global length, and whether any rank has padded keys, agreed by every rank of the ring.
+
+    ``error``: what this rank's local argument checks raised; every rank then
+    raises it (see :func:`agree_table`).
+    """
+    if error is None:
+        try:
+            seq_len = _check_seq_len(seq_len)
+        except ValueError as err:
+            error = err
     if comm is None or comm.world_size == 1:
+        if error is not None:
+            raise error
         if seq_len is not None and seq_len != q.shape[2]:
             raise ValueError(f"seq_len={seq_len} but this single process holds {q.shape[2]} rows")
-        return q.shape[2], padded
-    table = agree_table(comm, facts(q, k, seq_len, opts, padded, codes=codes), codes)
+        return q.shape[2], _padded(opts.key_mask)
+    mine = None if error is not None else facts(q, k, seq_len, opts, _padded(opts.key_mask), codes=codes)
+    table = agree_table(comm, mine, codes, error)
     return global_length(table, seq_len, opts.layout), any(row[2] for row in table)
 
 
@@ -344,6 +361,24 @@ def full_key_mask(key_mask: Optional[Tensor], k: Tensor, any_padded: bool) -> Op
 
 
 _MESSAGE_BYTES = 480
+_ERROR_INTS = 2 + _MESSAGE_BYTES
+_KINDS = {"TypeError": TypeError, "NotImplementedError": NotImplementedError}
+
+
+def _error_row(error: Optional[Exception]) -> List[int]:
+    """A local check's outcome as integers of one fixed size: failed or not, then its type and message."""
+    text = b"" if error is None else f"{type(error).__name__}\0{error}".encode()[:_MESSAGE_BYTES]
+    return [int(error is not None), len(text)] + list(text) + [0] * (_MESSAGE_BYTES - len(text))
+
+
+def _raise_first(rows: Sequence[Sequence[int]]) -> None:
+    """Raise, on this rank, the error of the first rank whose row (see :func:`_error_row`) says it failed."""
+    failed = [r for r, got in enumerate(rows) if got[0]]
+    if not failed:
+        return
+    first = rows[failed[0]]
+    kind, _, message = bytes(first[2:2 + first[1]]).decode(errors="replace").partition("\0")
+    raise _KINDS.get(kind, ValueError)(f"rank {failed[0]}: {message}")
 
 
 def raise_together(comm: Optional[RingComm], error: Optional[Exception], what: str) -> None:
@@ -353,17 +388,11 @@ def raise_together(comm: Optional[RingComm], error: Optional[Exception], what: s
     small all-gather) then tells every rank whether any failed, so no rank
     raises while the others wait for it in a collective. Every rank raises
     the first failing rank's error type and message, prefixed with its rank.
+    The ring's own agreement carries the same row (:func:`agree_table`), so
+    a direct call needs no exchange of its own.
     """
     if comm is None or comm.world_size == 1:
         if error is not None:
             raise error
         return
-    text = b"" if error is None else f"{type(error).__name__}\0{error}".encode()[:_MESSAGE_BYTES]
-    row = [int(error is not None), len(text)] + list(text) + [0] * (_MESSAGE_BYTES - len(text))
-    table = comm.all_gather_ints(row, what)
-    failed = [r for r, got in enumerate(table) if got[0]]
-    if not failed:
-        return
-    first = table[failed[0]]
-    kind, _, message = bytes(first[2:2 + first[1]]).decode(errors="replace").partition("\0")
-    raise (TypeError if kind == "TypeError" else ValueError)(f"rank {failed[0]}: {message}")
+    _raise_first(comm.all_gather_ints(_error_row(error), what))

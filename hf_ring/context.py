@@ -74,6 +74,18 @@ class ShardedForward:
         self._agreed[key] = True
         return True
 
+    def fail(self, error: Exception) -> None:
+        """This rank's checks of a layer's arguments failed: every rank raises that error, not only this one.
+
+        The error rides in the agreement exchange the other ranks make for the
+        forward's first layer (see :func:`hf_ring.checks.agree_table`). A layer
+        after an agreement was made (the same arguments passed the checks on
+        this rank before) has no exchange to join and raises here alone.
+        """
+        if self.world_size > 1 and not self._agreed:
+            agree_table(self.comm, None, (), error)
+        raise error
+
     @property
     def collectives(self) -> int:
         """Agreement collectives this forward has issued (one per kind of layer on several ranks)."""

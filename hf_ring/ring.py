@@ -446,14 +446,19 @@ def ring_attention(
     all-gather) before any K/V moves: a mismatch raises the same error on every rank.
     """
     comm = resolve_group(group)
-    opts = check_call(q, k, v, layout=layout, causal=causal, window=window, pattern=pattern, scale=scale,
-                      key_mask=key_mask)
-    softcap, sinks = check_softcap(softcap), check_sinks(sinks, q.shape[1])
-    position_ids = check_position_ids(position_ids, q)
-    if position_ids is not None and documents is not None:
-        raise ValueError("pass either position_ids (the ranks then learn the documents) or documents, not both")
-    message_rows = check_message_rows(message_rows)
-    n, padded = agree(comm, q, k, seq_len, opts, option_codes(softcap, sinks, position_ids, documents, message_rows))
+    opts, error = None, None
+    try:  # a bad argument on one rank fails every rank at once: its error rides in the agreement
+        opts = check_call(q, k, v, layout=layout, causal=causal, window=window, pattern=pattern, scale=scale,
+                          key_mask=key_mask)
+        softcap, sinks = check_softcap(softcap), check_sinks(sinks, q.shape[1])
+        position_ids = check_position_ids(position_ids, q)
+        if position_ids is not None and documents is not None:
+            raise ValueError("pass either position_ids (the ranks then learn the documents) or documents, not both")
+        message_rows = check_message_rows(message_rows)
+        codes = option_codes(softcap, sinks, position_ids, documents, message_rows)
+    except (TypeError, ValueError) as err:
+        error, codes = err, ()
+    n, padded = agree(comm, q, k, seq_len, opts, codes, error)
     if position_ids is not None:
         documents = gather_documents(comm, position_ids, n, opts.layout, k.device)
     documents = check_documents(documents, q.shape[0], n)
