@@ -1,13 +1,15 @@
-"""``python -m hf_ring.bench tables``: the README's benchmark tables, rendered from the benchmarks' JSON.
+"""``python -m hf_ring.bench tables``: the documentation's benchmark tables, rendered from the benchmarks' JSON.
 
-Each table sits in README.md between ``<!-- bench:NAME -->`` and
-``<!-- /bench:NAME -->``; ``--write`` replaces what is there with the rows of
-``DIR/NAME.json`` (as ``python -m hf_ring.bench NAME --out DIR`` wrote it),
-so the figures in the README are the ones the benchmarks measured.
+Each table sits in the page that shows it (README.md or a page of docs/)
+between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``; ``--write``
+replaces what is there with the rows of ``DIR/NAME.json`` (as
+``python -m hf_ring.bench NAME --out DIR`` wrote it), in every page that has
+the markers, so the figures shown are the ones the benchmarks measured.
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -87,11 +89,16 @@ def rewrite(text: str, tables: Dict[str, str]) -> str:
     return text
 
 
+def pages(root: str = ".") -> List[str]:
+    """The pages that may hold tables: README.md and docs/*.md."""
+    return [os.path.join(root, "README.md")] + sorted(glob.glob(os.path.join(root, "docs", "*.md")))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m hf_ring.bench tables", description=__doc__)
     ap.add_argument("--dir", default="docs/bench", help="where the benchmarks' JSON files are")
-    ap.add_argument("--readme", default="README.md")
-    ap.add_argument("--write", action="store_true", help="rewrite the tables in --readme (else print them)")
+    ap.add_argument("--root", default=".", help="the checkout whose README.md and docs/*.md get the tables")
+    ap.add_argument("--write", action="store_true", help="rewrite the tables in the pages (else print them)")
     args = ap.parse_args(argv)
     tables = {}
     for name in COLUMNS:
@@ -103,7 +110,11 @@ def main(argv=None) -> None:
         for name, table in tables.items():
             print(f"{name}:\n{table}\n")
         return
-    with open(args.readme) as f:
-        text = f.read()
-    with open(args.readme, "w") as f:
-        f.write(rewrite(text, tables))
+    for page in pages(args.root):
+        with open(page) as f:
+            text = f.read()
+        new = rewrite(text, tables)
+        if new != text:
+            with open(page, "w") as f:
+                f.write(new)
+            print(f"wrote the tables of {page}")
