@@ -249,7 +249,7 @@ def main(argv=None) -> dict:
     if pattern is not None or not resume_dir:
         hf_ring.configure(model, pattern=pattern, layout=args.layout)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     start, history = 0, []

@@ -239,7 +239,7 @@ def counted_collectives_case(path, n, layers, checkpointing=False):
         model = load(path, "ring_dilated").train()
         assert model.config.num_hidden_layers == layers
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
         sharded = hf_ring.shard_batch(batch(3, 1, n))
         for name in originals:
             setattr(dist, name, spy(name))

@@ -180,8 +180,8 @@ def test_tiled_model_step_equals_untiled(kind, overrides, checkpointing):
     ref_model = load(path, "sdpa").train()
     model = load(path, "sdpa").train()
     if checkpointing:
-        ref_model.gradient_checkpointing_enable()
-        model.gradient_checkpointing_enable()
+        ref_model.activation_checkpointing_enable()
+        model.activation_checkpointing_enable()
     _check_tiled_step(model, data, *_step(ref_model, data), loss_chunk_rows=7, row_chunk_rows=9)
 
 

@@ -151,7 +151,7 @@ def _step(cfg: Dict) -> Dict:
     model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg["model"]), attn_implementation="ring_dilated",
                                              dtype=torch.float32)
     model.train()
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     parts = cfg["parts"] if cfg["tiling"] == "on" else ()
     hf_ring.configure_tiling(model, loss="loss" in parts, mlp="mlp" in parts, norm="norm" in parts,
                              loss_chunk_rows=cfg["loss_chunk_rows"], row_chunk_rows=cfg["row_chunk_rows"])
