@@ -14,6 +14,7 @@ It dispatches on what the forward carries (see :mod:`hf_ring.context`):
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional, Tuple
 
 import torch
@@ -152,7 +153,16 @@ def ring_dilated_attention(
 
 def _sharded(module, query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[Tensor], opts: Options,
              ctx: ShardedForward, softcap: Optional[float], sinks: Optional[Tensor]) -> Tensor:
-    """The ring over the shards of one forward; the ranks agree once per kind of layer."""
+    """The ring over the shards of one forward; the ranks agree once per kind of layer.
+
+    A rank that holds no row of the sequence runs the model on a placeholder
+    row: the ring gets none of it, and its output there is zero.
+    """
+    if ctx.placeholder:
+        out = _sharded(module, query[:, :, :0], key[:, :, :0], value[:, :, :0],
+                       None if key_valid is None else key_valid[:, :0], opts, replace(ctx, placeholder=False),
+                       softcap, sinks)
+        return torch.cat([out, out.new_zeros(*out.shape[:2], query.shape[2], out.shape[3])], dim=2)
     if ctx.agree(query, key, opts, option_codes(softcap, sinks, None, ctx.documents)) and ctx.world_size > 1:
         patches.check_supported(module.config)  # once per forward: the family does not change between layers
     key_mask = full_key_mask(key_valid, key, ctx.padded)

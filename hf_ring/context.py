@@ -41,7 +41,8 @@ class ShardedForward:
     batch has padded keys; ``contents`` a fingerprint of the global batch, so
     ranks of one group that were handed different batches are caught;
     ``documents`` the global start rows of the documents packed in each row
-    (None: one sequence per row).
+    (None: one sequence per row); ``placeholder``: this rank holds none of the
+    rows and the model runs on one placeholder row, which the ring leaves out.
     """
 
     seq_len: int
@@ -50,6 +51,7 @@ class ShardedForward:
     padded: bool = False
     contents: int = 0
     documents: Optional[Documents] = None
+    placeholder: bool = False  # this rank holds no row and runs the model on one placeholder row
     _agreed: Dict[Tuple, bool] = field(default_factory=dict, repr=False)
 
     @property

@@ -7,7 +7,7 @@ the sequence loss: summed over the sp group it is the global loss.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
@@ -20,11 +20,20 @@ from .groups import SequenceParallel, current
 
 IGNORE_INDEX = -100
 
+PLACEHOLDER_ROWS = 1
+"""Rows the model runs on a rank that holds none of the sequence (see :func:`shard_batch`)."""
+
 
 def fingerprint(ids: torch.Tensor) -> int:
     """A 31-bit fingerprint of a batch of token ids, computed where they live; equal batches give equal values."""
     weights = (torch.arange(1, ids.numel() + 1, device=ids.device, dtype=torch.long) * 2654435761) % 2147483647
     return int((ids.reshape(-1).long() * weights).sum() % 2147483647)
+
+
+def _token_fingerprint(embeds: torch.Tensor) -> int:
+    """:func:`fingerprint` of per-token embeddings: their bit patterns summed per token (one pass, no copy per element)."""
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[embeds.element_size()]
+    return fingerprint(embeds.detach().contiguous().view(bits).long().sum(-1))
 
 
 def _sp(sp: Optional[SequenceParallel]):
@@ -89,33 +98,60 @@ def _shifted_labels(batch: Mapping[str, Any], labels: torch.Tensor, documents: O
     return shifted
 
 
+PER_TOKEN = ("input_ids", "inputs_embeds", "labels", "attention_mask", "position_ids", "shift_labels",
+             "token_type_ids", "completion_mask", "assistant_masks")
+"""Per-token inputs a model forward (or a trainer's loss) takes: split along the sequence like the tokens."""
+
+
+def batch_shape(batch: Mapping[str, Any]) -> Tuple[int, int]:
+    """``(batch size, sequence length)`` of a global batch, from ``input_ids`` or ``inputs_embeds``."""
+    ids, embeds = batch.get("input_ids"), batch.get("inputs_embeds")
+    if (ids is None) == (embeds is None):
+        raise ValueError("shard_batch needs exactly one of 'input_ids' (batch, seq_len) and 'inputs_embeds' "
+                         "(batch, seq_len, hidden), as the model's forward does")
+    if ids is not None and (not isinstance(ids, torch.Tensor) or ids.dim() != 2):
+        raise ValueError(f"input_ids must be a 2-D tensor (batch, seq_len), got {getattr(ids, 'shape', type(ids))}")
+    if embeds is not None and (not isinstance(embeds, torch.Tensor) or embeds.dim() != 3
+                               or not embeds.is_floating_point()):
+        raise ValueError("inputs_embeds must be a 3-D floating-point tensor (batch, seq_len, hidden), got "
+                         f"{getattr(embeds, 'shape', type(embeds))}")
+    shape = (ids if ids is not None else embeds).shape
+    return shape[0], shape[1]
+
+
 def _check_batch(batch: Any) -> None:
     """Every local check of a batch given to :func:`shard_batch`."""
     if not isinstance(batch, Mapping):
         raise TypeError(f"batch must be a mapping such as a dict, got {type(batch).__name__}")
     if CONTEXT_KEY in batch:
         raise ValueError(f"this batch is already sharded (it carries {CONTEXT_KEY!r}); shard the global batch once")
-    if "input_ids" not in batch:
-        raise ValueError("shard_batch needs 'input_ids' of shape (batch, seq_len)")
-    ids = batch["input_ids"]
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-        raise ValueError(f"input_ids must be a 2-D tensor (batch, seq_len), got {getattr(ids, 'shape', type(ids))}")
-    b, n = ids.shape
-    for key in ("labels", "attention_mask", "position_ids"):
+    b, n = batch_shape(batch)
+    for key in PER_TOKEN[2:]:
         t = batch.get(key)
-        if t is not None and tuple(t.shape) != (b, n):
-            raise ValueError(f"{key} must have the shape of input_ids {(b, n)}, got {tuple(t.shape)}")
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (b, n)):
+            raise ValueError(f"{key} must have the shape (batch, seq_len) = {(b, n)}, got "
+                             f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}")
+    for key, t in batch.items():
+        if key not in PER_TOKEN and key not in VARLEN_KEYS and isinstance(t, torch.Tensor) and t.dim() >= 2 \
+                and tuple(t.shape[:2]) == (b, n):
+            raise ValueError(
+                f"shard_batch does not know whether {key!r} (shape {tuple(t.shape)}) holds one entry per token; "
+                f"it splits only {', '.join(PER_TOKEN)} along the sequence. Drop {key!r} from the batch, or split "
+                "it with hf_ring.local_positions yourself after sharding"
+            )
 
 
 def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None) -> Dict[str, Any]:
-    """This rank's part of ``batch`` (``input_ids``, optional ``labels``, ``attention_mask``, ``position_ids``).
+    """This rank's part of ``batch``: ``input_ids`` or ``inputs_embeds`` and every per-token input (:data:`PER_TOKEN`).
 
     Adds global ``position_ids``, globally shifted ``shift_labels`` and the
     global ``num_items_in_batch`` when labels are given, and ``ring_context``:
     the facts of this forward that every attention layer reads (global
     length, padding, documents, the group), so the ranks agree on them once
     per forward. Any length works, including one shorter than the number of
-    ranks. Packed rows (``position_ids`` restarting inside a row and no
+    ranks: a rank that holds no row gets one placeholder row (a copy of row 0
+    with no label), which the attention leaves out of the ring (no query sees
+    it) and whose output is zero; :func:`gather_sequence` drops it. Packed rows (``position_ids`` restarting inside a row and no
     ``attention_mask``, or ``cu_seq_lens_q``, as ``DataCollatorWithFlattening``
     makes them) keep their documents apart: attention never crosses a
     document border, and neither do the shifted labels.
@@ -124,7 +160,7 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
     documents = shifted = None
     try:
         _check_batch(batch)
-        b, n = batch["input_ids"].shape
+        b, n = batch_shape(batch)
         documents = _documents(batch, batch.get("position_ids"), b, n)
         if batch.get("labels") is not None:
             shifted = _shifted_labels(batch, batch["labels"], documents)
@@ -135,31 +171,50 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
         error = err
     # One small exchange, so a bad batch on one rank fails every rank of the group, not just that one.
     raise_together(None if group is None else group.comm, error, "the batch check of shard_batch")
-    ids = batch["input_ids"]
-    b, n = ids.shape
+    ids = batch.get("input_ids")
+    tokens = ids if ids is not None else batch["inputs_embeds"]
+    b, n = tokens.shape[:2]
     rank, size, layout = (0, 1, "contiguous") if group is None else (group.sp_rank, group.sp_size, group.layout)
-    pos = local_positions(n, rank, size, layout).to(ids.device)
+    pos = local_positions(n, rank, size, layout).to(tokens.device)
+    placeholder = pos.numel() == 0 and n > 0
+    if placeholder:  # model code cannot run on zero rows: one row that nothing sees and no loss reads
+        pos = torch.zeros(PLACEHOLDER_ROWS, dtype=torch.long, device=tokens.device)
 
-    sliced = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels") + VARLEN_KEYS
-    out: Dict[str, Any] = {k: v for k, v in batch.items() if k not in sliced}
-    out["input_ids"] = ids[:, pos]
+    out: Dict[str, Any] = {k: v for k, v in batch.items() if k not in PER_TOKEN + VARLEN_KEYS}
+    for key in ("input_ids", "inputs_embeds", "attention_mask", "token_type_ids", "completion_mask",
+                "assistant_masks"):
+        if batch.get(key) is not None:
+            out[key] = batch[key][:, pos]
     mask = batch.get("attention_mask")
-    if mask is not None:
-        out["attention_mask"] = mask[:, pos]
     positions = batch.get("position_ids")
     if positions is None:
-        positions = torch.arange(n, device=ids.device).expand(b, n)
+        positions = torch.arange(n, device=tokens.device).expand(b, n)
     out["position_ids"] = positions[:, pos]
     if shifted is not None:
         out["labels"] = batch["labels"][:, pos]
         out["shift_labels"] = shifted[:, pos]
         out["num_items_in_batch"] = int((shifted != IGNORE_INDEX).sum())
+        if placeholder:
+            out["labels"] = torch.full_like(out["labels"], IGNORE_INDEX)
+            out["shift_labels"] = torch.full_like(out["shift_labels"], IGNORE_INDEX)
     out[CONTEXT_KEY] = ShardedForward(
         n, None if group is None else group.comm, layout, padded=mask is not None and not bool(mask.all()),
-        contents=0 if group is None else (fingerprint(ids) + hash(documents or ())) & 0x7FFFFFFF, documents=documents,
+        contents=0 if group is None else (
+            (fingerprint(ids) if ids is not None else _token_fingerprint(tokens)) + hash(documents or ())) & 0x7FFFFFFF,
+        documents=documents,
+        placeholder=placeholder,
     )
     out.setdefault("use_cache", False)  # a KV cache of a training shard is never read
     return out
+
+
+def model_rows(seq_len: int, sp: Optional[SequenceParallel] = None) -> int:
+    """Rows the model runs on this rank for a global length: its shard, or the placeholder row of an empty one."""
+    group = _sp(sp)
+    if group is None:
+        return seq_len
+    rows = len(local_positions(seq_len, group.sp_rank, group.sp_size, group.layout))
+    return PLACEHOLDER_ROWS if rows == 0 and seq_len > 0 else rows
 
 
 def gather_sequence(tensor: torch.Tensor, seq_len: int, dim: int = 1,
@@ -173,6 +228,8 @@ def gather_sequence(tensor: torch.Tensor, seq_len: int, dim: int = 1,
         return tensor
     moved = tensor.movedim(dim, 0).contiguous()
     sizes = shard_sizes(seq_len, group.sp_size, group.layout)
+    if sizes[group.sp_rank] == 0 and moved.shape[0] == PLACEHOLDER_ROWS:
+        moved = moved[:0]  # the placeholder row of a rank that holds none of the sequence
     if moved.shape[0] != sizes[group.sp_rank]:
         raise ValueError(
             f"this rank holds {moved.shape[0]} rows along dim {dim}, but seq_len={seq_len} gives it {sizes[group.sp_rank]}"

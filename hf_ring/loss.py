@@ -67,7 +67,9 @@ def _chunk_loss_and_grad(h: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     g = logits.sub_(lse.unsqueeze(1)).exp_()
     del logits
     g[rows, t[rows]] -= 1.0
-    g.mul_(counted.unsqueeze(1) / divisor)
+    # Ignored rows get exactly 0, also when nothing in the batch is counted (divisor 0): transformers' loss then
+    # is NaN with zero gradients, and so is this one.
+    g.mul_(torch.where(counted, divisor.reciprocal(), 0.0).unsqueeze(1))
     if dcap is not None:
         g.mul_(dcap)
     return total, g.to(h.dtype)

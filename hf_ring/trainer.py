@@ -32,8 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import all_reduce
 from .context import CONTEXT_KEY
-from .data import gather_sequence, shard_batch
-from .layout import local_positions
+from .data import batch_shape, gather_sequence, model_rows, shard_batch
 from .groups import SequenceParallel, current
 from .parallel import setup_sequence_parallel
 
@@ -197,11 +196,11 @@ class SequenceParallelTrainerMixin:
         if not prediction_loss_only:
             inputs = dict(inputs, return_logits=True)  # the sequence-tiled loss would not make them
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        n = inputs["input_ids"].shape[1]  # there: shard_batch needs input_ids
+        n = batch_shape(inputs)[1]
         if loss is not None:
             loss = _sp_mean(loss, sp)  # one value per sp group, for a gather over the dp replicas
         if logits is not None:
-            logits = _global_order(logits, n, len(local_positions(n, sp.sp_rank, sp.sp_size, sp.layout)))
+            logits = _global_order(logits, n, model_rows(n, sp))
         return loss, logits, labels
 
     def evaluation_loop(self, *args, **kwargs):

@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 
 import hf_ring
-from dist_pool import RankPool
 
 
 def qkv(b=1, hq=4, hkv=2, n=8, d=8, dtype=torch.float32):

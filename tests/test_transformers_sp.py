@@ -98,7 +98,7 @@ def test_shard_batch_short_and_uneven_sequences():
 @pytest.mark.parametrize(
     "data,exc,match",
     [
-        ({"labels": torch.zeros(1, 4, dtype=torch.long)}, ValueError, "needs 'input_ids'"),
+        ({"labels": torch.zeros(1, 4, dtype=torch.long)}, ValueError, "needs exactly one of 'input_ids'"),
         ({"input_ids": torch.zeros(4, dtype=torch.long)}, ValueError, "2-D"),
         ({"input_ids": torch.zeros(1, 4, dtype=torch.long), "labels": torch.zeros(1, 5, dtype=torch.long)},
          ValueError, "labels must have the shape"),

@@ -48,3 +48,22 @@ def zoo_generate_case(path, ids, **kwargs):
         return hf_ring.generate(model, ids, **kwargs)
     finally:
         hf_ring.clear_sequence_parallel()
+
+
+def zoo_short_case(path, b, n, seed):
+    """One training step (sequence tiling on) with fewer tokens than ranks: some rank holds none."""
+    sp = hf_ring.setup_sequence_parallel(None)
+    try:
+        model = load(path, "ring_dilated").train()
+        hf_ring.patches.apply(model)
+        data = hf_ring.shard_batch(batch(seed, b, n))
+        out = model(**data)
+        out.loss.backward()
+        hf_ring.sync_gradients(model)
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss, group=sp.sp_group)
+        grads = {name: zero_if_none(p) for name, p in model.named_parameters()} if dist.get_rank() == 0 else None
+        return {"loss": float(loss), "grads": grads, "rows": data["input_ids"].shape[1],
+                "placeholder": data["ring_context"].placeholder}
+    finally:
+        hf_ring.clear_sequence_parallel()
