@@ -43,11 +43,14 @@ VOCAB = BOS + 1
 # ----------------------------------------------------------------------------- data
 
 
-def passkey_batch(gen: torch.Generator, batch: int, seq_len: int, min_distance: Optional[int] = None) -> Dict[str, torch.Tensor]:
+def passkey_batch(gen: torch.Generator, batch: int, seq_len: int, min_distance: Optional[int] = None,
+                  depth: Optional[float] = None) -> Dict[str, torch.Tensor]:
     """``batch`` passkey sequences of ``seq_len`` tokens; only the answer is labelled.
 
     The passkey sits at least ``min_distance`` (default seq_len // 2) positions
-    before the query, so the answer depends on a token thousands of positions back.
+    before the query, so the answer depends on a token thousands of positions back;
+    ``depth`` (a fraction of the sequence, 0 = right after the first token) puts it
+    at that place in every sequence instead of at random.
     """
     if seq_len < 4:
         raise ValueError(f"--seq-len must be at least 4 for the passkey task, got {seq_len}")
@@ -58,6 +61,8 @@ def passkey_batch(gen: torch.Generator, batch: int, seq_len: int, min_distance: 
     last = seq_len - 2  # ids[:, -2] = QUERY, ids[:, -1] = answer
     hi = max(1, last - min_distance)
     where = torch.randint(1, hi + 1, (batch,), generator=gen).clamp(max=last - 1)
+    if depth is not None:
+        where = torch.full((batch,), min(hi, max(1, round(depth * seq_len))))
     ids[torch.arange(batch), where] = keys
     ids[:, -2] = QUERY
     ids[:, -1] = keys
@@ -106,7 +111,7 @@ def default_config(seq_len: int):
     return LlamaConfig(
         vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(seq_len, 4096),
-        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        rope_parameters={"rope_type": "default", "rope_theta": 1e8},
         attention_dropout=0.0, tie_word_embeddings=False, bos_token_id=BOS, eos_token_id=None, pad_token_id=None,
     )
 
@@ -159,6 +164,20 @@ def retrieval_accuracy(model, batches: List[Dict[str, torch.Tensor]], sp: hf_rin
     return correct / max(total, 1)
 
 
+DEPTHS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
+"""Where the final evaluation puts the passkey: fractions of the sequence, from its start to its middle."""
+
+
+def accuracy_by_depth(model, sp: hf_ring.SequenceParallel, seq_len: int, per_depth: int, seed: int) -> Dict[str, float]:
+    """Retrieval accuracy with the passkey at each of :data:`DEPTHS` of the sequence (held-out sequences)."""
+    out = {}
+    for i, depth in enumerate(DEPTHS):
+        gen = torch.Generator().manual_seed(20_000 + 100 * seed + i)
+        batches = [passkey_batch(gen, per_depth, seq_len, depth=depth)]
+        out[f"{depth:.1f}"] = retrieval_accuracy(model, batches, sp)
+    return out
+
+
 def save_checkpoint(model, optimizer, step: int, history: List[dict], out_dir: str) -> None:
     """The model (safetensors) and the optimizer state, step reached and history (plain tensors and numbers)."""
     os.makedirs(out_dir, exist_ok=True)
@@ -167,7 +186,8 @@ def save_checkpoint(model, optimizer, step: int, history: List[dict], out_dir: s
                os.path.join(out_dir, "trainer_state.pt"))
 
 
-def plot(history: List[dict], path: str) -> None:
+def plot(history: List[dict], by_depth: Dict[str, float], seq_len: int, path: str) -> None:
+    """The accuracy curve over training and, beside it, the final accuracy by the passkey's depth."""
     try:
         import matplotlib
 
@@ -176,14 +196,22 @@ def plot(history: List[dict], path: str) -> None:
     except ImportError:
         print("matplotlib is not installed; no curve written")
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
     steps = [h["step"] for h in history if "accuracy" in h]
     ax.plot(steps, [h["accuracy"] for h in history if "accuracy" in h], marker="o", label="retrieval accuracy")
     ax.axhline(1 / N_KEYS, color="gray", ls="--", label="chance")
     ax.set_xlabel("step")
-    ax.set_ylabel("accuracy")
-    ax.set_ylim(0, 1)
+    ax.set_ylabel(f"accuracy at {seq_len} tokens")
+    ax.set_ylim(0, 1.05)
     ax.legend()
+    if by_depth:
+        depths = list(by_depth)
+        bx.bar([f"{float(d):.0%}" for d in depths], [by_depth[d] for d in depths], color="tab:blue")
+        bx.axhline(1 / N_KEYS, color="gray", ls="--", label="chance")
+        bx.set_xlabel(f"passkey depth (share of the {seq_len} tokens before it)")
+        bx.set_ylabel("accuracy after training")
+        bx.set_ylim(0, 1.05)
+        bx.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -193,11 +221,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sp-size", type=int, default=None, help="ranks per sequence (default: all)")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--batch-size", type=int, default=4, help="sequences per step and data-parallel replica")
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--depth-prompts", type=int, default=8,
+                    help="held-out sequences per passkey depth in the final evaluation (0 = none)")
     ap.add_argument("--model", default=None, help="local Llama/Mistral checkpoint (default: a small Llama)")
     ap.add_argument("--data", default=None, help="local .txt or .jsonl file (default: passkey retrieval)")
     ap.add_argument("--segment-lengths", type=int, nargs="*", help="dilated attention: segment lengths")
@@ -207,10 +237,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--output", default="checkpoints/passkey")
     ap.add_argument("--save-every", type=int, default=100, help="write the checkpoint every N steps (0 = only at the end)")
     ap.add_argument("--resume", action="store_true", help="continue from the checkpoint in --output")
-    ap.add_argument("--warmup-len", type=int, default=512,
+    ap.add_argument("--warmup-len", type=int, default=32,
                     help="passkey curriculum: start at this length and double up to --seq-len over the first "
                          "--warmup-frac of the steps, with the same tokens per step (0 = always --seq-len)")
-    ap.add_argument("--warmup-frac", type=float, default=0.6, help="share of the steps in the curriculum")
+    ap.add_argument("--warmup-frac", type=float, default=0.9, help="share of the steps in the curriculum")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if bool(args.segment_lengths) != bool(args.dilation_rates):
@@ -334,13 +364,20 @@ def main(argv=None) -> dict:
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - t0
+    by_depth = {}
+    if eval_batches and args.depth_prompts:
+        by_depth = accuracy_by_depth(model, sp, args.seq_len, args.depth_prompts, args.seed)
+        if is_main:
+            print("accuracy by passkey depth: " + ", ".join(f"{float(d):.0%} {a:.2f}" for d, a in by_depth.items()))
     if is_main:
         save_checkpoint(model, optimizer, reached, history, args.output)
-        plot(history, os.path.join(args.output, "accuracy.png"))
+        plot(history, by_depth, args.seq_len, os.path.join(args.output, "accuracy.png"))
         accs = [h["accuracy"] for h in history if "accuracy" in h]
         summary = {"wall_s": round(wall, 1), "steps": reached - start, "world": world, "sp_size": sp_size,
+                   "seed": args.seed, "seq_len": args.seq_len,
                    "accuracy_before": accs[0] if accs else None, "accuracy_after": accs[-1] if accs else None,
-                   "chance": 1 / N_KEYS, "final_loss": history[-1].get("loss") if history else None}
+                   "accuracy_by_depth": by_depth, "chance": 1 / N_KEYS,
+                   "final_loss": history[-1].get("loss") if history else None}
         with open(os.path.join(args.output, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         print(json.dumps(summary))

@@ -31,6 +31,14 @@ def test_passkey_needle_is_far_back_and_is_the_only_target():
         ft.passkey_batch(g, 1, 3)
 
 
+@pytest.mark.parametrize("depth", ft.DEPTHS)
+def test_passkey_at_a_given_depth(depth):
+    b = ft.passkey_batch(torch.Generator().manual_seed(1), 4, 4096, depth=depth)
+    where = ((b["input_ids"] >= ft.KEY0) & (b["input_ids"] < ft.QUERY))[:, :-1].nonzero()[:, 1]
+    assert where.tolist() == [min(4094 - 2048, max(1, round(depth * 4096)))] * 4  # at least half the sequence back
+    assert ((b["labels"][:, -1] == b["input_ids"][:, -1]) & (b["labels"][:, :-1] == -100).all(1)).all()
+
+
 def test_text_and_jsonl_are_packed(tmp_path):
     txt = tmp_path / "a.txt"
     txt.write_text("hello world, " * 40)
