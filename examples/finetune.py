@@ -208,7 +208,7 @@ def plot(history: List[dict], by_depth: Dict[str, float], seq_len: int, path: st
         depths = list(by_depth)
         bx.bar([f"{float(d):.0%}" for d in depths], [by_depth[d] for d in depths], color="tab:blue")
         bx.axhline(1 / N_KEYS, color="gray", ls="--", label="chance")
-        bx.set_xlabel(f"passkey depth (share of the {seq_len} tokens before it)")
+        bx.set_xlabel(f"where the passkey sits (share of the {seq_len} tokens from the start)")
         bx.set_ylabel("accuracy after training")
         bx.set_ylim(0, 1.05)
         bx.legend()
