@@ -78,9 +78,10 @@ def band_of(q: Rows, k_pos: int, causal: bool, window: Optional[int]) -> Tuple[O
 
 def band_mask(sq: int, sk: int, lo: Optional[int], hi: int, device=None) -> torch.Tensor:
     """Bool ``(sq, sk)``: ``lo <= j - i <= hi`` (the band of :func:`band_of` as a mask)."""
-    offset = torch.arange(sk, device=device).unsqueeze(0) - torch.arange(sq, device=device).unsqueeze(1)
-    allowed = offset <= hi
-    return allowed if lo is None else allowed & (offset >= lo)
+    i = torch.arange(sq, device=device).unsqueeze(1)  # comparisons broadcast straight to bool: no (sq, sk) ints
+    j = torch.arange(sk, device=device).unsqueeze(0)
+    allowed = j <= i + hi
+    return allowed if lo is None else allowed & (j >= i + lo)
 
 
 def classify(q: Rows, k: Rows, causal: bool, window: Optional[int]) -> Optional[str]:
