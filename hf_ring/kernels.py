@@ -118,16 +118,27 @@ def _rows(x: Tensor, tile: Tuple[int, int], dim: int = 2) -> Tensor:
     return x.narrow(dim, *tile)
 
 
-def _tile_args(causal: bool, mask: Optional[Tensor], qt: Tuple[int, int], kt: Tuple[int, int],
-               device) -> Optional[Tuple[bool, Optional[Tensor]]]:
+def _tile_args(causal: bool, mask: Optional[Tensor], band: Optional[Band], qt: Tuple[int, int],
+               kt: Tuple[int, int], device) -> Optional[Tuple[bool, Optional[Tensor]]]:
     """``(causal, mask)`` of the tile ``qt x kt`` (``(first row, rows)`` each) of a block, or None when no pair
     in it is allowed.
 
     A block's ``causal`` is top-left aligned (both sides hold the same
-    positions), so only a diagonal tile keeps it; other tiles get it as a mask.
+    positions), so only a diagonal tile keeps it; other tiles get it as a
+    mask. A block's band becomes the tile's own band, and a mask only where
+    the tile is partly inside it.
     """
     sub = None if mask is None else _rows(_rows(mask, qt, -2), kt, -1)
     (q0, nq), (k0, nk) = qt, kt
+    if band is not None:
+        lo, hi = band
+        lo, hi = (None if lo is None else lo - (k0 - q0)), hi - (k0 - q0)
+        if hi < -(nq - 1) or (lo is not None and (lo > nk - 1 or lo > hi)):
+            return None
+        if hi >= nk - 1 and (lo is None or lo <= -(nq - 1)):
+            return False, sub
+        allowed = band_mask(nq, nk, lo, hi, device=device)
+        return False, allowed if sub is None else sub & allowed
     if not causal or qt == kt:
         return causal, sub
     if k0 >= q0 + nq:
@@ -139,53 +150,51 @@ def _tile_args(causal: bool, mask: Optional[Tensor], qt: Tuple[int, int], kt: Tu
 
 
 def _merged(o1: Tensor, l1: Tensor, o2: Tensor, l2: Tensor) -> Tuple[Tensor, Tensor]:
-    """Log-sum-exp merge of two partial results, out of place (the math path's tiles are fresh tensors)."""
+    """Log-sum-exp merge of two partial results, out of place (the tiles' results are fresh tensors)."""
     new = torch.logaddexp(l1, l2)
     safe = new.masked_fill(torch.isneginf(new), 0.0)
     out = o1 * torch.exp(l1 - safe).unsqueeze(-1) + o2.to(o1.dtype) * torch.exp(l2 - safe).unsqueeze(-1)
     return out, new
 
 
-def _math_forward(q, k, v, scale, causal, mask, softcap=None):
-    """Exact attention of a block by materialised scores, in tiles of at most ``MATH_TILE`` rows a side.
+def _tiled_forward(tile_fn, q, k, v, causal, mask, band):
+    """``tile_fn(q, k, v, causal, mask) -> (out, lse)`` over tiles of at most ``MATH_TILE`` rows a side.
 
-    Views and out-of-place merges only, so it runs on any device, fake ones included.
+    Each tile gets its share of the block's causality, band and mask; tiles
+    with no allowed pair are skipped. Views and out-of-place merges only, so
+    it runs on any device, fake ones included.
     """
     b, hq, sq, d = q.shape
-    if sq <= MATH_TILE and k.shape[2] <= MATH_TILE:
-        return _math_tile_forward(q, k, v, scale, causal, mask, softcap)
     outs, lses = [], []
     for qt in _row_tiles(sq):
         out = torch.zeros(b, hq, qt[1], d, dtype=accumulator_dtype(q), device=q.device)
         lse = torch.full((b, hq, qt[1]), _NEG_INF, dtype=torch.float32, device=q.device)
         for kt in _row_tiles(k.shape[2]):
-            args = _tile_args(causal, mask, qt, kt, q.device)
+            args = _tile_args(causal, mask, band, qt, kt, q.device)
             if args is not None:
-                o_t, l_t = _math_tile_forward(_rows(q, qt), _rows(k, kt), _rows(v, kt), scale, *args, softcap)
+                o_t, l_t = tile_fn(_rows(q, qt), _rows(k, kt), _rows(v, kt), *args)
                 out, lse = _merged(out, lse, o_t, l_t)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2)
 
 
-def _math_backward(dout, q, k, v, out, lse, scale, causal, mask, softcap=None):
-    """Block gradients by materialised scores, in tiles: with the global ``lse`` every tile's share is exact."""
-    sq, sk = q.shape[2], k.shape[2]
-    if sq <= MATH_TILE and sk <= MATH_TILE:
-        return _math_tile_backward(dout, q, k, v, out, lse, scale, causal, mask, softcap)
+def _tiled_backward(tile_fn, dout, q, k, v, out, lse, causal, mask, band):
+    """``tile_fn(dout, q, k, v, out, lse, causal, mask) -> (dq, dk, dv)`` over tiles: with the global ``lse``
+    every tile's share is exact."""
     acc = accumulator_dtype(q)
-    k_tiles = _row_tiles(sk)
+    k_tiles = _row_tiles(k.shape[2])
     dqs = []
     dks: List[Optional[Tensor]] = [None] * len(k_tiles)
     dvs: List[Optional[Tensor]] = [None] * len(k_tiles)
-    for qt in _row_tiles(sq):
+    for qt in _row_tiles(q.shape[2]):
         dq = torch.zeros(q.shape[0], q.shape[1], qt[1], q.shape[3], dtype=acc, device=q.device)
         for i, kt in enumerate(k_tiles):
-            args = _tile_args(causal, mask, qt, kt, q.device)
+            args = _tile_args(causal, mask, band, qt, kt, q.device)
             if args is None:
                 continue
-            g_q, g_k, g_v = _math_tile_backward(_rows(dout, qt), _rows(q, qt), _rows(k, kt), _rows(v, kt),
-                                                _rows(out, qt), _rows(lse, qt), scale, *args, softcap)
+            g_q, g_k, g_v = tile_fn(_rows(dout, qt), _rows(q, qt), _rows(k, kt), _rows(v, kt), _rows(out, qt),
+                                    _rows(lse, qt), *args)
             dq = dq + g_q
             dks[i] = g_k if dks[i] is None else dks[i] + g_k
             dvs[i] = g_v if dvs[i] is None else dvs[i] + g_v
@@ -194,6 +203,11 @@ def _math_backward(dout, q, k, v, out, lse, scale, causal, mask, softcap=None):
     dk = torch.cat([g if g is not None else zero(kt) for g, kt in zip(dks, k_tiles)], 2)
     dv = torch.cat([g if g is not None else zero(kt) for g, kt in zip(dvs, k_tiles)], 2)
     return torch.cat(dqs, 2), dk, dv
+
+
+def _needs_tiles(q: Tensor, k: Tensor, masked: bool) -> bool:
+    """Whether a block is larger than one tile and would have a mask (or, on the math path, scores) made whole."""
+    return masked and (q.shape[2] > MATH_TILE or k.shape[2] > MATH_TILE)
 
 
 def _math_tile_forward(q, k, v, scale, causal, mask, softcap=None):
@@ -243,30 +257,44 @@ def block_forward(
     softcap: Optional[float] = None,
     band: Optional[Band] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Attention of one block: ``out`` in ``q.dtype`` ``(B, Hq, S_q, D)``, ``lse`` fp32 ``(B, Hq, S_q)``."""
+    """Attention of one block: ``out`` in ``q.dtype`` ``(B, Hq, S_q, D)``, ``lse`` fp32 ``(B, Hq, S_q)``.
+
+    No route makes a mask or scores larger than one tile of ``MATH_TILE`` rows a side.
+    """
     kind = backend(q, mask, softcap)
     if kind == "cuda_flash":
         try:
             return cuda_kernels.flash_forward(q, k, v, scale=scale, causal=causal, band=band)
         except RuntimeError as err:  # a GPU the kernel does not support
             _warn_fallback(err)
-    mask = _with_band(mask, band, q.shape[2], k.shape[2], q.device)
     if kind in ("cuda_flash", "cuda_efficient"):
+        def efficient(qt, kt, vt, c, m):
+            return cuda_kernels.efficient_forward(qt, kt, vt, scale=scale, causal=c, mask=m)
+
         try:
-            return cuda_kernels.efficient_forward(q, k, v, scale=scale, causal=causal, mask=mask)
+            if _needs_tiles(q, k, band is not None or mask is not None):
+                return _tiled_forward(efficient, q, k, v, causal, mask, band)
+            return efficient(q, k, v, causal, _with_band(mask, band, q.shape[2], k.shape[2], q.device))
         except RuntimeError as err:
             _warn_fallback(err)
-    if kind == "cpu_flash":
+    if kind == "cpu_flash":  # the ring hands the CPU blocks of at most a tile whenever they carry a mask
+        mask = _with_band(mask, band, q.shape[2], k.shape[2], q.device)
         bias = None if mask is None else _additive(mask, q.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=bias, scale=scale
         )
         if mask is not None:
             # The fused kernel reports lse = 0 for a row whose keys are all masked.
-            seen = ~torch.isneginf(mask).all(-1) if mask.is_floating_point() else mask.any(-1)
-            lse = lse.masked_fill(~seen, _NEG_INF)
+            seen = torch.isneginf(mask).all(-1).logical_not() if mask.is_floating_point() else mask.any(-1)
+            lse = lse.masked_fill(seen.logical_not(), _NEG_INF)
         return out, lse
-    return _math_forward(q, k, v, scale, causal, mask, softcap)
+
+    def math(qt, kt, vt, c, m):
+        return _math_tile_forward(qt, kt, vt, scale, c, m, softcap)
+
+    if _needs_tiles(q, k, True):
+        return _tiled_forward(math, q, k, v, causal, mask, band)
+    return math(q, k, v, causal, _with_band(mask, band, q.shape[2], k.shape[2], q.device))
 
 
 def merge_into(out: Tensor, lse: Tensor, o_blk: Tensor, l_blk: Tensor) -> None:
@@ -310,18 +338,29 @@ def block_backward(
             return cuda_kernels.flash_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, band=band)
         except RuntimeError as err:
             _warn_fallback(err)
-    mask = _with_band(mask, band, q.shape[2], k.shape[2], q.device)
     if kind in ("cuda_flash", "cuda_efficient"):
+        def efficient(do, qt, kt, vt, o, lt, c, m):
+            return cuda_kernels.efficient_backward(do, qt, kt, vt, o, lt, scale=scale, causal=c, mask=m)
+
         try:
-            return cuda_kernels.efficient_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask)
+            if _needs_tiles(q, k, band is not None or mask is not None):
+                return _tiled_backward(efficient, dout, q, k, v, out, lse, causal, mask, band)
+            return efficient(dout, q, k, v, out, lse, causal, _with_band(mask, band, q.shape[2], k.shape[2], q.device))
         except RuntimeError as err:
             _warn_fallback(err)
     if kind == "cpu_flash":
+        mask = _with_band(mask, band, q.shape[2], k.shape[2], q.device)
         bias = None if mask is None else _additive(mask, q.dtype)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
         )
-    return _math_backward(dout, q, k, v, out, lse, scale, causal, mask, softcap)
+
+    def math(do, qt, kt, vt, o, lt, c, m):
+        return _math_tile_backward(do, qt, kt, vt, o, lt, scale, c, m, softcap)
+
+    if _needs_tiles(q, k, True):
+        return _tiled_backward(math, dout, q, k, v, out, lse, causal, mask, band)
+    return math(dout, q, k, v, out, lse, causal, _with_band(mask, band, q.shape[2], k.shape[2], q.device))
 
 
 FALLBACK_WARNING = "hf_ring: a fused CUDA kernel refused a block"

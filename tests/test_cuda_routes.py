@@ -33,7 +33,7 @@ def test_block_kind_runs_its_kernel(case):
         assert out.shape == inp.q.shape and out.dtype == case.dtype and out.device.type == "cuda"
         assert lse.shape == inp.q.shape[:3] and lse.dtype == torch.float32
         assert dq.shape == inp.q.shape and dk.shape == inp.k.shape and dv.shape == inp.v.shape
-    routes.check(case, got.fwd, got.bwd)
+    routes.check(case, got.fwd, got.bwd, got.limit)
 
 
 @pytest.mark.parametrize("case", FUSED_CASES, ids=[c.name for c in FUSED_CASES])
@@ -43,6 +43,16 @@ def test_check_fails_when_the_route_is_forced_to_the_math_path(case, monkeypatch
         got = routes.run(case)
     with pytest.raises(AssertionError, match="did not run"):
         routes.check(case, got.fwd, got.bwd)
+
+
+def test_check_catches_a_whole_block_mask(monkeypatch):
+    """A band materialised as one mask over a block larger than a tile is caught by the allocation bound."""
+    case = next(c for c in CASES if "whole shard" in c.name)
+    monkeypatch.setattr(kernels, "_needs_tiles", lambda *args: False)
+    with routes.fake_cuda():
+        got = routes.run(case)
+    with pytest.raises(AssertionError, match="more than twice what it was handed"):
+        routes.check(case, got.fwd, got.bwd, got.limit)
 
 
 def test_check_catches_repeated_kv_and_a_broken_contract():

@@ -107,6 +107,8 @@ def block_cases() -> List[BlockCase]:
         BlockCase("fp32 dense causal", torch.float32, 4096, 4096, causal=True, expect="cuda_efficient"),
         BlockCase("fp32 earlier block", torch.float32, 4096, 2048, expect="cuda_efficient"),
         BlockCase("fp32 sliding window", torch.float32, 2048, 2048, band=(-511, 1024), expect="cuda_efficient"),
+        BlockCase("fp32 causal band of a whole shard (masked in tiles)", torch.float32, 4096, 4096, hq=8, hkv=2,
+                  d=64, band=(None, 1024), expect="cuda_efficient"),
         BlockCase("padded keys", bf, 2048, 2048, b=2, causal=True, mask="keys", expect="cuda_efficient"),
         BlockCase("packed documents", bf, 1024, 1024, mask="documents", expect="cuda_efficient"),
         BlockCase("dilated inside documents (log m bias)", bf, 512, 512, mask="log_m", rate=2,
@@ -165,6 +167,13 @@ class Run:
     inputs: Inputs
     result: Tuple[torch.Tensor, torch.Tensor]  # out, lse
     grads: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+    @property
+    def limit(self) -> int:
+        """The most elements a fused route may allocate at once: twice the largest tensor it was handed (the
+        ring hands masks of one tile at most), so a mask or scores of a whole larger block are caught."""
+        given = [self.inputs.q, self.inputs.k, self.inputs.dout, self.inputs.kw.get("mask")]
+        return 2 * max(t.numel() for t in given if t is not None)
 
 
 def run(case: BlockCase, device: str = "cuda") -> Run:
@@ -228,8 +237,11 @@ def contract_problems(call: Call, case: BlockCase) -> List[str]:
     return problems
 
 
-def check(case: BlockCase, fwd: OpSpy, bwd: OpSpy) -> None:
-    """Raise AssertionError unless the block ran its expected route, forward and backward, as the module says."""
+def check(case: BlockCase, fwd: OpSpy, bwd: OpSpy, limit: Optional[int] = None) -> None:
+    """Raise AssertionError unless the block ran its expected route, forward and backward, as the module says.
+
+    ``limit``: the most elements one fused-route allocation may hold (:attr:`Run.limit`).
+    """
     for spy, phase, i in ((fwd, "forward", 0), (bwd, "backward", 1)):
         ops = spy.ops()
         math = sorted(set(ops) & MATH_OPS)
@@ -248,6 +260,8 @@ def check(case: BlockCase, fwd: OpSpy, bwd: OpSpy) -> None:
         biggest = max((_numel(s) for c in spy.calls for s, _ in c.outputs), default=0)
         assert biggest < max(case.scores, 1) or case.sq * case.sk <= kernels.MATH_TILE ** 2, (
             f"{case.name}: {phase} allocated {biggest} elements, as many as the block's scores ({case.scores})")
+        assert limit is None or biggest <= limit, (
+            f"{case.name}: {phase} allocated {biggest} elements, more than twice what it was handed ({limit // 2})")
 
 
 def _numel(shape: Tuple[int, ...]) -> int:
@@ -275,7 +289,7 @@ def routes(device: str = "cuda", fake: bool = True) -> List[Dict]:
             got = run(case, device)
         fwd, bwd = got.fwd, got.bwd
         try:
-            check(case, fwd, bwd)
+            check(case, fwd, bwd, got.limit)
             ok = "yes"
         except AssertionError as err:
             ok = f"no: {err}"
