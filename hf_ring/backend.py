@@ -31,6 +31,7 @@ from .decode import CachedBlock, cached_attention, cached_blocks, merge_ranks
 from .groups import current
 from .pattern import branches_of
 from .ring import run
+from .ulysses import HeadSplit, head_parallel, head_split
 
 Tensor = torch.Tensor
 
@@ -124,6 +125,13 @@ def ring_dilated_attention(
                     f"config.ring_dilated layout {opts.layout!r} differs from the sequence-parallel layout "
                     f"{ctx.layout!r}; use one layout for both (hf_ring.configure and hf_ring.setup_sequence_parallel)"
                 )
+            if ctx.world_size > 1 and cfg.ulysses_size not in (None, ctx.ulysses):
+                raise ValueError(
+                    f"config.ring_dilated ulysses_size={cfg.ulysses_size} differs from the sequence-parallel setup's "
+                    f"ulysses_size={ctx.ulysses}; pass the same to hf_ring.setup_sequence_parallel (prepare_trainer "
+                    "takes it from the config) or change it with hf_ring.configure"
+                )
+            split = head_split(query.shape[1], key.shape[1], ctx.ulysses)
     except (TypeError, ValueError, NotImplementedError) as err:
         if isinstance(ctx, ShardedForward):
             ctx.fail(err)
@@ -138,7 +146,7 @@ def ring_dilated_attention(
             )
         out = _over_cache(query, key, value, attention_mask, opts, softcap, sinks)
     elif isinstance(ctx, ShardedForward):
-        out = _sharded(module, query, key, value, key_valid, opts, ctx, softcap, sinks)
+        out = _sharded(module, query, key, value, key_valid, opts, ctx, softcap, sinks, split)
     elif sharded:
         refuse_unsharded(sp.comm, query, key, opts)
     else:
@@ -152,8 +160,8 @@ def ring_dilated_attention(
 
 
 def _sharded(module, query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[Tensor], opts: Options,
-             ctx: ShardedForward, softcap: Optional[float], sinks: Optional[Tensor]) -> Tensor:
-    """The ring over the shards of one forward; the ranks agree once per kind of layer.
+             ctx: ShardedForward, softcap: Optional[float], sinks: Optional[Tensor], split: HeadSplit) -> Tensor:
+    """The ring (or head parallelism) over the shards of one forward; the ranks agree once per kind of layer.
 
     A rank that holds no row of the sequence runs the model on a placeholder
     row: the ring gets none of it, and its output there is zero.
@@ -161,11 +169,18 @@ def _sharded(module, query: Tensor, key: Tensor, value: Tensor, key_valid: Optio
     if ctx.placeholder:
         out = _sharded(module, query[:, :, :0], key[:, :, :0], value[:, :, :0],
                        None if key_valid is None else key_valid[:, :0], opts, replace(ctx, placeholder=False),
-                       softcap, sinks)
+                       softcap, sinks, split)
         return torch.cat([out, out.new_zeros(*out.shape[:2], query.shape[2], out.shape[3])], dim=2)
-    if ctx.agree(query, key, opts, option_codes(softcap, sinks, None, ctx.documents)) and ctx.world_size > 1:
+    codes = option_codes(softcap, sinks, None, ctx.documents) + [("ulysses_size", ctx.ulysses)]
+    if ctx.agree(query, key, opts, codes) and ctx.world_size > 1:
         patches.check_supported(module.config)  # once per forward: the family does not change between layers
     key_mask = full_key_mask(key_valid, key, ctx.padded)
+    if ctx.ulysses > 1:
+        return head_parallel(query, key, value, ctx.head_comm, ctx.ring_comm, split=split, sizes=ctx.group_sizes(),
+                             seq_len=ctx.seq_len, layout=ctx.layout, causal=opts.causal, window=opts.window,
+                             pattern=opts.pattern, scale=opts.scale,
+                             key_mask=None if key_mask is None else ctx.group_key_mask(key_mask),
+                             documents=ctx.documents, softcap=softcap, sinks=sinks)
     return run(query, key, value, ctx.comm, seq_len=ctx.seq_len, layout=ctx.layout if ctx.world_size > 1 else "contiguous",
                causal=opts.causal, window=opts.window, pattern=opts.pattern, scale=opts.scale, key_mask=key_mask,
                documents=ctx.documents, softcap=softcap, sinks=sinks)

@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .layout import check_layout, local_positions, shard_sizes
+from .layout import check_layout, check_ulysses, local_positions, shard_sizes
 
 Tensor = torch.Tensor
 
@@ -123,9 +123,10 @@ class ShardedCache(Cache):
     the same sequences on the same ranks.
     """
 
-    def __init__(self, rank: int = 0, world_size: int = 1, layout: str = "zigzag"):
+    def __init__(self, rank: int = 0, world_size: int = 1, layout: str = "zigzag", ulysses: int = 1):
         super().__init__(layer_class_to_replicate=ShardedLayer)
         self.rank, self.world_size, self.layout = rank, world_size, check_layout(layout)
+        self.ulysses = check_ulysses(world_size, ulysses)  # the prefill's split (decoding shards by row alike)
         self.seq_len = 0
         self.counts = [0] * world_size
         self.index = torch.zeros(0, dtype=torch.long)
@@ -135,9 +136,9 @@ class ShardedCache(Cache):
         """Start a forward over the first ``seq_len`` tokens, sharded by the layout; returns this rank's positions."""
         if self.seq_len:
             raise ValueError("a sharded prefill needs an empty cache")
-        pos = local_positions(seq_len, self.rank, self.world_size, self.layout)
+        pos = local_positions(seq_len, self.rank, self.world_size, self.layout, self.ulysses)
         self.index = pos.clone()
-        self.counts = shard_sizes(seq_len, self.world_size, self.layout)
+        self.counts = shard_sizes(seq_len, self.world_size, self.layout, self.ulysses)
         self.seq_len = seq_len
         self._keep = None
         return pos
@@ -185,5 +186,5 @@ class ShardedCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a sharded cache cannot be cropped (its rows sit on several ranks)")
 
-    def same_layout(self, rank: int, world_size: int, layout: str) -> bool:
-        return (self.rank, self.world_size, self.layout) == (rank, world_size, layout)
+    def same_layout(self, rank: int, world_size: int, layout: str, ulysses: int = 1) -> bool:
+        return (self.rank, self.world_size, self.layout, self.ulysses) == (rank, world_size, layout, ulysses)

@@ -310,15 +310,16 @@ def _disagreement(name: str, values: List[int]) -> str:
     return f"the ranks of the ring disagree on {name}: {values} (by rank)"
 
 
-def global_length(table: Sequence[Sequence[int]], seq_len: Optional[int], layout: str) -> int:
+def global_length(table: Sequence[Sequence[int]], seq_len: Optional[int], layout: str, ulysses: int = 1) -> int:
     """The global length the ranks' row counts give (checked against ``seq_len`` when given)."""
     lens = [row[0] for row in table]
     if seq_len is None:
-        return infer_seq_len(lens, layout)
-    expected = shard_sizes(seq_len, len(lens), layout)
+        return infer_seq_len(lens, layout, ulysses)
+    expected = shard_sizes(seq_len, len(lens), layout, ulysses)
     if lens != expected:
+        mode = f" and ulysses_size={ulysses}" if ulysses > 1 else ""
         raise ValueError(
-            f"seq_len={seq_len} with layout={layout!r} over {len(lens)} ranks needs shard sizes "
+            f"seq_len={seq_len} with layout={layout!r}{mode} over {len(lens)} ranks needs shard sizes "
             f"{expected}, but the ranks hold {lens}; shard with hf_ring.local_positions"
         )
     return seq_len

@@ -1,7 +1,7 @@
 """Every exchange between ranks that hf_ring makes, each with a bounded wait.
 
 Point-to-point exchanges between ring neighbours (:class:`RingComm`) and the
-collectives (:func:`all_reduce`, :func:`all_gather`, :func:`broadcast`) are
+collectives (:func:`all_reduce`, :func:`all_gather`, :func:`all_to_all`, :func:`broadcast`) are
 all posted asynchronously and then finished by :func:`wait`, the one place a
 rank waits for another. A rank whose peer died, raised, or was given other
 shapes therefore raises :class:`CommTimeoutError` instead of blocking forever.
@@ -145,6 +145,19 @@ def broadcast(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup], what
     return tensor
 
 
+def all_to_all(output: Tensor, tensor: Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
+               group: Optional[dist.ProcessGroup], what: str, timeout: Optional[float] = None) -> Tensor:
+    """Piece ``i`` of ``tensor`` (dim 0 cut by ``input_splits``) to group rank ``i``; ``output`` receives, bounded wait.
+
+    ``output`` is cut by ``output_splits``: piece ``i`` comes from group rank ``i``. Returns ``output``.
+    """
+    group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
+    work = _post(what, timeout, lambda: dist.all_to_all_single(
+        output, tensor.contiguous(), list(output_splits), list(input_splits), group=group, async_op=True))
+    wait(work, what, timeout, dist.get_backend(group))
+    return output
+
+
 def device_for(group: Optional[dist.ProcessGroup]) -> torch.device:
     """Where small control tensors for ``group`` live: the current GPU under NCCL, else the CPU."""
     if dist.get_backend(_resolve(group)) == "nccl":
@@ -237,6 +250,11 @@ class RingComm:
     def all_gather(self, tensor: Tensor, what: str) -> Tensor:
         """Every rank's ``tensor`` stacked by rank, ``(world_size, *tensor.shape)``."""
         return all_gather(tensor, self.group, what, timeout=self.timeout)
+
+    def all_to_all(self, output: Tensor, tensor: Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
+                   what: str) -> Tensor:
+        """See :func:`all_to_all`: piece ``i`` of ``tensor`` to rank ``i``, piece ``i`` of ``output`` from it."""
+        return all_to_all(output, tensor, output_splits, input_splits, self.group, what, timeout=self.timeout)
 
     def broadcast(self, tensor: Tensor, src: int, what: str) -> Tensor:
         """``tensor`` of group rank ``src`` on every rank (in place; other ranks pass a buffer of its shape)."""

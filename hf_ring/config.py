@@ -2,19 +2,37 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from .layout import check_layout
 from .pattern import DilatedPattern
+from .ulysses import head_split
 
 CONFIG_KEY = "ring_dilated"
-_KEYS = {"segment_lengths", "dilation_rates", "layout"}
+_KEYS = {"segment_lengths", "dilation_rates", "layout", "ulysses_size"}
 
 
 @dataclass(frozen=True)
 class RingConfig:
     pattern: Optional[DilatedPattern]
     layout: str = "zigzag"
+    ulysses_size: Optional[int] = None  # None: whatever hf_ring.setup_sequence_parallel was given
+
+
+def check_ulysses_size(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ulysses_size must be a positive int (ranks per head-parallel group), got {value!r}")
+    return value
+
+
+def model_heads(config: Any) -> Optional[Tuple[int, int]]:
+    """``(query heads, K/V heads)`` of a transformers config, or None when it does not say."""
+    config = getattr(config, "get_text_config", lambda: config)()
+    hq = getattr(config, "num_attention_heads", None)
+    if not isinstance(hq, int):
+        return None
+    hkv = getattr(config, "num_key_value_heads", None)
+    return hq, hkv if isinstance(hkv, int) else hq
 
 
 def parse(value: Optional[Mapping[str, Any]]) -> RingConfig:
@@ -31,14 +49,19 @@ def parse(value: Optional[Mapping[str, Any]]) -> RingConfig:
     if any(has) and not all(has):
         raise ValueError(f"config.{CONFIG_KEY} needs both segment_lengths and dilation_rates, or neither")
     pattern = DilatedPattern(value["segment_lengths"], value["dilation_rates"]) if all(has) else None
-    return RingConfig(pattern, layout)
+    ulysses = value.get("ulysses_size")
+    return RingConfig(pattern, layout, None if ulysses is None else check_ulysses_size(ulysses))
 
 
 def configure(model: Any, pattern: Union[DilatedPattern, Mapping[str, Any], None] = None,
-              layout: str = "zigzag") -> Any:
-    """Set the dilation pattern and layout of ``model`` (stored in ``model.config.ring_dilated``).
+              layout: str = "zigzag", ulysses_size: Optional[int] = None) -> Any:
+    """Set the dilation pattern, layout and head-parallel size of ``model`` (stored in ``model.config.ring_dilated``).
 
-    ``pattern=None`` is exact dense attention. Returns the model.
+    ``pattern=None`` is exact dense attention. ``ulysses_size``: ranks per
+    head-parallel group this model is trained with (see
+    :func:`hf_ring.setup_sequence_parallel`); :func:`hf_ring.prepare_trainer`
+    takes it from here, and a forward under another setting is refused.
+    Returns the model.
     """
     if isinstance(pattern, Mapping):
         pattern = DilatedPattern.from_dict(pattern)
@@ -47,6 +70,11 @@ def configure(model: Any, pattern: Union[DilatedPattern, Mapping[str, Any], None
     value: Dict[str, Any] = {"layout": check_layout(layout)}
     if pattern is not None:
         value.update(pattern.to_dict())
+    if ulysses_size is not None:
+        value["ulysses_size"] = check_ulysses_size(ulysses_size)
+        heads = model_heads(getattr(model, "config", model))
+        if heads is not None:
+            head_split(*heads, ulysses_size)
     config = getattr(model, "config", model)
     setattr(config, CONFIG_KEY, value)
     return model

@@ -21,6 +21,8 @@ from .checks import Options, agree_table, facts, global_length, unsharded_messag
 from .comm import RingComm
 from .decode import CachedBlock, cached_blocks
 from .documents import Documents
+from .layout import shard_sizes
+from .ulysses import group_rows
 
 Tensor = torch.Tensor
 
@@ -42,7 +44,10 @@ class ShardedForward:
     ranks of one group that were handed different batches are caught;
     ``documents`` the global start rows of the documents packed in each row
     (None: one sequence per row); ``placeholder``: this rank holds none of the
-    rows and the model runs on one placeholder row, which the ring leaves out.
+    rows and the model runs on one placeholder row, which the ring leaves out;
+    ``ulysses``: ranks per head-parallel group, whose all-to-all runs over
+    ``head_comm`` while the ring runs over ``ring_comm`` (see
+    :func:`hf_ring.setup_sequence_parallel`).
     """
 
     seq_len: int
@@ -52,11 +57,34 @@ class ShardedForward:
     contents: int = 0
     documents: Optional[Documents] = None
     placeholder: bool = False  # this rank holds no row and runs the model on one placeholder row
+    ulysses: int = 1
+    head_comm: Optional[RingComm] = None
+    ring_comm: Optional[RingComm] = None
     _agreed: Dict[Tuple, bool] = field(default_factory=dict, repr=False)
+    _group_masks: List[Tuple[Tensor, Tensor]] = field(default_factory=list, repr=False)
 
     @property
     def world_size(self) -> int:
         return 1 if self.comm is None else self.comm.world_size
+
+    def group_sizes(self) -> List[int]:
+        """Rows each member of this rank's head-parallel group holds."""
+        sizes = shard_sizes(self.seq_len, self.world_size, self.layout, self.ulysses)
+        first = self.comm.rank // self.ulysses * self.ulysses
+        return sizes[first:first + self.ulysses]
+
+    def group_key_mask(self, key_mask: Tensor) -> Tensor:
+        """The key padding mask of the head-parallel group's rows, from this rank's ``(B, S_local)``.
+
+        Every layer passes the same mask, so the exchange runs once per forward
+        (and once more in a checkpointed recomputation, which every rank makes).
+        """
+        for seen, rows in self._group_masks:
+            if seen is key_mask:
+                return rows
+        rows = group_rows(self.head_comm, key_mask, self.group_sizes())
+        self._group_masks.append((key_mask, rows))
+        return rows
 
     def agree(self, q: Tensor, k: Tensor, opts: Options, codes: Sequence[Tuple[str, int]] = ()) -> bool:
         """Check, once per kind of layer, that every rank runs the same attention over its shard of this batch.
@@ -72,7 +100,7 @@ class ShardedForward:
         else:
             table = agree_table(self.comm, facts(q, k, self.seq_len, opts, self.padded, True, self.contents, codes),
                                 codes)
-            global_length(table, self.seq_len, self.layout)
+            global_length(table, self.seq_len, self.layout, self.ulysses)
         self._agreed[key] = True
         return True
 

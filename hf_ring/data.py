@@ -174,8 +174,9 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
     ids = batch.get("input_ids")
     tokens = ids if ids is not None else batch["inputs_embeds"]
     b, n = tokens.shape[:2]
-    rank, size, layout = (0, 1, "contiguous") if group is None else (group.sp_rank, group.sp_size, group.layout)
-    pos = local_positions(n, rank, size, layout).to(tokens.device)
+    rank, size, layout, ulysses = ((0, 1, "contiguous", 1) if group is None else
+                                   (group.sp_rank, group.sp_size, group.layout, group.ulysses_size))
+    pos = local_positions(n, rank, size, layout, ulysses).to(tokens.device)
     placeholder = pos.numel() == 0 and n > 0
     if placeholder:  # model code cannot run on zero rows: one row that nothing sees and no loss reads
         pos = torch.zeros(PLACEHOLDER_ROWS, dtype=torch.long, device=tokens.device)
@@ -203,6 +204,9 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
             (fingerprint(ids) if ids is not None else _token_fingerprint(tokens)) + hash(documents or ())) & 0x7FFFFFFF,
         documents=documents,
         placeholder=placeholder,
+        ulysses=ulysses,
+        head_comm=None if group is None else group.head_comm,
+        ring_comm=None if group is None else group.ring_comm,
     )
     out.setdefault("use_cache", False)  # a KV cache of a training shard is never read
     return out
@@ -213,7 +217,7 @@ def model_rows(seq_len: int, sp: Optional[SequenceParallel] = None) -> int:
     group = _sp(sp)
     if group is None:
         return seq_len
-    rows = len(local_positions(seq_len, group.sp_rank, group.sp_size, group.layout))
+    rows = len(local_positions(seq_len, group.sp_rank, group.sp_size, group.layout, group.ulysses_size))
     return PLACEHOLDER_ROWS if rows == 0 and seq_len > 0 else rows
 
 
@@ -227,7 +231,7 @@ def gather_sequence(tensor: torch.Tensor, seq_len: int, dim: int = 1,
     if group is None:
         return tensor
     moved = tensor.movedim(dim, 0).contiguous()
-    sizes = shard_sizes(seq_len, group.sp_size, group.layout)
+    sizes = shard_sizes(seq_len, group.sp_size, group.layout, group.ulysses_size)
     if sizes[group.sp_rank] == 0 and moved.shape[0] == PLACEHOLDER_ROWS:
         moved = moved[:0]  # the placeholder row of a rank that holds none of the sequence
     if moved.shape[0] != sizes[group.sp_rank]:
@@ -240,5 +244,5 @@ def gather_sequence(tensor: torch.Tensor, seq_len: int, dim: int = 1,
     parts = all_gather(padded, group.sp_group, "the sequence gather")
     full = moved.new_empty((seq_len,) + moved.shape[1:])
     for r, part in enumerate(parts):
-        full[local_positions(seq_len, r, group.sp_size, group.layout).to(full.device)] = part[: sizes[r]]
+        full[local_positions(seq_len, r, group.sp_size, group.layout, group.ulysses_size).to(full.device)] = part[: sizes[r]]
     return full.movedim(0, dim)

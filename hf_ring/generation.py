@@ -35,7 +35,7 @@ from .comm import RingComm
 from .context import CONTEXT_KEY, DecodeStep, ShardedForward
 from .decode import RanksDivergedError
 from .layout import owner, shard_sizes
-from .groups import current
+from .groups import SequenceParallel, current
 
 Tensor = torch.Tensor
 
@@ -55,6 +55,7 @@ class Generation:
 
     cache: ShardedCache
     comm: Optional[RingComm]
+    sp: Optional[SequenceParallel] = None
     broadcast_logits: bool = False
     src: Optional[int] = None  # the rank whose logits every rank takes this forward; None: each its own
 
@@ -129,7 +130,7 @@ def _pre_forward(state: Generation):
             raise ValueError("hf_ring.generate runs on input_ids; inputs_embeds are not supported")
         cache, world = state.cache, state.cache.world_size
         b, m = ids.shape
-        if cache.seq_len == 0 and min(shard_sizes(m, world, cache.layout)) > 0:
+        if cache.seq_len == 0 and min(shard_sizes(m, world, cache.layout, cache.ulysses)) > 0:
             pos = cache.begin_prefill(m).to(ids.device)
             positions = kwargs.get("position_ids")
             if positions is None:
@@ -140,9 +141,13 @@ def _pre_forward(state: Generation):
             if mask is not None:
                 kwargs["attention_mask"] = mask[:, pos]
             # The ranks already agreed on the prompt (_agree), so the batch fingerprint is not needed here.
+            sp = state.sp
             kwargs[CONTEXT_KEY] = ShardedForward(m, state.comm, cache.layout,
-                                                 padded=mask is not None and not bool(mask.all()))
-            state.src = owner(m - 1, m, world, cache.layout)  # its last local row is the prompt's last token
+                                                 padded=mask is not None and not bool(mask.all()),
+                                                 ulysses=cache.ulysses, head_comm=None if sp is None else sp.head_comm,
+                                                 ring_comm=None if sp is None else sp.ring_comm)
+            # The owner's last local row is the prompt's last token.
+            state.src = owner(m - 1, m, world, cache.layout, cache.ulysses)
         else:
             # Later tokens, and prompts too short to give every rank a row, run on every rank.
             kwargs[CONTEXT_KEY] = DecodeStep(cache, state.comm, cache.begin_step(m), check_ids=ids)
@@ -225,7 +230,7 @@ def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, 
         _agree(comm, input_ids, attention_mask, cache, bool(_setting(model, generate_kwargs, "do_sample")), model.device)
         if comm.rank != 0:
             generate_kwargs.pop("streamer", None)
-    state = Generation(cache, comm, broadcast_logits=bool(broadcast_logits))
+    state = Generation(cache, comm, sp, broadcast_logits=bool(broadcast_logits))
     hooks = [model.register_forward_pre_hook(_pre_forward(state), with_kwargs=True),
              model.register_forward_hook(_post_forward(state), with_kwargs=True)]
     try:
@@ -277,17 +282,18 @@ def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], all
         patches.apply(model)  # the rotary modules of this model see the global length, whatever its family
     rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
     layout = sp.layout if comm is not None else ring_config.parse(getattr(config, ring_config.CONFIG_KEY, None)).layout
+    ulysses = sp.ulysses_size if comm is not None else 1
     cache = generate_kwargs.pop("past_key_values", None)
     if cache is None:
-        return model, ShardedCache(rank, world, layout)
+        return model, ShardedCache(rank, world, layout, ulysses)
     if not isinstance(cache, ShardedCache):
         raise TypeError(
             f"past_key_values must be a hf_ring.ShardedCache returned by hf_ring.generate, got {type(cache).__name__}"
         )
-    if not cache.same_layout(rank, world, layout):
+    if not cache.same_layout(rank, world, layout, ulysses):
         raise ValueError(
-            f"past_key_values was made for rank {cache.rank} of {cache.world_size} with layout {cache.layout!r}, "
-            f"but this is rank {rank} of {world} with layout {layout!r}; continue a cache only on the ranks and "
-            "layout that made it"
+            f"past_key_values was made for rank {cache.rank} of {cache.world_size} with layout {cache.layout!r} "
+            f"(ulysses_size {cache.ulysses}), but this is rank {rank} of {world} with layout {layout!r} (ulysses_size "
+            f"{ulysses}); continue a cache only on the ranks and layout that made it"
         )
     return model, cache

@@ -29,6 +29,12 @@ class SequenceParallel:
     """Ring neighbours and bounded collectives over ``sp_group`` (None when the sequence is not split)."""
     mesh: Any = None
     """The ``("dp", "sp")`` device mesh the groups come from (handed to accelerate's data loaders)."""
+    ulysses_size: int = 1
+    """Ranks per head-parallel group (1: the ring alone; ``sp_size``: head parallelism alone; between: both)."""
+    head_comm: Optional[RingComm] = None
+    """The all-to-all of this rank's head-parallel group (None when ``ulysses_size`` is 1)."""
+    ring_comm: Optional[RingComm] = None
+    """The ring over the head-parallel groups, between ranks at the same place in their group (None: one group)."""
 
     @property
     def loss_scale(self) -> float:

@@ -4,6 +4,13 @@ Pure index math: nothing here touches a process group, so every rule can be
 tested without spawning ranks. A layout cuts the global sequence into chunks
 of near-equal length (the first ``n % c`` chunks are one row longer) and hands
 each rank one or more whole chunks, kept in ascending global order.
+
+With head parallelism (``ulysses > 1``) the sequence-parallel ranks form
+groups of ``ulysses`` consecutive ranks. The layout splits the sequence over
+the ``world_size // ulysses`` groups as if each were one ring rank, and each
+group's rows are cut into ``ulysses`` contiguous pieces, one per member in
+order. The all-to-all of head parallelism then hands every member exactly
+its group's ring shard, in the order the ring expects.
 """
 from __future__ import annotations
 
@@ -40,50 +47,93 @@ def chunk_bounds(seq_len: int, num_chunks: int) -> List[Run]:
     return bounds
 
 
-def local_runs(seq_len: int, rank: int, world_size: int, layout: str = "zigzag") -> List[Run]:
+def check_ulysses(world_size: int, ulysses: int) -> int:
+    """``ulysses``: ranks per head-parallel group, a divisor of ``world_size``."""
+    if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1:
+        raise ValueError(f"ulysses_size must be a positive int, got {ulysses!r}")
+    if world_size % ulysses:
+        raise ValueError(
+            f"ulysses_size={ulysses} does not divide the {world_size} sequence-parallel ranks; choose a divisor "
+            f"of {world_size} (1: the ring alone, {world_size}: head parallelism alone, between: both)"
+        )
+    return ulysses
+
+
+def _ring_runs(seq_len: int, rank: int, world_size: int, layout: str) -> List[Run]:
+    if layout == "contiguous" or world_size == 1:
+        return [chunk_bounds(seq_len, world_size)[rank]]
+    chunks = chunk_bounds(seq_len, 2 * world_size)
+    return [chunks[rank], chunks[2 * world_size - 1 - rank]]
+
+
+def _cut_runs(runs: Sequence[Run], start: int, stop: int) -> List[Run]:
+    """Rows ``[start, stop)`` of the concatenation of ``runs``, as runs."""
+    out, offset = [], 0
+    for a, b in runs:
+        lo, hi = max(a, a + start - offset), min(b, a + stop - offset)
+        if hi > lo:
+            out.append((lo, hi))
+        offset += b - a
+    return out
+
+
+def local_runs(seq_len: int, rank: int, world_size: int, layout: str = "zigzag", ulysses: int = 1) -> List[Run]:
     """The runs of global positions ``rank`` holds, ascending; empty runs are dropped.
 
     ``zigzag`` gives rank r chunks r and 2p-1-r of 2p chunks, so causal work is
-    equal on every rank; ``contiguous`` gives rank r chunk r of p.
+    equal on every rank; ``contiguous`` gives rank r chunk r of p. With
+    ``ulysses > 1`` that split is over the head-parallel groups, and each
+    member takes its contiguous piece of its group's rows (module notes).
     """
     check_layout(layout)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    if layout == "contiguous" or world_size == 1:
-        runs = [chunk_bounds(seq_len, world_size)[rank]]
-    else:
-        chunks = chunk_bounds(seq_len, 2 * world_size)
-        runs = [chunks[rank], chunks[2 * world_size - 1 - rank]]
+    check_ulysses(world_size, ulysses)
+    group, member = divmod(rank, ulysses)
+    runs = _ring_runs(seq_len, group, world_size // ulysses, layout)
+    if ulysses > 1:
+        start, stop = chunk_bounds(sum(b - a for a, b in runs), ulysses)[member]
+        runs = _cut_runs(runs, start, stop)
     return [r for r in runs if r[1] > r[0]]
 
 
-def shard_sizes(seq_len: int, world_size: int, layout: str = "zigzag") -> List[int]:
+def shard_sizes(seq_len: int, world_size: int, layout: str = "zigzag", ulysses: int = 1) -> List[int]:
     """Number of rows each rank holds, indexed by rank."""
     return [
-        sum(b - a for a, b in local_runs(seq_len, r, world_size, layout)) for r in range(world_size)
+        sum(b - a for a, b in local_runs(seq_len, r, world_size, layout, ulysses)) for r in range(world_size)
     ]
 
 
-def owner(position: int, seq_len: int, world_size: int, layout: str = "zigzag") -> int:
+def owner(position: int, seq_len: int, world_size: int, layout: str = "zigzag", ulysses: int = 1) -> int:
     """The rank that holds global ``position`` of a ``seq_len``-long sequence."""
     if not 0 <= position < seq_len:
         raise ValueError(f"position must be in [0, {seq_len}), got {position}")
     check_layout(layout)
-    chunks = world_size if layout == "contiguous" or world_size == 1 else 2 * world_size
+    check_ulysses(world_size, ulysses)
+    groups = world_size // ulysses
+    chunks = groups if layout == "contiguous" or groups == 1 else 2 * groups
     # Chunk boundaries are those of chunk_bounds: the first seq_len % chunks chunks hold one row more.
     base, extra = divmod(seq_len, chunks)
     long_rows = extra * (base + 1)
     chunk = position // (base + 1) if position < long_rows else extra + (position - long_rows) // base
-    return chunk if chunk < world_size else chunks - 1 - chunk
+    group = chunk if chunk < groups else chunks - 1 - chunk
+    if ulysses == 1:
+        return group
+    runs = _ring_runs(seq_len, group, groups, layout)
+    before = sum(min(b, position) - a for a, b in runs if a <= position)  # the group's rows ahead of it
+    for member, (start, stop) in enumerate(chunk_bounds(sum(b - a for a, b in runs), ulysses)):
+        if start <= before < stop:
+            return group * ulysses + member
+    raise AssertionError("unreachable: every row of a group belongs to one member")
 
 
 def local_positions(
-    seq_len: int, rank: int, world_size: int, layout: str = "zigzag"
+    seq_len: int, rank: int, world_size: int, layout: str = "zigzag", ulysses: int = 1
 ) -> torch.Tensor:
     """Global positions held by ``rank``, as an ascending ``LongTensor``."""
-    runs = local_runs(seq_len, rank, world_size, layout)
+    runs = local_runs(seq_len, rank, world_size, layout, ulysses)
     if not runs:
         return torch.zeros(0, dtype=torch.long)
     return torch.cat([torch.arange(a, b, dtype=torch.long) for a, b in runs])
@@ -98,11 +148,11 @@ def runs_to_local(runs: Sequence[Run]) -> List[Tuple[int, int, int]]:
     return out
 
 
-def infer_seq_len(local_lens: Sequence[int], layout: str = "zigzag") -> int:
+def infer_seq_len(local_lens: Sequence[int], layout: str = "zigzag", ulysses: int = 1) -> int:
     """Global length from every rank's row count; raises if no length gives these shards."""
     world_size = len(local_lens)
     total = int(sum(local_lens))
-    expected = shard_sizes(total, world_size, layout)
+    expected = shard_sizes(total, world_size, layout, ulysses)
     if list(local_lens) != expected:
         raise ValueError(
             f"shard sizes {list(local_lens)} do not match layout={layout!r} for any global length "

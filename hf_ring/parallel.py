@@ -17,7 +17,7 @@ from . import comm
 from . import patches
 from .comm import RingComm
 from .groups import SequenceParallel, current, set_current
-from .layout import check_layout
+from .layout import check_layout, check_ulysses
 
 
 _MESHES: dict = {}
@@ -30,23 +30,32 @@ def clear_sequence_parallel() -> None:
 
 
 def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = None,
-                            layout: str = "zigzag") -> SequenceParallel:
+                            layout: str = "zigzag", ulysses_size: int = 1) -> SequenceParallel:
     """Split every sequence across ``sp_size`` ranks; the remaining factor of the world is data parallel.
 
     ``accelerator`` is an ``accelerate.Accelerator`` (its process group is used;
     ``None`` uses an already initialised ``torch.distributed``). ``sp_size``
-    defaults to the whole world. Returns the setup and makes it the one
-    ``ring_dilated`` attention and :func:`hf_ring.shard_batch` use.
+    defaults to the whole world. ``ulysses_size`` chooses how attention is
+    split: 1 runs the ring over the ``sp_size`` ranks; ``sp_size`` runs head
+    parallelism (Ulysses: one all-to-all turns sequence shards into head
+    shards); a divisor in between runs head parallelism inside groups of
+    ``ulysses_size`` consecutive ranks and the ring across the groups (USP).
+    The model's query heads must be a multiple of ``ulysses_size``, and its
+    K/V heads a multiple or a divisor of it (checked at the first forward).
+    Returns the setup and makes it the one ``ring_dilated`` attention and
+    :func:`hf_ring.shard_batch` use.
     """
     check_layout(layout)
+    if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1:
+        raise ValueError(f"ulysses_size must be a positive int, got {ulysses_size!r}")
     comm.comm_timeout()  # an unusable HF_RING_TIMEOUT is refused now, before any wait
     if accelerator is not None:
         # accelerate initialises torch.distributed (gloo on CPU, NCCL on GPU) for multi-process runs.
         _ = accelerator.state
     if not (dist.is_available() and dist.is_initialized()):
-        if sp_size not in (None, 1):
+        if sp_size not in (None, 1) or ulysses_size != 1:
             raise ValueError(
-                f"sp_size={sp_size} needs several processes; launch with `accelerate launch --num_processes N` "
+                f"sp_size={sp_size}, ulysses_size={ulysses_size} needs several processes; launch with `accelerate launch --num_processes N` "
                 "or `torchrun --nproc_per_node N`"
             )
         set_current(None)
@@ -60,21 +69,34 @@ def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = No
             f"sp_size={sp_size} does not divide the {world} processes; choose a divisor of {world} "
             "(the remaining factor becomes data parallelism)"
         )
+    check_ulysses(sp_size, ulysses_size)
     dp_size = world // sp_size
     backend = dist.get_backend()
     device_type = "cuda" if backend == "nccl" else "cpu"
-    key = (device_type, dp_size, sp_size)
-    if key not in _MESHES:  # groups are made once: creating one is a collective over the world
-        _MESHES[key] = init_device_mesh(device_type, (dp_size, sp_size), mesh_dim_names=("dp", "sp"))
-    mesh = _MESHES[key]
+    mesh = _mesh(device_type, (dp_size, sp_size), ("dp", "sp"))
     sp_group, dp_group = mesh.get_group("sp"), mesh.get_group("dp")
+    sp_comm = RingComm(sp_group) if sp_size > 1 else None
+    head_comm, ring_comm = None, sp_comm
+    if ulysses_size == sp_size:
+        head_comm, ring_comm = sp_comm, None
+    elif ulysses_size > 1:  # sp rank g·u + j: member j of head-parallel group g
+        split = _mesh(device_type, (dp_size, sp_size // ulysses_size, ulysses_size), ("dp", "ring", "ulysses"))
+        head_comm, ring_comm = RingComm(split.get_group("ulysses")), RingComm(split.get_group("ring"))
     patches.apply_all()
     sp = SequenceParallel(
         sp_group, dp_group, dist.get_rank(sp_group), sp_size, dist.get_rank(dp_group), dp_size, layout,
-        RingComm(sp_group) if sp_size > 1 else None, mesh,
+        sp_comm, mesh, ulysses_size, head_comm, ring_comm,
     )
     set_current(sp)
     return sp
+
+
+def _mesh(device_type: str, shape: tuple, names: tuple):
+    """The device mesh of this shape, made once: creating its groups is a collective over the world."""
+    key = (device_type, shape, names)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return _MESHES[key]
 
 
 BUCKET_BYTES = 25 * 2**20

@@ -70,6 +70,7 @@ class _Ctx:
     dilated: Optional[Tuple[Tuple[int, int], ...]] = None  # branches counted inside documents
     softcap: Optional[float] = None
     backward_tile: int = BACKWARD_TILE
+    head_base: int = 0  # global index of local query head 0 (head parallelism), for dilation offsets
 
 
 def rows_major(b: int, h: int, s: int, d: int, dtype: torch.dtype, device) -> Tensor:
@@ -196,6 +197,7 @@ def _kernel_args(ctx: _Ctx, q: Rows, k_pos: int, nk: int, kind: str, device,
     """
     docs = ctx.documents
     if docs is not None and ctx.dilated is not None:
+        heads = range(heads.start + ctx.head_base, heads.stop + ctx.head_base, heads.step)
         m = dilated_multiplicity(docs, q.pos, q.count, k_pos, nk, ctx.dilated, heads, ctx.causal, device)
         if key_valid is not None:
             m = m * key_valid[:, None, None, :]
@@ -376,11 +378,13 @@ def document_tile(documents: Documents, seq_len: int, dilated: bool) -> int:
 def run(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], *, seq_len: int, layout: str, causal: bool,
         window: Optional[int], pattern: Optional[DilatedPattern], scale: float, key_mask: Optional[Tensor],
         documents: Optional[Documents] = None, softcap: Optional[float] = None,
-        sinks: Optional[Tensor] = None, message_rows: Optional[int] = None) -> Tensor:
+        sinks: Optional[Tensor] = None, message_rows: Optional[int] = None, head_base: int = 0) -> Tensor:
     """The ring over validated, agreed arguments.
 
     ``key_mask`` only when some rank has padded keys; ``documents`` the global
-    document starts (None: one sequence per row).
+    document starts (None: one sequence per row); ``head_base`` the global
+    index of the first query head ``q`` holds (head parallelism gives each
+    rank a slice of the heads; dilation offsets count from the global index).
     """
     rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
     budget = message_budget(seq_len, world, k.shape[1]) if message_rows is None else message_rows * k.shape[1]
@@ -393,9 +397,9 @@ def run(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], *, seq_len: i
     if softcap is not None:
         tile = min(tile or default_tile(window), SOFTCAP_TILE)
     plan = rank_plan(seq_len, rank, world, layout if world > 1 else "contiguous", causal, window,
-                     branches, q.shape[1], k.shape[1], budget, tile, documents)
+                     branches, q.shape[1], k.shape[1], budget, tile, documents, head_base)
     rctx = _Ctx(comm, plan, scale, causal, window, key_mask, documents=documents, dilated=dilated,
-                softcap=softcap, backward_tile=min(BACKWARD_TILE, tile or BACKWARD_TILE))
+                softcap=softcap, backward_tile=min(BACKWARD_TILE, tile or BACKWARD_TILE), head_base=head_base)
     return RingAttentionFunction.apply(q, k, v, sinks, rctx)
 
 

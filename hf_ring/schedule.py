@@ -164,7 +164,7 @@ def _document_tiles(q_progs: List[Rows], kp: Rows, tile: int, documents: Documen
 def pair_plan(
     seq_len: int, dst: int, src: int, world_size: int, layout: str, causal: bool,
     window: Optional[int], branches: Branches, hq: int, hkv: int, tile: Optional[int] = None,
-    documents: Optional[Documents] = None,
+    documents: Optional[Documents] = None, head_base: int = 0,
 ) -> PairPlan:
     """What rank ``dst`` computes with the K/V rows of rank ``src``; blocks of at most ``tile`` rows a side.
 
@@ -172,6 +172,9 @@ def pair_plan(
     ``documents`` (global start rows per batch row) drops tiles whose rows
     share no document; it needs the one dense branch, since dilation inside
     documents is counted from each document's start, not from row 0.
+    ``head_base``: the global index of local query head 0 (head parallelism
+    hands a rank a slice of the heads); a head's dilation offset is its
+    global index mod the rate, so each branch reads the rows it reads in one process.
     """
     if documents is not None and (len(branches) != 1 or branches[0][1] != 1 or branches[0][0] < seq_len):
         raise ValueError(f"a plan over documents takes the one dense branch (seq_len, 1), got {branches}")
@@ -186,7 +189,7 @@ def pair_plan(
     for w, rate in branches:
         wt = min(w, seq_len)
         for offset in range(rate):
-            groups = head_groups(hq, hkv, rate, offset)
+            groups = head_groups(hq, hkv, rate, (offset - head_base) % rate)
             if not groups:
                 continue
             for seg in _segments(q_runs, wt):
@@ -308,7 +311,7 @@ def _size(plan: PairPlan) -> int:
 def messages_per_transfer(
     seq_len: int, shift: int, world_size: int, layout: str, causal: bool, window: Optional[int],
     branches: Branches, hq: int, hkv: int, budget: int, tile: Optional[int] = None,
-    documents: Optional[Documents] = None,
+    documents: Optional[Documents] = None, head_base: int = 0,
 ) -> int:
     """How many messages every transfer of ring step ``shift`` is cut into: enough for the largest.
 
@@ -319,7 +322,7 @@ def messages_per_transfer(
     as many, which would leave its peer idle for the extra rounds.
     """
     largest = max(_size(pair_plan(seq_len, r, (r - shift) % world_size, world_size, layout, causal, window,
-                                  branches, hq, hkv, tile, documents)) for r in range(world_size))
+                                  branches, hq, hkv, tile, documents, head_base)) for r in range(world_size))
     return max(1, -(-largest // budget))
 
 
@@ -327,22 +330,22 @@ def messages_per_transfer(
 def rank_plan(
     seq_len: int, rank: int, world_size: int, layout: str, causal: bool,
     window: Optional[int], branches: Branches, hq: int, hkv: int, budget: Optional[int] = None,
-    tile: Optional[int] = None, documents: Optional[Documents] = None,
+    tile: Optional[int] = None, documents: Optional[Documents] = None, head_base: int = 0,
 ) -> RankPlan:
     """Every step rank ``rank`` takes part in; step 0 (its own K/V) comes first.
 
     Each shift's transfers are cut into :func:`messages_per_transfer` messages
     of at most ``budget`` rows x heads (default :func:`message_budget`), each a
-    step of its own. ``documents``: see :func:`pair_plan`.
+    step of its own. ``documents``, ``head_base``: see :func:`pair_plan`.
     """
     if budget is None:
         budget = message_budget(seq_len, world_size, hkv)
-    args = (world_size, layout, causal, window, branches, hq, hkv, tile, documents)
+    args = (world_size, layout, causal, window, branches, hq, hkv, tile, documents, head_base)
     steps = [Step(0, rank, rank, pair_plan(seq_len, rank, rank, *args), ())]
     for s in range(1, world_size):
         src, dst = (rank - s) % world_size, (rank + s) % world_size
         count = messages_per_transfer(seq_len, s, world_size, layout, causal, window, branches, hq, hkv, budget,
-                                      tile, documents)
+                                      tile, documents, head_base)
         recv_plan, send_plan = pair_plan(seq_len, rank, src, *args), pair_plan(seq_len, dst, rank, *args)
         recv = chunk_pair(recv_plan, -(-_size(recv_plan) // count), causal, window)
         send = chunk_pair(send_plan, -(-_size(send_plan) // count), causal, window)

@@ -34,7 +34,9 @@ from .comm import all_reduce
 from .context import CONTEXT_KEY
 from .data import batch_shape, gather_sequence, model_rows, shard_batch
 from .groups import SequenceParallel, current
+from . import config as ring_config
 from .parallel import setup_sequence_parallel
+from .ulysses import head_split
 
 ATTN_IMPLEMENTATION = "ring_dilated"
 _HOOK_ATTR = "_hf_ring_shard_hook"
@@ -252,13 +254,17 @@ def _use_ring_attention(model: torch.nn.Module) -> None:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
-def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: str = "zigzag") -> Any:
+def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: str = "zigzag",
+                    ulysses_size: Optional[int] = None) -> Any:
     """Make a built ``transformers.Trainer`` (or subclass, e.g. TRL's ``SFTTrainer``) split every sequence over ``sp_size`` ranks.
 
     Call it after the trainer is built and before ``train``/``evaluate``/``predict``.
     The remaining factor of the world is data parallel. Sets up the groups
     (:func:`hf_ring.setup_sequence_parallel` with the trainer's accelerator),
     switches the model's attention to ``ring_dilated`` and returns the trainer.
+    ``ulysses_size`` picks the ring (1), head parallelism (``sp_size``) or both
+    (see :func:`hf_ring.setup_sequence_parallel`); by default the model
+    config's ``ring_dilated.ulysses_size`` (:func:`hf_ring.configure`), else 1.
     In one process it only switches the attention.
     """
     from transformers import Trainer  # here, not at the top: importing it costs seconds that `import hf_ring` need not pay
@@ -272,7 +278,13 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: str = "
     pc = getattr(trainer.accelerator, "parallelism_config", None)
     if pc is not None and (pc.cp_enabled or pc.sp_enabled or pc.tp_enabled):
         raise ValueError("prepare_trainer splits sequences itself; remove cp_size/sp_size/tp_size from parallelism_config")
-    setup_sequence_parallel(trainer.accelerator, sp_size, layout=layout)
+    base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model  # PEFT
+    if ulysses_size is None:
+        ulysses_size = ring_config.parse(getattr(base.config, ring_config.CONFIG_KEY, None)).ulysses_size or 1
+    heads = ring_config.model_heads(base.config)
+    if heads is not None:
+        head_split(*heads, ring_config.check_ulysses_size(ulysses_size))  # refused now, not at the first step
+    setup_sequence_parallel(trainer.accelerator, sp_size, layout=layout, ulysses_size=ulysses_size)
     _use_ring_attention(trainer.model)
     trainer.__class__ = _sequence_parallel_class(type(trainer))
     attach_shard_hook(trainer.model)

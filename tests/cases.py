@@ -666,3 +666,44 @@ def one_rank_bad_batch_case(n):
         return raises_on_rank(hf_ring.shard_batch, {"input_ids": ids, "labels": labels})
     finally:
         hf_ring.clear_sequence_parallel()
+
+
+def head_parallel_case(seed, b, hq, hkv, n, d, *, ulysses, layout="zigzag", dtype=torch.float32, pad=0,
+                       position_ids=None, sinks=None, causal=True, window=None, pattern=None, softcap=None):
+    """This rank's positions, output and gradients of head-parallel attention (``ulysses`` ranks per group).
+
+    The sequence is sharded as ``shard_batch`` shards it under
+    ``setup_sequence_parallel(ulysses_size=ulysses)``; ``position_ids`` (global,
+    ``(B, n)``) packs documents; ``sinks`` ``(Hq,)`` adds attention sinks (their
+    gradient is summed over the ranks, as ``sync_gradients`` does).
+    """
+    from hf_ring.kernels import default_scale
+    from hf_ring.ulysses import group_rows, head_parallel, head_split
+
+    sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses, layout=layout)
+    try:
+        rank, world = sp.sp_rank, sp.sp_size
+        q, k, v, dout = make_qkv(seed, b, hq, hkv, n, d, dtype)
+        pos = hf_ring.local_positions(n, rank, world, layout, ulysses)
+        sizes = hf_ring.shard_sizes(n, world, layout, ulysses)
+        first = rank // ulysses * ulysses
+        key_mask = None
+        if pad:
+            full = torch.ones(b, n, dtype=torch.bool)
+            full[0, :pad] = False
+            key_mask = group_rows(sp.head_comm, full[:, pos], sizes[first:first + ulysses])
+        ql, kl, vl = (t[:, :, pos].clone().requires_grad_(True) for t in (q, k, v))
+        s = None if sinks is None else sinks.clone().requires_grad_(True)
+        out = head_parallel(ql, kl, vl, sp.head_comm, sp.ring_comm, split=head_split(hq, hkv, ulysses),
+                            sizes=sizes[first:first + ulysses], seq_len=n, layout=layout, causal=causal,
+                            window=window, pattern=pattern, scale=default_scale(d), key_mask=key_mask,
+                            documents=None if position_ids is None else document_starts(position_ids),
+                            softcap=softcap, sinks=s)
+        out.backward(dout[:, :, pos])
+        res = {"pos": pos, "out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+        if s is not None:
+            dist.all_reduce(s.grad)
+            res["dsinks"] = s.grad
+        return res
+    finally:
+        hf_ring.clear_sequence_parallel()
