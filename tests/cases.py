@@ -440,7 +440,8 @@ def trainer_data(seed, rows, n, pad="right"):
 
 
 def trainer_case(path, sp_size=None, *, per_device=1, accum=2, steps=2, n=23, lora=False, checkpointing=False,
-                 fsdp=False, eval_rows=3, eval_pad="right", predict_rows=3, resume_at=None, layout="zigzag", out_dir=None):
+                 fsdp=False, eval_rows=3, eval_pad="right", predict_rows=3, resume_at=None, layout="zigzag", out_dir=None,
+                 ulysses_size=None):
     """Train a tiny model with transformers.Trainer (sequence parallel when sp_size is given), then evaluate and predict.
 
     Returns logged losses, every optimizer step's gradients, eval_loss, predicted logits and final parameters.
@@ -479,7 +480,7 @@ def trainer_case(path, sp_size=None, *, per_device=1, accum=2, steps=2, n=23, lo
     trainer = Trainer(model=model, args=args, train_dataset=RowDataset(trainer_data(1, rows, n)),
                       eval_dataset=RowDataset(trainer_data(2, eval_rows, n, eval_pad)), callbacks=[recorder.callback])
     if sp_size is not None:
-        hf_ring.prepare_trainer(trainer, sp_size, layout=layout)
+        hf_ring.prepare_trainer(trainer, sp_size, layout=layout, ulysses_size=ulysses_size)
     try:
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -497,6 +498,8 @@ def trainer_case(path, sp_size=None, *, per_device=1, accum=2, steps=2, n=23, lo
         result["wrapped"] = type(trainer.model_wrapped).__name__
         result["dtensor"] = any(isinstance(v, DTensor) for v in params.values())
         result["checkpointing"] = trainer.model.is_activation_checkpointing
+        sp = hf_ring.groups.current()
+        result["ulysses_size"] = None if sp is None else sp.ulysses_size
         if resume_at:
             result["resumed"] = _resume_case(trainer, f"{out_dir}/checkpoint-{resume_at}", sp_size, layout)
         return result if not dist.is_initialized() or dist.get_rank() == 0 else {"losses": losses}
@@ -705,5 +708,38 @@ def head_parallel_case(seed, b, hq, hkv, n, d, *, ulysses, layout="zigzag", dtyp
             dist.all_reduce(s.grad)
             res["dsinks"] = s.grad
         return res
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+def head_parallel_generate_case(path, ids, mask=None, *, ulysses, pattern=None, **kwargs):
+    """``hf_ring.generate`` with the prompt's prefill run by head parallelism (``ulysses`` ranks per group)."""
+    from models import load
+
+    hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses)
+    try:
+        model = load(path, "ring_dilated")
+        hf_ring.configure(model, pattern=pattern, ulysses_size=ulysses)
+        out = hf_ring.generate(model, ids, attention_mask=mask, return_dict_in_generate=True, output_logits=True,
+                               **kwargs)
+        return {"sequences": out.sequences, "logits": torch.stack(out.logits, 1),
+                "rows": out.past_key_values.local_length()}
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+def head_parallel_refusal_case(path, ulysses, config_ulysses=None):
+    """One sharded forward under ``setup_sequence_parallel(ulysses_size=ulysses)``: (error type, message) or None."""
+    from models import batch, load
+
+    def step():
+        hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses)
+        model = load(path, "ring_dilated")
+        if config_ulysses is not None:
+            model.config.ring_dilated = {"ulysses_size": config_ulysses}
+        model(**hf_ring.shard_batch(batch(0, 1, 16)))
+
+    try:
+        return raises_on_rank(step)
     finally:
         hf_ring.clear_sequence_parallel()

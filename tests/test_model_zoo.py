@@ -150,10 +150,11 @@ def test_softcap_and_sinks_change_the_eager_result():
         assert rel(logits(kind, "eager", edit), ref) > 1e-2, kind
 
 
+@pytest.mark.parametrize("ulysses", [1, 2], ids=["ring", "ulysses"])
 @pytest.mark.parametrize("kind", families_marked())
-def test_two_ranks_step_equals_single_process_eager(pools, kind):
+def test_two_ranks_step_equals_single_process_eager(pools, kind, ulysses):
     loss, ref_logits, ref_grads = eager_step(kind)
-    results = pools(2).run(zoo_train_case, model_dir(kind), B, N, SEED)
+    results = pools(2).run(zoo_train_case, model_dir(kind), B, N, SEED, ulysses)
     errs = {"loss": max(abs(r["loss"] - loss) / abs(loss) for r in results),
             "logits": max(rel(r["logits"], ref_logits) for r in results),
             "grads": max(rel(results[0]["grads"][k], g) for k, g in ref_grads.items())}
@@ -164,8 +165,9 @@ def test_two_ranks_step_equals_single_process_eager(pools, kind):
     assert max(errs.values()) <= TOL, errs
 
 
+@pytest.mark.parametrize("ulysses", [1, 2], ids=["ring", "hybrid2x2"])
 @pytest.mark.parametrize("kind", families_marked())
-def test_a_rank_without_rows_trains_every_family(pools, kind):
+def test_a_rank_without_rows_trains_every_family(pools, kind, ulysses):
     """3 tokens on 4 ranks: one rank holds none and runs a placeholder row; loss and gradients are one process's.
 
     The family's own weights, not the sharpened ones: at 3 tokens the sharpened scores make fp32 itself
@@ -175,7 +177,7 @@ def test_a_rank_without_rows_trains_every_family(pools, kind):
     out = model(**batch(SEED, B, 3), use_cache=False)
     out.loss.backward()
     ref = {k: zero_if_none(p) for k, p in model.named_parameters()}
-    results = pools(4).run(zoo_short_case, path, B, 3, SEED)
+    results = pools(4).run(zoo_short_case, path, B, 3, SEED, ulysses)
     assert [r["placeholder"] for r in results].count(True) == 1 and all(r["rows"] >= 1 for r in results)
     assert max(abs(r["loss"] - out.loss.item()) for r in results) <= TOL * abs(out.loss.item())
     errs = {k: rel(results[0]["grads"][k], g) for k, g in ref.items()}

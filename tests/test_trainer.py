@@ -72,6 +72,24 @@ def test_dp2_sp2_trainer_equals_one_process(pools):
     assert worst(res["params"], ref["params"]) <= TOL
 
 
+@pytest.mark.parametrize("world,sp_size,ulysses", [(2, 2, 2), (4, 4, 2), (4, 4, 4), (4, 2, 2)],
+                         ids=["ulysses2", "hybrid2x2", "ulysses4", "dp2-ulysses2"])
+def test_head_parallel_trainer_equals_one_process(pools, world, sp_size, ulysses):
+    """Every mode trains like one process: logged losses, every step's gradients, eval loss and predictions."""
+    path = saved_model_dir("llama", num_attention_heads=4, num_key_value_heads=2)
+    dp = world // sp_size
+    results = pools(world).run(trainer_case, path, sp_size, ulysses_size=ulysses, eval_rows=2 * dp, eval_pad="none")
+    ref = reference(per_device=dp, eval_rows=2 * dp, eval_pad="none")
+    for res in results:
+        check_losses(res["losses"], ref["losses"])
+    res = results[0]
+    assert res["ulysses_size"] == ulysses
+    check_steps(res, ref)
+    assert abs(res["eval_loss"] - ref["eval_loss"]) <= TOL * abs(ref["eval_loss"])
+    assert rel(res["logits"], ref["logits"]) <= TOL
+    assert worst(res["params"], ref["params"]) <= TOL
+
+
 def test_lora_with_gradient_checkpointing_sp2(pools):
     pytest.importorskip("peft")
     path = saved_model_dir("mistral")

@@ -4,9 +4,11 @@ import math
 import pytest
 import torch
 
+import hf_ring
 import reference as R
-from cases import assemble, head_parallel_case, make_qkv
+from cases import assemble, head_parallel_case, head_parallel_generate_case, make_qkv
 from helpers import cancelling_scale, rel_err
+from models import load, saved_model_dir
 from hf_ring.layout import local_positions, owner, shard_sizes
 from hf_ring.pattern import DilatedPattern
 from hf_ring.ulysses import head_split
@@ -162,3 +164,83 @@ def test_head_split_gives_each_rank_the_kv_heads_of_its_query_heads(hq, hkv, u):
 def test_head_split_refuses_uneven_splits(hq, hkv, u, match):
     with pytest.raises(ValueError, match=match):
         head_split(hq, hkv, u)
+
+
+# Model level: generation's prefill in every mode.
+
+@pytest.mark.parametrize("world,ulysses", MODES[:1] + MODES[2:])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "dilated"])
+def test_generate_prefills_in_every_mode(pools, world, ulysses, kind):
+    """Greedy tokens equal one process's, with left padding in the batch and Mistral's window smaller than the
+    prompt; step logits equal the ring's; the decode cache stays sharded by row.
+
+    Dense models are measured against transformers' sdpa; the dilated pattern against one-process
+    ``ring_dilated``, itself checked against sdpa with the ``log m`` mask in test_generation."""
+    path = saved_model_dir("mistral", sliding_window=8) if kind == "mistral" else saved_model_dir("llama")
+    pattern = DilatedPattern([8, 16, 64], [1, 3, 4]) if kind == "dilated" else None
+    g = torch.Generator().manual_seed(world + ulysses)
+    n, new = 41, 12
+    ids = torch.randint(3, 97, (2, n), generator=g)
+    mask = torch.ones(2, n, dtype=torch.long)
+    mask[0, :5], ids[0, :5] = 0, 0
+    kw = dict(max_new_tokens=new, do_sample=False, pad_token_id=0)
+    if pattern is None:
+        ref = load(path, "sdpa").generate(ids, attention_mask=mask, **kw)
+    else:
+        model = load(path, "ring_dilated")
+        hf_ring.configure(model, pattern=pattern)
+        ref = hf_ring.generate(model, ids, attention_mask=mask, **kw)
+    assert len(set(ref[-1, n:].tolist())) > 2
+    results = pools(world).run(head_parallel_generate_case, path, ids, mask, ulysses=ulysses, pattern=pattern, **kw)
+    ring = pools(world).run(head_parallel_generate_case, path, ids, mask, ulysses=1, pattern=pattern, **kw)
+    for res, base in zip(results, ring):
+        assert torch.equal(res["sequences"], ref), (res["sequences"][:, n:], ref[:, n:])
+        assert rel_err(res["logits"], base["logits"]) <= 1e-6
+        assert res["rows"] <= -(-(n + new) // world) + 1
+
+
+# Refusals: the same clear error on every rank, before any exchange that could hang.
+
+def test_setup_refuses_a_size_that_does_not_divide_the_group(pools):
+    from cases import raises_on_rank
+
+    for err in pools(2).run(raises_on_rank, hf_ring.setup_sequence_parallel, None, ulysses_size=3):
+        assert err[0] == "ValueError" and "ulysses_size=3 does not divide the 2" in err[1]
+    for bad in (0, True, 1.0):
+        with pytest.raises(ValueError, match="ulysses_size must be a positive int"):
+            hf_ring.setup_sequence_parallel(None, ulysses_size=bad)
+    with pytest.raises(ValueError, match="needs several processes"):
+        hf_ring.setup_sequence_parallel(None, ulysses_size=2)
+
+
+@pytest.mark.parametrize("heads,match", [((3, 1), "does not divide the model's 3 query heads"),
+                                         ((4, 2), None)])
+def test_heads_the_size_cannot_split_are_refused_on_every_rank(pools, heads, match):
+    from cases import head_parallel_refusal_case
+
+    path = saved_model_dir("llama", hidden_size=16 * heads[0], num_attention_heads=heads[0],
+                           num_key_value_heads=heads[1])
+    for err in pools(2).run(head_parallel_refusal_case, path, 2):
+        if match is None:
+            assert err is None
+        else:
+            assert err[0] == "ValueError" and match in err[1] and "Choose a ulysses_size" in err[1]
+
+
+def test_config_and_setup_must_name_the_same_size(pools):
+    from cases import head_parallel_refusal_case
+
+    for err in pools(2).run(head_parallel_refusal_case, saved_model_dir("llama"), 1, config_ulysses=2):
+        assert err[0] == "ValueError" and "config.ring_dilated ulysses_size=2 differs" in err[1]
+
+
+def test_configure_stores_the_size_and_checks_the_heads():
+    model = load(saved_model_dir("llama"), "ring_dilated")  # 4 query heads, 2 K/V heads
+    hf_ring.configure(model, ulysses_size=4)
+    assert model.config.ring_dilated["ulysses_size"] == 4
+    with pytest.raises(ValueError, match="does not divide the model's 4 query heads"):
+        hf_ring.configure(model, ulysses_size=3)
+    with pytest.raises(ValueError, match="ulysses_size must be a positive int"):
+        hf_ring.configure(model, ulysses_size=0)
+    with pytest.raises(ValueError, match="ulysses_size must be a positive int"):
+        hf_ring.config.parse({"ulysses_size": "2"})

@@ -13,9 +13,9 @@ def zero_if_none(p):
     return torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
 
 
-def zoo_train_case(path, b, n, seed):
+def zoo_train_case(path, b, n, seed, ulysses=1):
     """One training step on 2 ranks: loss, logits, summed gradients; and the logits without the rotary patch."""
-    sp = hf_ring.setup_sequence_parallel(None, 2)
+    sp = hf_ring.setup_sequence_parallel(None, 2, ulysses_size=ulysses)
     try:
         model = load(path, "ring_dilated").train()
         hf_ring.patches.apply(model)
@@ -50,9 +50,9 @@ def zoo_generate_case(path, ids, **kwargs):
         hf_ring.clear_sequence_parallel()
 
 
-def zoo_short_case(path, b, n, seed):
+def zoo_short_case(path, b, n, seed, ulysses=1):
     """One training step (sequence tiling on) with fewer tokens than ranks: some rank holds none."""
-    sp = hf_ring.setup_sequence_parallel(None)
+    sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses)
     try:
         model = load(path, "ring_dilated").train()
         hf_ring.patches.apply(model)
