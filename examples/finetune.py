@@ -151,7 +151,7 @@ def retrieval_accuracy(model, batches: List[Dict[str, torch.Tensor]], sp: hf_rin
         n = batch["input_ids"].shape[1]
         sharded = hf_ring.shard_batch({"input_ids": batch["input_ids"]}, sp)
         logits = model(**sharded).logits
-        pos = hf_ring.local_positions(n, sp.sp_rank, sp.sp_size, sp.layout) if sp.sp_size > 1 else torch.arange(n)
+        pos = hf_ring.local_positions(n, sp.sp_rank, sp.sp_size, sp.layout, sp.ulysses_size) if sp.sp_size > 1 else torch.arange(n)
         hit = torch.zeros(2)
         rows = (pos == n - 2).nonzero()
         if len(rows):  # this rank holds the query token
@@ -233,6 +233,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--segment-lengths", type=int, nargs="*", help="dilated attention: segment lengths")
     ap.add_argument("--dilation-rates", type=int, nargs="*", help="dilated attention: dilation rates")
     ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
+    ap.add_argument("--ulysses-size", type=int, default=1,
+                    help="ranks per head-parallel group: 1 the ring, --sp-size head parallelism, between both")
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--output", default="checkpoints/passkey")
     ap.add_argument("--save-every", type=int, default=100, help="write the checkpoint every N steps (0 = only at the end)")
@@ -265,7 +267,8 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--sp-size {sp_size} does not divide the {world} processes")
     if args.seq_len < sp_size:
         raise SystemExit(f"--seq-len {args.seq_len} is shorter than --sp-size {sp_size}: every rank needs a token")
-    sp = hf_ring.setup_sequence_parallel(accelerator, sp_size, layout=args.layout)
+    sp = hf_ring.setup_sequence_parallel(accelerator, sp_size, layout=args.layout,
+                                         ulysses_size=args.ulysses_size)
     is_main = accelerator.is_main_process
     torch.manual_seed(args.seed)
 
@@ -277,7 +280,7 @@ def main(argv=None) -> dict:
     if args.segment_lengths:
         pattern = hf_ring.DilatedPattern(args.segment_lengths, args.dilation_rates)
     if pattern is not None or not resume_dir:
-        hf_ring.configure(model, pattern=pattern, layout=args.layout)
+        hf_ring.configure(model, pattern=pattern, layout=args.layout, ulysses_size=args.ulysses_size)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable()
     model.train()

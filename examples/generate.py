@@ -102,6 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=123)
     ap.add_argument("--sp-size", type=int, default=None, help="ranks per sequence (default: all)")
     ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
+    ap.add_argument("--ulysses-size", type=int, default=1,
+                    help="ranks per head-parallel group: 1 the ring, --sp-size head parallelism, between both")
     ap.add_argument("--segment-lengths", type=int, nargs="*", default=None, help="dilated attention branches")
     ap.add_argument("--dilation-rates", type=int, nargs="*", default=None)
     ap.add_argument("--passkey", action="store_true", help="answer passkey prompts (a finetune.py checkpoint)")
@@ -139,7 +141,8 @@ def main(argv=None) -> dict:
     sp_size = args.sp_size or world
     if world % sp_size:
         raise SystemExit(f"--sp-size {sp_size} does not divide the {world} processes")
-    sp = hf_ring.setup_sequence_parallel(accelerator, sp_size, layout=args.layout)
+    sp = hf_ring.setup_sequence_parallel(accelerator, sp_size, layout=args.layout,
+                                         ulysses_size=args.ulysses_size)
     is_main = accelerator.is_main_process
     try:
         dtype = torch.bfloat16 if cuda else torch.float32
@@ -149,7 +152,7 @@ def main(argv=None) -> dict:
             pattern = hf_ring.DilatedPattern(args.segment_lengths, args.dilation_rates)
         else:  # keep the checkpoint's own pattern (config.ring_dilated), only the layout follows --layout
             pattern = ring_config.parse(getattr(model.config, ring_config.CONFIG_KEY, None)).pattern
-        hf_ring.configure(model, pattern=pattern, layout=args.layout)
+        hf_ring.configure(model, pattern=pattern, layout=args.layout, ulysses_size=args.ulysses_size)
         if args.passkey:
             return passkey(model, args, is_main)
         tokenizer = load_tokenizer(args.model) if args.model else None

@@ -73,32 +73,49 @@ def spread(stats: Dict[str, float]) -> str:
     return f"{stats['min']:.3g}-{stats['max']:.3g}"
 
 
+HEAD_PARALLEL = {"ulysses": lambda world: world, "hybrid": lambda world: 2}
+"""Head-parallel modes of the attention benchmarks: ranks per head-parallel group for a world size."""
+
+
 def measure_attention(impl: str, n: int, layout: str, b: int, h: int, d: int, repeats: int,
                       pattern: Optional[Dict] = None, what: str = "both") -> Dict:
-    """Time causal attention on this rank's shard: ``impl`` is "sdpa" (one process) or "ring".
+    """Time causal attention on this rank's shard: ``impl`` is "sdpa" (one process), "ring", or a mode of
+    :data:`HEAD_PARALLEL` ("ulysses": head parallelism over every rank; "hybrid": groups of 2, ring across).
 
     Returns the timed runs of the forward and of forward+backward (see
     :func:`timed`), the peak resident memory above the pre-input baseline,
-    and the bytes this rank sent point-to-point during one forward+backward
-    (counted during the warm-up call).
+    and the bytes this rank sent to other ranks during one forward+backward
+    (counted during the warm-up call: point-to-point sends, and the pieces of
+    all-to-all exchanges that leave the rank).
     """
     import torch.distributed as dist
     import torch.nn.functional as F
 
     import hf_ring
+    from ..kernels import default_scale
+    from ..ulysses import head_parallel, head_split
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     barrier = dist.barrier if world > 1 else None
+    ulysses = HEAD_PARALLEL[impl](world) if impl in HEAD_PARALLEL else 1
+    sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses, layout=layout) if ulysses > 1 else None
 
     def inputs(length):
         g = torch.Generator().manual_seed(0)
-        rows = len(hf_ring.local_positions(length, rank, world, layout))
+        rows = len(hf_ring.local_positions(length, rank, world, layout, ulysses))
         ts = [torch.randn(b, h, rows, d, generator=g) for _ in range(4)]
         return [t.requires_grad_(i < 3) for i, t in enumerate(ts)]
 
     def attn_fn(q, k, v, length):
         if impl == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if ulysses > 1:
+            first = rank // ulysses * ulysses
+            sizes = hf_ring.shard_sizes(length, world, layout, ulysses)[first:first + ulysses]
+            return head_parallel(q, k, v, sp.head_comm, sp.ring_comm, split=head_split(h, h, ulysses), sizes=sizes,
+                                 seq_len=length, layout=layout, causal=True, window=None,
+                                 pattern=None if pattern is None else hf_ring.DilatedPattern.from_dict(pattern),
+                                 scale=default_scale(d), key_mask=None)
         return hf_ring.ring_attention(q, k, v, layout=layout, seq_len=length, pattern=pattern)
 
     # Load kernels, threads and the allocator on a small problem so the memory
@@ -121,26 +138,37 @@ def measure_attention(impl: str, n: int, layout: str, b: int, h: int, d: int, re
 
     def counted_fwd_bwd():  # the first (warm-up) call counts the bytes sent
         calls.append(1)
-        original = dist.batch_isend_irecv if world > 1 and len(calls) == 1 else None
-        if original is not None:
-            def counting(ops):
-                sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
-                return original(ops)
+        if world == 1 or len(calls) > 1:
+            return fwd_bwd()
+        p2p, a2a = dist.batch_isend_irecv, dist.all_to_all_single
 
-            dist.batch_isend_irecv = counting
+        def counting_p2p(ops):
+            sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+            return p2p(ops)
+
+        def counting_a2a(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
+            me = dist.get_rank(group)
+            row = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
+            sent.append(row * (tensor.shape[0] - input_split_sizes[me]))  # its own piece stays
+            return a2a(output, tensor, output_split_sizes, input_split_sizes, group=group, **kw)
+
+        dist.batch_isend_irecv, dist.all_to_all_single = counting_p2p, counting_a2a
         try:
             fwd_bwd()
         finally:
-            if original is not None:
-                dist.batch_isend_irecv = original
+            dist.batch_isend_irecv, dist.all_to_all_single = p2p, a2a
 
     result: Dict = {}
-    if what in ("both", "fwd"):
-        result["fwd_runs"] = timed(fwd, repeats, barrier)
-    if what in ("both", "fwd_bwd"):
-        result["fwd_bwd_runs"] = timed(counted_fwd_bwd, repeats, barrier)
-        result["sent_mb"] = sum(sent) / 2**20
-    result["peak_mb"] = peak_rss_mb() - base
+    try:
+        if what in ("both", "fwd"):
+            result["fwd_runs"] = timed(fwd, repeats, barrier)
+        if what in ("both", "fwd_bwd"):
+            result["fwd_bwd_runs"] = timed(counted_fwd_bwd, repeats, barrier)
+            result["sent_mb"] = sum(sent) / 2**20
+        result["peak_mb"] = peak_rss_mb() - base
+    finally:
+        if sp is not None:
+            hf_ring.clear_sequence_parallel()
     return result
 
 

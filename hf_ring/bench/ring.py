@@ -1,4 +1,12 @@
-"""``python -m hf_ring.bench ring``: exact ring attention against single-process SDPA.
+"""``python -m hf_ring.bench ring``: exact ring attention, and its head-parallel modes, against single-process SDPA.
+
+``--mode`` picks the sequence-parallel modes measured side by side: ``ring``
+(the ring over 2 ranks, zigzag and contiguous), ``ulysses`` (head parallelism
+over 2 ranks: all-to-all, whole-sequence attention over half the heads,
+all-to-all back) and ``hybrid`` (head parallelism in groups of 2, the ring
+across 2 groups: 4 ranks, shown beside the ring and head parallelism over the
+same 4 ranks). Sent bytes are counted on the wire: point-to-point sends and
+the all-to-all pieces that leave a rank.
 
 Every configuration runs in fresh one-thread processes, one after another, so
 ratios are measured side by side in one run and peak memory is per process.
@@ -18,7 +26,21 @@ from typing import Dict, List, Optional
 from .common import clock, format_table, measure_attention, run_ranks, save, spread, summary
 
 BASE_N = 512
-CONFIGS = (("sdpa", 1, "-"), ("ring", 1, "-"), ("ring", 2, "zigzag"), ("ring", 2, "contiguous"))
+BASELINES = (("sdpa", 1, "-"), ("ring", 1, "-"))
+MODES = {
+    "ring": (("ring", 2, "zigzag"), ("ring", 2, "contiguous")),
+    "ulysses": (("ulysses", 2, "-"),),
+    "hybrid": (("hybrid", 4, "zigzag"), ("ring", 4, "zigzag"), ("ulysses", 4, "-")),
+}
+"""Configurations ``(impl, ranks, layout)`` each ``--mode`` adds beside the one-process baselines."""
+
+
+def configs(modes: List[str]) -> List[tuple]:
+    """The baselines, then each mode's configurations (each once, in the order asked)."""
+    out = list(BASELINES)
+    for mode in modes:
+        out += [c for c in MODES[mode] if c not in out]
+    return out
 
 
 def _timed_parts(impl: str, n: int, layout: str, b: int, h: int, d: int, repeats: int) -> Dict:
@@ -70,22 +92,23 @@ def _measured(impl: str, world: int, n: int, layout: str, b: int, h: int, d: int
     return out
 
 
-def run(sizes: List[int], repeats: int, b: int, h: int, d: int, breakdown: bool, rounds: int = 1) -> List[Dict]:
+def run(sizes: List[int], repeats: int, b: int, h: int, d: int, breakdown: bool, rounds: int = 1,
+        modes: List[str] = ("ring",)) -> List[Dict]:
     """Every configuration at every size; ``rounds`` > 1 sweeps the configurations again and pools the runs.
 
     Speed on a shared machine drifts over minutes: configurations measured
     one after another would carry that drift into their ratios, while rounds
     interleave them, so each one's runs are spread over the same stretch.
     """
-    rows, floor = [], {}
+    rows, floor, todo = [], {}, configs(list(modes))
     for n in sizes:
         got: Dict = {}
         for _ in range(rounds):
-            for cfg in CONFIGS:
+            for cfg in todo:
                 got[cfg] = _measured(cfg[0], cfg[1], n, cfg[2], b, h, d, repeats, floor, breakdown, got.get(cfg))
         for m in got.values():
             m["fwd"], m["fwd_bwd"] = summary(m.pop("fwd_runs")), summary(m.pop("fwd_bwd_runs"))
-        sdpa, one = got[CONFIGS[0]], got[CONFIGS[1]]
+        sdpa, one = got[BASELINES[0]], got[BASELINES[1]]
         for (impl, world, layout), m in got.items():
             row = {
                 "n": n, "impl": impl, "world": world, "layout": layout,
@@ -112,11 +135,11 @@ def _plot(rows: List[Dict]):
         import matplotlib.pyplot as plt
 
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        ring_rows = [r for r in rows if r["impl"] == "ring"]
-        labels = sorted({(r["world"], r["layout"]) for r in ring_rows})
-        for world, layout in labels:
-            pts = [r for r in ring_rows if (r["world"], r["layout"]) == (world, layout)]
-            name = f"p={world} {layout}" if world > 1 else "p=1"
+        ring_rows = [r for r in rows if r["impl"] != "sdpa"]
+        labels = sorted({(r["impl"], r["world"], r["layout"]) for r in ring_rows})
+        for impl, world, layout in labels:
+            pts = [r for r in ring_rows if (r["impl"], r["world"], r["layout"]) == (impl, world, layout)]
+            name = f"{impl} p={world}" + (f" {layout}" if layout != "-" else "") if world > 1 else "p=1"
             axes[0].plot([r["n"] for r in pts], [r["speedup_over_1_rank"] for r in pts], marker="o", label=name)
             axes[1].plot([r["n"] for r in pts], [r["peak_ratio_to_1_rank"] for r in pts], marker="o", label=name)
         axes[0].axhline(2.0, color="gray", ls="--", lw=1)
@@ -126,7 +149,7 @@ def _plot(rows: List[Dict]):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("sequence length")
             ax.legend()
-        fig.suptitle("exact causal ring attention (B=1, H=8, D=64, fp32, one thread per rank)")
+        fig.suptitle("exact causal attention by mode (B=1, H=8, D=64, fp32, one thread per rank)")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
 
@@ -147,8 +170,10 @@ def main(argv=None) -> None:
     ap.add_argument("--breakdown", action="store_true", help="also time the ring's parts (extra runs)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="sweeps over the configurations, interleaved; each runs --repeats timed runs per round")
+    ap.add_argument("--mode", nargs="+", choices=sorted(MODES), default=["ring"],
+                    help="sequence-parallel modes to measure beside one process (see the module notes)")
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
-    rows = run(args.sizes, args.repeats, args.batch, args.heads, args.head_dim, args.breakdown, args.rounds)
+    rows = run(args.sizes, args.repeats, args.batch, args.heads, args.head_dim, args.breakdown, args.rounds, args.mode)
     print("\n" + format_table(rows, COLUMNS))
     save(args.out, "ring", {"config": vars(args), "rows": rows}, _plot(rows))
