@@ -29,9 +29,10 @@ from .kernels import check_sinks, check_softcap
 from .context import CONTEXT_KEY, DecodeStep, ShardedForward, refuse_unsharded
 from .decode import CachedBlock, cached_attention, cached_blocks, merge_ranks
 from .groups import current
+from .layout import HeadSplit, head_split
 from .pattern import branches_of
 from .ring import run
-from .ulysses import HeadSplit, head_parallel, head_split
+from .ulysses import head_parallel
 
 Tensor = torch.Tensor
 

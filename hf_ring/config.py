@@ -4,9 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
-from .layout import check_layout
+from .layout import check_layout, head_split
 from .pattern import DilatedPattern
-from .ulysses import head_split
 
 CONFIG_KEY = "ring_dilated"
 _KEYS = {"segment_lengths", "dilation_rates", "layout", "ulysses_size"}

@@ -10,11 +10,13 @@ groups of ``ulysses`` consecutive ranks. The layout splits the sequence over
 the ``world_size // ulysses`` groups as if each were one ring rank, and each
 group's rows are cut into ``ulysses`` contiguous pieces, one per member in
 order. The all-to-all of head parallelism then hands every member exactly
-its group's ring shard, in the order the ring expects.
+its group's ring shard, in the order the ring expects, and
+:func:`head_split` says which query and K/V heads each member attends for.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -159,3 +161,52 @@ def infer_seq_len(local_lens: Sequence[int], layout: str = "zigzag", ulysses: in
             f"(a global length of {total} gives {expected}); shard with hf_ring.local_positions"
         )
     return total
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """How ``hq`` query and ``hkv`` K/V heads are shared by the ``ulysses`` members of a head-parallel group."""
+
+    ulysses: int
+    hq: int
+    hkv: int
+
+    @property
+    def q_per_rank(self) -> int:
+        return self.hq // self.ulysses
+
+    def q_heads(self, member: int) -> range:
+        """The global query heads member ``member`` attends for."""
+        return range(member * self.q_per_rank, (member + 1) * self.q_per_rank)
+
+    def kv_heads(self, member: int) -> range:
+        """The global K/V heads its query heads use (one head, repeated over members, when ``hkv < ulysses``)."""
+        if self.hkv >= self.ulysses:
+            per = self.hkv // self.ulysses
+            return range(member * per, (member + 1) * per)
+        first = self.q_heads(member).start // (self.hq // self.hkv)
+        return range(first, first + 1)
+
+    def kv_index(self) -> Optional[torch.Tensor]:
+        """K/V heads in the order the exchange sends them; None when that is every head once, in order."""
+        if self.hkv >= self.ulysses:
+            return None
+        return torch.tensor([self.kv_heads(m).start for m in range(self.ulysses)], dtype=torch.long)
+
+
+def head_split(hq: int, hkv: int, ulysses: int) -> HeadSplit:
+    """The heads each member of a group of ``ulysses`` ranks holds; refuses splits that cannot be exact and even."""
+    if ulysses == 1:
+        return HeadSplit(1, hq, hkv)
+    if hq % ulysses:
+        raise ValueError(
+            f"ulysses_size={ulysses} does not divide the model's {hq} query heads: head parallelism gives each "
+            f"rank of a group the same number of heads. Choose a ulysses_size that divides {hq} (1 runs the ring alone)"
+        )
+    if hkv % ulysses and ulysses % hkv:
+        raise ValueError(
+            f"ulysses_size={ulysses} and the model's {hkv} key/value heads neither divide the other, so some rank's "
+            f"query heads would use parts of several K/V heads. Choose a ulysses_size that divides {hkv} or is a "
+            f"multiple of it (1 runs the ring alone)"
+        )
+    return HeadSplit(ulysses, hq, hkv)

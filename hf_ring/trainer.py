@@ -36,7 +36,7 @@ from .data import batch_shape, gather_sequence, model_rows, shard_batch
 from .groups import SequenceParallel, current
 from . import config as ring_config
 from .parallel import setup_sequence_parallel
-from .ulysses import head_split
+from .layout import head_split
 
 ATTN_IMPLEMENTATION = "ring_dilated"
 _HOOK_ATTR = "_hf_ring_shard_hook"

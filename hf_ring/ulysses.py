@@ -19,7 +19,6 @@ member gets the one K/V head its query heads use.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -27,59 +26,11 @@ from torch.autograd.function import once_differentiable
 
 from .comm import RingComm
 from .documents import Documents
+from .layout import HeadSplit
 from .pattern import DilatedPattern
 from .ring import run
 
 Tensor = torch.Tensor
-
-
-@dataclass(frozen=True)
-class HeadSplit:
-    """How ``hq`` query and ``hkv`` K/V heads are shared by the ``ulysses`` members of a head-parallel group."""
-
-    ulysses: int
-    hq: int
-    hkv: int
-
-    @property
-    def q_per_rank(self) -> int:
-        return self.hq // self.ulysses
-
-    def q_heads(self, member: int) -> range:
-        """The global query heads member ``member`` attends for."""
-        return range(member * self.q_per_rank, (member + 1) * self.q_per_rank)
-
-    def kv_heads(self, member: int) -> range:
-        """The global K/V heads its query heads use (one head, repeated over members, when ``hkv < ulysses``)."""
-        if self.hkv >= self.ulysses:
-            per = self.hkv // self.ulysses
-            return range(member * per, (member + 1) * per)
-        first = self.q_heads(member).start // (self.hq // self.hkv)
-        return range(first, first + 1)
-
-    def kv_index(self) -> Optional[Tensor]:
-        """K/V heads in the order the exchange sends them; None when that is every head once, in order."""
-        if self.hkv >= self.ulysses:
-            return None
-        return torch.tensor([self.kv_heads(m).start for m in range(self.ulysses)], dtype=torch.long)
-
-
-def head_split(hq: int, hkv: int, ulysses: int) -> HeadSplit:
-    """The heads each member of a group of ``ulysses`` ranks holds; refuses splits that cannot be exact and even."""
-    if ulysses == 1:
-        return HeadSplit(1, hq, hkv)
-    if hq % ulysses:
-        raise ValueError(
-            f"ulysses_size={ulysses} does not divide the model's {hq} query heads: head parallelism gives each "
-            f"rank of a group the same number of heads. Choose a ulysses_size that divides {hq} (1 runs the ring alone)"
-        )
-    if hkv % ulysses and ulysses % hkv:
-        raise ValueError(
-            f"ulysses_size={ulysses} and the model's {hkv} key/value heads neither divide the other, so some rank's "
-            f"query heads would use parts of several K/V heads. Choose a ulysses_size that divides {hkv} or is a "
-            f"multiple of it (1 runs the ring alone)"
-        )
-    return HeadSplit(ulysses, hq, hkv)
 
 
 def _to_heads(comm: RingComm, parts: Sequence[Tensor], sizes: Sequence[int]) -> List[Tensor]:

@@ -681,7 +681,8 @@ def head_parallel_case(seed, b, hq, hkv, n, d, *, ulysses, layout="zigzag", dtyp
     gradient is summed over the ranks, as ``sync_gradients`` does).
     """
     from hf_ring.kernels import default_scale
-    from hf_ring.ulysses import group_rows, head_parallel, head_split
+    from hf_ring.layout import head_split
+    from hf_ring.ulysses import group_rows, head_parallel
 
     sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses, layout=layout)
     try:

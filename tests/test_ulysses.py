@@ -9,9 +9,8 @@ import reference as R
 from cases import assemble, head_parallel_case, head_parallel_generate_case, make_qkv
 from helpers import cancelling_scale, rel_err
 from models import load, saved_model_dir
-from hf_ring.layout import local_positions, owner, shard_sizes
+from hf_ring.layout import head_split, local_positions, owner, shard_sizes
 from hf_ring.pattern import DilatedPattern
-from hf_ring.ulysses import head_split
 
 FP32_TOL = 1e-5
 NAMES = ("out", "dq", "dk", "dv")

@@ -93,7 +93,8 @@ def measure_attention(impl: str, n: int, layout: str, b: int, h: int, d: int, re
 
     import hf_ring
     from ..kernels import default_scale
-    from ..ulysses import head_parallel, head_split
+    from ..layout import head_split
+    from ..ulysses import head_parallel
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     barrier = dist.barrier if world > 1 else None
