@@ -744,3 +744,26 @@ def head_parallel_refusal_case(path, ulysses, config_ulysses=None):
         return raises_on_rank(step)
     finally:
         hf_ring.clear_sequence_parallel()
+
+
+def counted_head_parallel_case(*args, **kwargs):
+    """:func:`head_parallel_case` with the bytes this rank sends to other ranks counted (all-to-all pieces
+    that leave it, point-to-point sends)."""
+    sent = []
+    p2p, a2a = dist.batch_isend_irecv, dist.all_to_all_single
+
+    def counting_p2p(ops):
+        sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return p2p(ops)
+
+    def counting_a2a(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
+        row = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
+        sent.append(row * (tensor.shape[0] - input_split_sizes[dist.get_rank(group)]))
+        return a2a(output, tensor, output_split_sizes, input_split_sizes, group=group, **kw)
+
+    dist.batch_isend_irecv, dist.all_to_all_single = counting_p2p, counting_a2a
+    try:
+        head_parallel_case(*args, **kwargs)
+    finally:
+        dist.batch_isend_irecv, dist.all_to_all_single = p2p, a2a
+    return sum(sent)

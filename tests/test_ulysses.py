@@ -243,3 +243,15 @@ def test_configure_stores_the_size_and_checks_the_heads():
         hf_ring.configure(model, ulysses_size=0)
     with pytest.raises(ValueError, match="ulysses_size must be a positive int"):
         hf_ring.config.parse({"ulysses_size": "2"})
+
+
+@pytest.mark.parametrize("world,ulysses,heads", [(2, 2, (8, 8)), (4, 4, (8, 2)), (4, 2, (8, 2)), (4, 4, (8, 1))])
+def test_bytes_on_the_wire_are_the_planned_ones(pools, world, ulysses, heads):
+    """The traffic table of the README (``bench ring --wire``) is planned, not measured: it must be what runs."""
+    from cases import counted_head_parallel_case
+    from hf_ring.bench.common import planned_mode_mb
+
+    n, d = 203, 8
+    sent = pools(world).run(counted_head_parallel_case, 1, 1, heads[0], heads[1], n, d, ulysses=ulysses)
+    planned = planned_mode_mb(n, world, ulysses, "zigzag", heads[0], heads[1], 1, d)
+    assert max(sent) / 2**20 == pytest.approx(planned, rel=1e-12), (sent, planned)

@@ -73,6 +73,53 @@ def spread(stats: Dict[str, float]) -> str:
     return f"{stats['min']:.3g}-{stats['max']:.3g}"
 
 
+def planned_ring_mb(n: int, world: int, layout: str, branches, hq: int, hkv: int, b: int, d: int, elem: int = 4,
+                    shared: bool = True) -> float:
+    """MiB the busiest rank of a ring sends in one forward+backward, from the schedule alone.
+
+    ``elem``: bytes per number; ``shared=False``: as if every branch sent its own rows, including rows
+    another branch already sends.
+    """
+    from ..schedule import rank_plan, sent
+
+    pick = sent if shared else list
+    most = 0.0
+    for rank in range(world):
+        plan = rank_plan(n, rank, world, layout, True, None, tuple(branches), hq, hkv)
+        kv = sum(len(p.heads) * p.rows.count for s in plan.steps for p in pick(s.send)) * b * d
+        back = sum(len(p.heads) * p.rows.count for s in plan.steps[1:] for p in pick(s.recv.pieces)) * b * d
+        # K and V in the forward and again in the backward, then dK and dV back.
+        most = max(most, (2 * 2 * kv + 2 * back) * elem / 2**20)
+    return most
+
+
+def planned_mode_mb(n: int, world: int, ulysses: int, layout: str, hq: int, hkv: int, b: int, d: int,
+                    elem: int = 4) -> float:
+    """MiB the busiest rank sends in one causal forward+backward of one layer, in any mode, without running it.
+
+    Head parallelism: the all-to-all pieces that leave a rank (Q, K, V to heads and the output back
+    in the forward; dO to heads and dQ, dK, dV back in the backward), plus the ring over the
+    ``world // ulysses`` groups for its share of the heads (:func:`planned_ring_mb`).
+    """
+    from ..layout import head_split, shard_sizes
+
+    if ulysses == 1:
+        return planned_ring_mb(n, world, layout, ((n, 1),), hq, hkv, b, d, elem) if world > 1 else 0.0
+    split = head_split(hq, hkv, ulysses)
+    m, mk = split.q_per_rank, len(split.kv_heads(0))
+    groups = world // ulysses
+    ring = planned_ring_mb(n, groups, layout, ((n, 1),), m, mk, b, d, elem) if groups > 1 else 0.0
+    sizes = shard_sizes(n, world, layout, ulysses)
+    most = 0.0
+    for rank, mine in enumerate(sizes):
+        first = rank // ulysses * ulysses
+        others = sum(sizes[first:first + ulysses]) - mine  # the group's rows held by other members
+        out_heads = (ulysses - 1) * mine * (m + 2 * mk) + others * m  # forward: Q, K, V out, the output back
+        back = (ulysses - 1) * mine * m + others * (m + 2 * mk)  # backward: dO out, dQ, dK, dV back
+        most = max(most, (out_heads + back) * b * d * elem / 2**20)
+    return most + ring
+
+
 HEAD_PARALLEL = {"ulysses": lambda world: world, "hybrid": lambda world: 2}
 """Head-parallel modes of the attention benchmarks: ranks per head-parallel group for a world size."""
 

@@ -12,28 +12,10 @@ from __future__ import annotations
 import argparse
 from typing import Dict, List, Optional
 
-from .common import format_table, measure_attention, run_ranks, save, spread, summary
+from .common import format_table, measure_attention, planned_ring_mb, run_ranks, save, spread, summary
 
 SEGMENTS = [2048, 4096, 8192, 16384, 32768, 65536]
 RATES = [1, 2, 4, 8, 16, 32]
-
-
-def planned_sent_mb(n: int, world: int, layout: str, branches, h: int, b: int, d: int, shared: bool = True) -> float:
-    """MiB the busiest rank sends in one forward+backward under a pattern, from the schedule alone.
-
-    ``shared=False``: as if every branch sent its own rows, including rows another branch already sends.
-    """
-    from ..schedule import rank_plan, sent
-
-    pick = sent if shared else list
-    most = 0.0
-    for rank in range(world):
-        plan = rank_plan(n, rank, world, layout, True, None, tuple(branches), h, h)
-        kv = sum(len(p.heads) * p.rows.count for s in plan.steps for p in pick(s.send)) * b * d
-        back = sum(len(p.heads) * p.rows.count for s in plan.steps[1:] for p in pick(s.recv.pieces)) * b * d
-        # K and V in the forward and again in the backward, then dK and dV back (fp32 throughout).
-        most = max(most, (2 * 2 * kv + 2 * back) * 4 / 2**20)
-    return most
 
 
 def _run(world: int, impl: str, n: int, layout: str, b: int, h: int, d: int, repeats: int,
@@ -64,9 +46,9 @@ def run(sizes: List[int], layouts: List[str], dense_max: int, b: int, h: int, d:
                 "dense_fwd_bwd_s": round(dense["fwd_bwd_s"], 3) if dense else "",
                 "speedup_fwd_bwd": round(dense["fwd_bwd_s"] / got["fwd_bwd_s"], 2) if dense else "",
                 "sent_mb": round(got["sent_mb"], 1),
-                "unshared_sent_mb": round(planned_sent_mb(n, world, layout, list(zip(segs, RATES)), h, b, d, False), 1)
+                "unshared_sent_mb": round(planned_ring_mb(n, world, layout, list(zip(segs, RATES)), h, h, b, d, shared=False), 1)
                 if world > 1 else 0,
-                "dense_ring_sent_mb": round(planned_sent_mb(n, world, layout, [(n, 1)], h, b, d), 1) if world > 1 else 0,
+                "dense_ring_sent_mb": round(planned_ring_mb(n, world, layout, [(n, 1)], h, h, b, d), 1) if world > 1 else 0,
                 "peak_mb": round(got["peak_mb"], 1),
             }
             rows.append(row)

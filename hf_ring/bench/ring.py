@@ -23,7 +23,7 @@ import argparse
 from collections import defaultdict
 from typing import Dict, List, Optional
 
-from .common import clock, format_table, measure_attention, run_ranks, save, spread, summary
+from .common import HEAD_PARALLEL, clock, format_table, measure_attention, planned_mode_mb, run_ranks, save, spread, summary
 
 BASE_N = 512
 BASELINES = (("sdpa", 1, "-"), ("ring", 1, "-"))
@@ -33,6 +33,30 @@ MODES = {
     "hybrid": (("hybrid", 4, "zigzag"), ("ring", 4, "zigzag"), ("ulysses", 4, "-")),
 }
 """Configurations ``(impl, ranks, layout)`` each ``--mode`` adds beside the one-process baselines."""
+
+
+WIRE_MODEL = {"model": "Llama-3.1-8B shape", "hq": 32, "hkv": 8, "head_dim": 128, "bytes": 2, "n": 131072}
+"""The attention shape ``--wire`` plans the traffic of (bf16, 128K tokens)."""
+
+
+def wire_rows(shape: Dict = WIRE_MODEL, worlds=(2, 4, 8, 16)) -> List[Dict]:
+    """MiB each mode sends per layer and per rank (busiest rank, causal forward+backward), from the plans alone.
+
+    The same counts as the measured ``sent_mb`` of :func:`run` (checked there, side by side).
+    """
+    rows = []
+    for world in worlds:
+        ring = planned_mode_mb(shape["n"], world, 1, "zigzag", shape["hq"], shape["hkv"], 1, shape["head_dim"],
+                               shape["bytes"])
+        for u in [d for d in range(1, world + 1) if world % d == 0]:
+            if shape["hq"] % u or (shape["hkv"] % u and u % shape["hkv"]):
+                continue
+            mb = planned_mode_mb(shape["n"], world, u, "zigzag", shape["hq"], shape["hkv"], 1, shape["head_dim"],
+                                 shape["bytes"])
+            mode = "ring" if u == 1 else ("ulysses" if u == world else f"hybrid {u}x{world // u}")
+            rows.append({"model": shape["model"], "n": shape["n"], "world": world, "ulysses_size": u, "mode": mode,
+                         "mb_per_layer_per_rank": round(mb, 1), "over_ring": round(mb / ring, 2)})
+    return rows
 
 
 def configs(modes: List[str]) -> List[tuple]:
@@ -119,7 +143,10 @@ def run(sizes: List[int], repeats: int, b: int, h: int, d: int, breakdown: bool,
                 "speedup_over_1_rank": round(one["fwd_bwd"]["median"] / m["fwd_bwd"]["median"], 3),
                 "peak_mb_per_rank": round(m["peak_mb"], 1),
                 "peak_ratio_to_1_rank": round(m["peak_mb"] / one["peak_mb"], 3),
-                "sent_mb": round(m["sent_mb"], 1), "repeats": m["fwd_bwd"]["runs"],
+                "sent_mb": round(m["sent_mb"], 1),
+                "planned_sent_mb": round(planned_mode_mb(n, world, HEAD_PARALLEL[impl](world) if impl in HEAD_PARALLEL
+                                                         else 1, layout if layout != "-" else "zigzag", h, h, b, d), 1),
+                "repeats": m["fwd_bwd"]["runs"],
             }
             if "parts" in m:
                 row["time_parts"] = m["parts"]
@@ -157,7 +184,7 @@ def _plot(rows: List[Dict]):
 
 
 COLUMNS = ["n", "impl", "world", "layout", "fwd_bwd_s", "fwd_bwd_spread", "fwd_bwd_ratio", "speedup_over_1_rank",
-           "fwd_s", "fwd_ratio", "peak_mb_per_rank", "peak_ratio_to_1_rank", "sent_mb"]
+           "fwd_s", "fwd_ratio", "peak_mb_per_rank", "peak_ratio_to_1_rank", "sent_mb", "planned_sent_mb"]
 
 
 def main(argv=None) -> None:
@@ -172,8 +199,15 @@ def main(argv=None) -> None:
                     help="sweeps over the configurations, interleaved; each runs --repeats timed runs per round")
     ap.add_argument("--mode", nargs="+", choices=sorted(MODES), default=["ring"],
                     help="sequence-parallel modes to measure beside one process (see the module notes)")
+    ap.add_argument("--wire", action="store_true",
+                    help=f"only plan each mode's traffic per layer and rank for {WIRE_MODEL['model']} (no processes)")
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
+    if args.wire:
+        rows = wire_rows()
+        print(format_table(rows, list(rows[0])))
+        save(args.out, "ring_wire", {"config": dict(vars(args), **WIRE_MODEL), "rows": rows})
+        return
     rows = run(args.sizes, args.repeats, args.batch, args.heads, args.head_dim, args.breakdown, args.rounds, args.mode)
     print("\n" + format_table(rows, COLUMNS))
     save(args.out, "ring", {"config": vars(args), "rows": rows}, _plot(rows))
