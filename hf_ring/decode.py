@@ -42,7 +42,7 @@ class CachedBlock:
 
 def cached_blocks(
     q_pos: Tensor, k_pos: Tensor, *, hq: int, hkv: int, causal: bool = True,
-    window: Optional[int] = None, branches: Sequence[Tuple[int, int]] = DENSE, documents=None,
+    window: Optional[int] = None, branches: Sequence[Tuple[int, int]] = DENSE, documents=None, head_offset: int = 0,
 ) -> List[CachedBlock]:
     """Kernel calls that attend queries at global positions ``q_pos`` over keys at ``k_pos``.
 
@@ -53,6 +53,8 @@ def cached_blocks(
     position below the sequence length that equals the full forward's
     ``p // min(w, N)``, so a cache gives the same rows as the whole sequence.
     ``documents`` must be None: decoding over a cache holds one document per row.
+    ``head_offset``: the pattern's number of the first query head given (the
+    heads of one K/V head whose rows are kept apart); returned heads count from 0.
     """
     check_no_documents(documents)
     blocks: List[CachedBlock] = []
@@ -65,7 +67,7 @@ def cached_blocks(
         q_seg, k_seg = q_pos // w, k_pos // w
         q_res, k_res = (q_pos % w) % rate, (k_pos % w) % rate
         for offset in range(rate):
-            groups = head_groups(hq, hkv, rate, offset)
+            groups = head_groups(hq, hkv, rate, (offset - head_offset) % rate)
             if not groups:
                 continue
             qi = torch.nonzero(q_res == offset).flatten()

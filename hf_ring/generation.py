@@ -36,6 +36,7 @@ from .context import CONTEXT_KEY, DecodeStep, ShardedForward
 from .decode import RanksDivergedError
 from .layout import owner, shard_sizes
 from .groups import current
+from .rows import layer_rules
 
 Tensor = torch.Tensor
 
@@ -225,6 +226,7 @@ def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, 
         _agree(comm, input_ids, attention_mask, cache, bool(_setting(model, generate_kwargs, "do_sample")), model.device)
         if comm.rank != 0:
             generate_kwargs.pop("streamer", None)
+    cache.comm = comm  # the cache deals the rows still visible after the prefill out over the group
     state = Generation(cache, comm, broadcast_logits=bool(broadcast_logits))
     hooks = [model.register_forward_pre_hook(_pre_forward(state), with_kwargs=True),
              model.register_forward_hook(_post_forward(state), with_kwargs=True)]
@@ -279,7 +281,9 @@ def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], all
     layout = sp.layout if comm is not None else ring_config.parse(getattr(config, ring_config.CONFIG_KEY, None)).layout
     cache = generate_kwargs.pop("past_key_values", None)
     if cache is None:
-        return model, ShardedCache(rank, world, layout)
+        cache = ShardedCache(rank, world, layout)
+        cache.set_rules(layer_rules(config, cache.evict))
+        return model, cache
     if not isinstance(cache, ShardedCache):
         raise TypeError(
             f"past_key_values must be a hf_ring.ShardedCache returned by hf_ring.generate, got {type(cache).__name__}"
@@ -290,4 +294,5 @@ def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], all
             f"but this is rank {rank} of {world} with layout {layout!r}; continue a cache only on the ranks and "
             "layout that made it"
         )
+    cache.set_rules(layer_rules(config, cache.evict))
     return model, cache
