@@ -16,8 +16,9 @@ its layers. A row leaves the cache when its last reader (the last query that
 may attend it) is behind the next position. After the prefill the rows still
 visible are spread evenly over the ranks (one exchange per layer and row
 set), so each rank holds at most its share of a window, whatever the prompt
-length and layout. Evicted slots are refilled by moving the last rows into
-them, so a step copies as many rows as it evicts, not the buffer.
+length and layout. An evicted row's slot is only marked empty; the slots
+are compacted, in order, once per growth step of evictions, so a step
+rarely copies a row and the buffer stays within its share plus that step.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ Tensor = torch.Tensor
 
 NO_EXPIRY = 1 << 62
 """The first expiry of a row set none of whose rows ever expires."""
+EMPTY_SLOT = -(1 << 40)
+"""The position recorded for an evicted row's slot: outside every window and segment, so no query attends it."""
 
 
 def place_tokens(counts: Sequence[int], num_new: int) -> List[int]:
@@ -86,14 +89,21 @@ class RowSet:
     """The rows one row set keeps: this rank's slots, every rank's counts, and this forward's plan.
 
     Slot ``i`` of every layer of the rule (restricted to the set's K/V heads)
-    holds the row of global position ``positions[i]``; ``last[i]`` is its
-    last reader. ``counts`` are the rows each rank holds, known on every rank
-    from the same deterministic placement and eviction; every rank's live
-    rows (their last readers and owners) are kept to recount after an eviction.
-    A forward's plan, applied by each layer as it stores its rows: move the
-    rows of slots ``moves[0]`` into the freed slots ``moves[1]``, keep the
-    first ``kept`` slots, then store the inputs' rows ``take`` (all when None)
-    or, after a prefill that rebalances, the rows ``gather`` names.
+    holds the row of global position ``positions[i]``, or nothing when that
+    is :data:`EMPTY_SLOT` (an evicted row, whose position no query attends);
+    ``last[i]`` is the row's last reader. Slots stay in position order:
+    evicted rows are only marked, and the slots are compacted (in order) when
+    the buffer is full or holds more dead slots than its growth step, so a
+    step copies no rows most of the time and the attention reads the keys in
+    the order the full sequence has them. ``counts`` are the live rows each
+    rank holds, known on every rank from the same deterministic placement and
+    eviction; every rank's live rows (their last readers and owners) are kept
+    to recount after an eviction.
+
+    A forward's plan, which each layer applies as it stores its rows: keep
+    the slots ``compact`` (in order; None: all), size the buffer to
+    ``capacity`` slots, then write after the first ``kept`` slots the inputs'
+    rows ``take`` (all when None) or, after a prefill that rebalances, the rows ``gather`` names.
     """
 
     def __init__(self, rule: RowRule, index: int, rank: int, world_size: int):
@@ -101,27 +111,35 @@ class RowSet:
         self.positions = torch.zeros(0, dtype=torch.long)
         self.last = torch.zeros(0, dtype=torch.long)
         self.counts = [0] * world_size
+        self.dead = 0
+        self.capacity = 0
         self._live_last = torch.zeros(0, dtype=torch.long)
         self._live_owner = torch.zeros(0, dtype=torch.long)
         self._pending: List[Tuple[Tensor, Tensor]] = []  # rows placed since the last recount: (last readers, owners)
         self.first_expiry = NO_EXPIRY
         self.version = 0
-        self.moves: Optional[Tuple[Tensor, Tensor]] = None
+        self.compact: Optional[Tensor] = None
         self.kept = 0
         self.take: Optional[Tensor] = None
         self.gather: Optional[Tuple[Tensor, Tensor, Tensor, int]] = None  # (rows to send, source rank, index there, most sent)
 
+    def held(self) -> Tensor:
+        """Global positions of the live rows this rank holds, ascending."""
+        return self.positions[self.positions != EMPTY_SLOT] if self.dead else self.positions
+
     def begin_prefill(self, seq_len: int, mine: Tensor, layout: str, rebalance: bool) -> None:
         """Plan the prefill: this rank's layout rows ``mine`` arrive, those still visible after it are kept.
 
-        With ``rebalance`` the visible rows of all ranks are dealt out in
-        position order, the i-th to rank ``i % world_size``.
+        With ``rebalance``, unless the layout already gives every rank about
+        an even share, the visible rows of all ranks are dealt out in position
+        order, the i-th to rank ``i % world_size``.
         """
         self.version += 1
-        self.moves, self.kept, self.gather = None, 0, None
+        self.compact, self.kept, self.gather, self.dead = None, 0, None, 0
         if not self.rule.evicts:
             self.positions, self.take = mine.clone(), None
             self.counts = shard_sizes(seq_len, self.world_size, layout)
+            self.capacity = int(mine.numel())  # the prefill is stored without spare room
             return
         everywhere = torch.arange(seq_len)
         last = self.rule.last_readers(everywhere, self.index)
@@ -129,7 +147,6 @@ class RowSet:
         live = everywhere[visible]
         source = _ranks_of(seq_len, self.world_size, layout)[live]
         sent = torch.bincount(source, minlength=self.world_size)
-        # Rows already within one of an even share stay where the layout put them (no exchange).
         if not rebalance or int(sent.max()) <= -(-live.numel() // self.world_size) + 1:
             self.take = torch.nonzero(visible[mine]).flatten()
             self.positions = mine[self.take]
@@ -144,6 +161,7 @@ class RowSet:
             self.take = None
             self.gather = (torch.nonzero(visible[mine]).flatten(), source[here], at_source[here], int(sent.max()))
             self.positions = live[here]
+        self.capacity = int(self.positions.numel())
         self.last = last[self.positions]
         self._live_last, self._live_owner, self._pending = last[visible], owners, []
         self.counts = torch.bincount(owners, minlength=self.world_size).tolist()
@@ -152,10 +170,9 @@ class RowSet:
     def begin_step(self, first: int, num_new: int) -> None:
         """Plan a step of ``num_new`` tokens from position ``first``: evict what no query from there reads, place the new."""
         self.version += 1
-        self.moves, self.gather = None, None
+        self.compact, self.gather = None, None
         if self.rule.evicts and first > self.first_expiry:
             self._evict(first)
-        self.kept = int(self.positions.numel())
         new = torch.arange(first, first + num_new)
         if self.rule.evicts:
             new_last = self.rule.last_readers(new, self.index)
@@ -166,6 +183,15 @@ class RowSet:
         for r in owners.tolist():
             self.counts[r] += 1
         self.take = stored[owners == self.rank]
+        slots, live = int(self.positions.numel()), int(self.positions.numel()) - self.dead
+        need = slots + int(self.take.numel())
+        if self.dead and (need > self.capacity or self.dead > growth_rows(live)):
+            self.compact = torch.nonzero(self.positions != EMPTY_SLOT).flatten()
+            self.positions, self.last, self.dead = self.positions[self.compact], self.last[self.compact], 0
+            need = live + int(self.take.numel())
+        if need > self.capacity or self.capacity - need > 2 * growth_rows(need):
+            self.capacity = need + growth_rows(need)
+        self.kept = int(self.positions.numel())
         self.positions = torch.cat([self.positions, new[self.take]])
         if new_last is not None:
             self.last = torch.cat([self.last, new_last[self.take]])
@@ -182,14 +208,10 @@ class RowSet:
         self._live_last, self._live_owner = self._live_last[alive], self._live_owner[alive]
         self.counts = torch.bincount(self._live_owner, minlength=self.world_size).tolist()
         self.first_expiry = int(self._live_last.min()) if self._live_last.numel() else NO_EXPIRY
-        here = self.last >= first
-        kept = int(here.sum())
-        dst = torch.nonzero(~here[:kept]).flatten()  # freed slots among those that stay
-        src = torch.nonzero(here[kept:]).flatten() + kept  # live rows past them, moved in
-        if dst.numel():
-            self.moves = (src, dst)
-            self.positions[dst], self.last[dst] = self.positions[src], self.last[src]
-        self.positions, self.last = self.positions[:kept], self.last[:kept]
+        gone = (self.last < first) & (self.positions != EMPTY_SLOT)
+        if bool(gone.any()):
+            self.positions = self.positions.masked_fill(gone, EMPTY_SLOT)
+            self.dead += int(gone.sum())
 
 
 class ShardedLayer(DynamicLayer):
@@ -228,7 +250,7 @@ class ShardedLayer(DynamicLayer):
 
     def store(self, row_set: int, key_states: Tensor, value_states: Tensor, plan: RowSet,
               comm: Optional[RingComm]) -> None:
-        """Follow ``plan`` (this forward's eviction and placement) for row set ``row_set`` of this layer."""
+        """Follow ``plan`` (this forward's compaction, buffer size and placement) for row set ``row_set`` of this layer."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._ensure(row_set)
@@ -237,31 +259,35 @@ class ShardedLayer(DynamicLayer):
                                "forwards late; every layer must store its rows at every forward")
         self._versions[row_set] = plan.version
         kbuf, vbuf = self._kbufs[row_set], self._vbufs[row_set]
-        if plan.moves is not None and kbuf is not None:
-            src, dst = (t.to(kbuf.device) for t in plan.moves)
-            kbuf[:, :, dst] = kbuf[:, :, src]
-            vbuf[:, :, dst] = vbuf[:, :, src]
+        if plan.compact is not None and kbuf is not None:
+            keep = plan.compact.to(kbuf.device)
+            kbuf[:, :, :keep.numel()] = kbuf.index_select(2, keep)
+            vbuf[:, :, :keep.numel()] = vbuf.index_select(2, keep)
         if plan.gather is not None:
             key_states, value_states = _rebalanced(key_states, value_states, plan.gather, comm)
         elif plan.take is not None:
             take = plan.take.to(key_states.device)
             key_states, value_states = key_states.index_select(2, take), value_states.index_select(2, take)
-        self._write(row_set, plan.kept, key_states, value_states)
+        if kbuf is None or kbuf.shape[-2] != plan.capacity:
+            self._kbufs[row_set], self._vbufs[row_set] = (
+                self._resized(buf, new, plan.kept, plan.capacity)
+                for buf, new in ((kbuf, key_states), (vbuf, value_states)))
+        self._put(row_set, plan.kept, key_states, value_states)
 
     def _write(self, row_set: int, kept: int, key_states: Tensor, value_states: Tensor) -> None:
+        """Append after ``kept`` rows, growing the buffer by its growth step when full."""
         kbuf = self._kbufs[row_set]
         need = kept + key_states.shape[-2]
-        if kbuf is None:
-            rows = need  # the prefill (or a first forward) is stored without spare room
-        elif need > kbuf.shape[-2] or kbuf.shape[-2] - need > 2 * growth_rows(need):
-            rows = need + growth_rows(need)
-        else:
-            rows = None
-        if rows is not None:
+        if kbuf is None or need > kbuf.shape[-2]:
+            rows = need if kbuf is None else need + growth_rows(need)  # the first store gets no spare room
             self._kbufs[row_set], self._vbufs[row_set] = (
                 self._resized(buf, new, kept, rows)
                 for buf, new in ((kbuf, key_states), (self._vbufs[row_set], value_states)))
+        self._put(row_set, kept, key_states, value_states)
+
+    def _put(self, row_set: int, kept: int, key_states: Tensor, value_states: Tensor) -> None:
         kbuf, vbuf = self._kbufs[row_set], self._vbufs[row_set]
+        need = kept + key_states.shape[-2]
         kbuf[:, :, kept:need] = key_states
         vbuf[:, :, kept:need] = value_states
         self._lengths[row_set] = need
@@ -416,14 +442,14 @@ class ShardedCache(Cache):
         return layer.keys, layer.values
 
     def layer_rows(self, layer_idx: int) -> List[Tuple[Tensor, Tensor, Tensor]]:
-        """Per row set of a layer, this rank's ``(positions, keys, values)``."""
+        """Per row set of a layer, this rank's ``(positions, keys, values)`` by slot (:data:`EMPTY_SLOT`: evicted)."""
         layer = self.layers[layer_idx]
         return [(plan.positions, *layer.rows(s)) for s, plan in enumerate(self.row_sets(layer_idx))]
 
     @property
     def index(self) -> Tensor:
         """Global positions of the rows this rank holds for the first layer (its first row set)."""
-        return self.row_sets(0)[0].positions
+        return self.row_sets(0)[0].held()
 
     @property
     def counts(self) -> List[int]:
@@ -443,8 +469,8 @@ class ShardedCache(Cache):
         return 0
 
     def local_length(self, layer_idx: int = 0) -> int:
-        """Rows this rank holds for layer ``layer_idx`` (the most of any of its K/V heads)."""
-        return max(int(plan.positions.numel()) for plan in self.row_sets(layer_idx))
+        """Live rows this rank holds for layer ``layer_idx`` (the most of any of its K/V heads)."""
+        return max(int(plan.positions.numel()) - plan.dead for plan in self.row_sets(layer_idx))
 
     def nbytes(self) -> int:
         """Bytes allocated for K and V on this rank, all layers."""

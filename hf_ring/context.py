@@ -138,7 +138,7 @@ class DecodeStep:
         for seen, key, found in self._key_masks:
             if seen is key_valid and key == rows:
                 return found
-        found = key_valid[:, k_pos.to(key_valid.device)]
+        found = key_valid[:, k_pos.clamp(min=0).to(key_valid.device)]  # an evicted slot's mask is never read
         found = None if bool(found.all()) else found
         self._key_masks.append((key_valid, rows, found))
         return found
