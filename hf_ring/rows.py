@@ -18,6 +18,7 @@ the rows whose residue is one of theirs modulo r.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -59,12 +60,20 @@ class RowRule:
 
     def last_readers(self, positions: Tensor, row_set: int = 0) -> Tensor:
         """The last query position that may read each row of ``positions`` in row set ``row_set``."""
+        if positions.numel() <= FEW:  # a decoding step: plain integers cost less than tensor operations
+            return torch.tensor([last_reader(int(p), window=self.window, branches=self.branches,
+                                             residues=self.residues[row_set]) for p in positions.tolist()],
+                                dtype=torch.long)
         return last_readers(positions, window=self.window, branches=self.branches, residues=self.residues[row_set])
 
 
 KEEP_ALL = RowRule()
 
+FEW = 16
+"""Up to this many positions the last readers are worked out on Python integers."""
 
+
+@functools.lru_cache(maxsize=256)
 def rule_for(window: Optional[int], branches: Branches, hq: int, hkv: int) -> RowRule:
     """The rule of a layer with this window, these branches and ``hq`` query heads over ``hkv`` K/V heads.
 
@@ -106,6 +115,22 @@ def last_readers(positions: Tensor, *, window: Optional[int], branches: Sequence
         reader = start + top - (top - o) % r  # the largest in-segment index <= top with residue o
         ok = torch.isin(o, torch.tensor(list(served), dtype=torch.long))
         last = torch.where(ok, torch.maximum(last, reader), last)
+    return last
+
+
+def last_reader(position: int, *, window: Optional[int], branches: Sequence[Tuple[int, int]],
+                residues: Sequence[Sequence[int]]) -> int:
+    """:func:`last_readers` of one position, on Python integers."""
+    last = NEVER_READ
+    for (w, r), served in zip(branches, residues):
+        start = position // w * w
+        hi = start + w - 1
+        if window is not None:
+            hi = min(hi, position + window - 1)
+        o = (position - start) % r
+        if o in served:
+            top = hi - start
+            last = max(last, start + top - (top - o) % r)
     return last
 
 

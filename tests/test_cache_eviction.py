@@ -17,7 +17,7 @@ from hf_ring.cache import EMPTY_SLOT, RowSet, ShardedCache, growth_rows
 from hf_ring.decode import cached_blocks
 from hf_ring.layout import local_positions
 from hf_ring.pattern import DENSE
-from hf_ring.rows import KEEP_ALL, layer_rules, rows_still_visible, rule_for
+from hf_ring.rows import KEEP_ALL, last_reader, last_readers, layer_rules, rows_still_visible, rule_for
 from eviction_cases import evict_case
 from helpers import dilated_sdpa_mask, rel_err
 from models import load, saved_model_dir
@@ -76,6 +76,11 @@ def test_kept_rows_are_exactly_those_a_later_query_reads(hkv, g, window, branche
         got = rows_still_visible(torch.arange(t_next), t_next, rule, u if rule.sets > 1 else 0)
         want = ref[u] if rule.sets > 1 else ref.any(0)
         assert torch.equal(got, want), (u, got, want)
+    for u in range(rule.sets):  # the integer version a decoding step uses gives the same
+        pos = torch.arange(t_next + 20)
+        whole = last_readers(pos, window=rule.window, branches=rule.branches, residues=rule.residues[u])
+        assert whole.tolist() == [last_reader(p, window=rule.window, branches=rule.branches,
+                                              residues=rule.residues[u]) for p in pos.tolist()]
     if rule.sets == 1:  # one row set for every K/V head only when they read the same rows
         assert all(torch.equal(ref[u], ref[0]) for u in range(hkv))
 
