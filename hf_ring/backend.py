@@ -31,6 +31,7 @@ from .decode import CachedBlock, cached_attention, cached_blocks, merge_ranks
 from .groups import current
 from .layout import HeadSplit, head_split
 from .pattern import branches_of
+from .rows import KEEP_ALL, rule_for
 from .ring import run
 from .ulysses import head_parallel
 
@@ -138,7 +139,8 @@ def ring_dilated_attention(
             ctx.fail(err)
         raise
     if isinstance(ctx, DecodeStep):
-        out = _decode_step(query, key, value, _key_mask_2d(attention_mask), opts, ctx, softcap, sinks)
+        out = _decode_step(query, key, value, _key_mask_2d(attention_mask), opts, ctx, softcap, sinks,
+                           getattr(module, "layer_idx", None))
     elif query.shape[2] != key.shape[2]:
         if sharded:
             raise NotImplementedError(
@@ -256,14 +258,40 @@ def _over_cache(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, 
 
 
 def _decode_step(query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[Tensor], opts: Options,
-                 ctx: DecodeStep, softcap: Optional[float], sinks: Optional[Tensor]) -> Tensor:
-    """New tokens of :func:`hf_ring.generate` over this rank's cache rows, merged across the ranks."""
-    k_pos = ctx.cache.index
-    if k_pos.numel() != key.shape[2]:
-        raise RuntimeError(f"the sharded cache records {k_pos.numel()} rows but the layer returned {key.shape[2]}")
-    blocks = ctx.blocks(query.shape[1], key.shape[1], opts.causal, opts.window, branches_of(opts.pattern), query.device)
-    out, lse = cached_attention(query, key, value, blocks, scale=opts.scale, key_mask=ctx.key_mask(key_valid),
-                                softcap=softcap)
+                 ctx: DecodeStep, softcap: Optional[float], sinks: Optional[Tensor], layer_idx: Optional[int]) -> Tensor:
+    """New tokens of :func:`hf_ring.generate` over this rank's cache rows, merged across the ranks.
+
+    Each row set of the layer (all its K/V heads, or one K/V head of a
+    dilated layer that keeps rows per head) is attended by its query heads
+    over its own rows and positions.
+    """
+    cache = ctx.cache
+    layer_idx = 0 if layer_idx is None else layer_idx
+    rule = cache.rule_of(layer_idx)
+    branches = branches_of(opts.pattern)
+    sets = cache.layer_rows(layer_idx)
+    hq, hkv = query.shape[1], sum(k_rows.shape[1] for _, k_rows, _ in sets)
+    if rule is not KEEP_ALL and rule != rule_for(opts.window, branches, hq, hkv):
+        raise ValueError(
+            f"layer {layer_idx} attends with window {opts.window} and branches {list(branches)} over {hq} query and "
+            f"{hkv} K/V heads, but the sharded cache kept its rows for window {rule.window} and branches "
+            f"{list(rule.branches)}: the model's config (layer_types, sliding_window, ring_dilated, head counts) does "
+            "not say what its attention does. Pass past_key_values=hf_ring.ShardedCache(rank, world, layout, "
+            "evict=False) to keep every row"
+        )
+    if len(sets) == 1 and sets[0][0].numel() != key.shape[2]:
+        raise RuntimeError(f"the sharded cache records {sets[0][0].numel()} rows but the layer returned {key.shape[2]}")
+    per = hq // len(sets)  # the query heads of each row set
+    outs, lses = [], []
+    for s, (k_pos, k_rows, v_rows) in enumerate(sets):
+        q = query if len(sets) == 1 else query[:, s * per:(s + 1) * per]
+        blocks = ctx.blocks((rule, s), k_pos, per, k_rows.shape[1], opts.causal, opts.window, branches,
+                            query.device, head_offset=s * per)
+        out, lse = cached_attention(q, k_rows, v_rows, blocks, scale=opts.scale,
+                                    key_mask=ctx.key_mask(key_valid, (rule, s), k_pos), softcap=softcap)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = (outs[0], lses[0]) if len(sets) == 1 else (torch.cat(outs, 1), torch.cat(lses, 1))
     return merge_ranks(out, lse, ctx.comm, sinks, same_ids=ctx.take_check()).to(query.dtype)
 
 

@@ -147,38 +147,43 @@ class DecodeStep:
     q_pos: Tensor
     check_ids: Optional[Tensor] = None
     _blocks: Dict[Any, List[CachedBlock]] = field(default_factory=dict, repr=False)
-    _key_masks: List[Tuple[Tensor, Optional[Tensor]]] = field(default_factory=list, repr=False)
+    _key_masks: List[Tuple[Tensor, Any, Optional[Tensor]]] = field(default_factory=list, repr=False)
 
     def take_check(self) -> Optional[Tensor]:
         """The token ids to check across ranks, once per step (the first layer's merge carries them)."""
         ids, self.check_ids = self.check_ids, None
         return ids
 
-    def key_mask(self, key_valid: Optional[Tensor]) -> Optional[Tensor]:
-        """This rank's cache rows of the 2-D padding mask ``key_valid`` ``(B, total)``, None when none is padded.
+    def key_mask(self, key_valid: Optional[Tensor], rows: Any, k_pos: Tensor) -> Optional[Tensor]:
+        """The 2-D padding mask ``key_valid`` ``(B, total)`` at this rank's cache rows ``k_pos`` of row set ``rows``.
 
-        Every layer of a step passes the same mask tensor, so the gather and
-        the check run once per step, not once per layer.
+        None when none of them is padded. Every layer of a step passes the
+        same mask tensor, and the layers of one row set the same rows, so the
+        gather and the check run once per step and row set, not once per layer.
         """
         if key_valid is None:
             return None
-        for seen, rows in self._key_masks:
-            if seen is key_valid:
-                return rows
-        rows = key_valid[:, self.cache.index.to(key_valid.device)]
-        rows = None if bool(rows.all()) else rows
-        self._key_masks.append((key_valid, rows))
-        return rows
+        for seen, key, found in self._key_masks:
+            if seen is key_valid and key == rows:
+                return found
+        found = key_valid[:, k_pos.clamp(min=0).to(key_valid.device)]  # an evicted slot's mask is never read
+        found = None if bool(found.all()) else found
+        self._key_masks.append((key_valid, rows, found))
+        return found
 
-    def blocks(self, hq: int, hkv: int, causal: bool, window: Optional[int],
-               branches: Sequence[Tuple[int, int]], device: torch.device) -> List[CachedBlock]:
-        """This step's kernel calls; computed by the first layer, reused by the others."""
-        key = (hq, hkv, causal, window, tuple(branches), str(device))
+    def blocks(self, rows: Any, k_pos: Tensor, hq: int, hkv: int, causal: bool, window: Optional[int],
+               branches: Sequence[Tuple[int, int]], device: torch.device, head_offset: int = 0) -> List[CachedBlock]:
+        """This step's kernel calls over the cache rows ``k_pos`` of row set ``rows``.
+
+        Computed by the first layer of the row set, reused by the others.
+        ``head_offset``: the first query head's number (a row set of one K/V head).
+        """
+        key = (rows, hq, hkv, causal, window, tuple(branches), head_offset, str(device))
         found = self._blocks.get(key)
         if found is None:
             found = self._blocks[key] = [
                 CachedBlock(b.q_heads, b.kv_heads, *(None if t is None else t.to(device) for t in (b.q_rows, b.k_rows, b.mask)))
-                for b in cached_blocks(self.q_pos, self.cache.index, hq=hq, hkv=hkv, causal=causal,
-                                       window=window, branches=branches)
+                for b in cached_blocks(self.q_pos, k_pos, hq=hq, hkv=hkv, causal=causal, window=window,
+                                       branches=branches, head_offset=head_offset)
             ]
         return found

@@ -42,7 +42,7 @@ class CachedBlock:
 
 def cached_blocks(
     q_pos: Tensor, k_pos: Tensor, *, hq: int, hkv: int, causal: bool = True,
-    window: Optional[int] = None, branches: Sequence[Tuple[int, int]] = DENSE, documents=None,
+    window: Optional[int] = None, branches: Sequence[Tuple[int, int]] = DENSE, documents=None, head_offset: int = 0,
 ) -> List[CachedBlock]:
     """Kernel calls that attend queries at global positions ``q_pos`` over keys at ``k_pos``.
 
@@ -53,6 +53,8 @@ def cached_blocks(
     position below the sequence length that equals the full forward's
     ``p // min(w, N)``, so a cache gives the same rows as the whole sequence.
     ``documents`` must be None: decoding over a cache holds one document per row.
+    ``head_offset``: the pattern's number of the first query head given (the
+    heads of one K/V head whose rows are kept apart); returned heads count from 0.
     """
     check_no_documents(documents)
     blocks: List[CachedBlock] = []
@@ -61,11 +63,13 @@ def cached_blocks(
         return blocks
     if _every_pair_allowed(q_pos, k_pos, causal, window, branches):
         return [CachedBlock(q_heads, kv_heads, None, None, None) for q_heads, kv_heads in head_groups(hq, hkv, 1, 0)]
+    if nq == 1:
+        return _one_query_blocks(int(q_pos[0]), k_pos, hq, hkv, causal, window, branches, head_offset)
     for w, rate in branches:
         q_seg, k_seg = q_pos // w, k_pos // w
         q_res, k_res = (q_pos % w) % rate, (k_pos % w) % rate
-        for offset in range(rate):
-            groups = head_groups(hq, hkv, rate, offset)
+        for offset in sorted(set(q_res.tolist())):  # only the residues some query has take part
+            groups = head_groups(hq, hkv, rate, (offset - head_offset) % rate)
             if not groups:
                 continue
             qi = torch.nonzero(q_res == offset).flatten()
@@ -89,6 +93,33 @@ def cached_blocks(
             k_rows = None if ki.numel() == nk else ki
             for q_heads, kv_heads in groups:
                 blocks.append(CachedBlock(q_heads, kv_heads, q_rows, k_rows, mask))
+    return blocks
+
+
+def _one_query_blocks(t: int, k_pos: Tensor, hq: int, hkv: int, causal: bool, window: Optional[int],
+                      branches: Sequence[Tuple[int, int]], head_offset: int) -> List[CachedBlock]:
+    """:func:`cached_blocks` of one query, a decoding step's usual case.
+
+    The query's segment and residue are integers, so a branch whose residue
+    none of the given heads uses costs no tensor operation, and every key
+    kept for a branch is allowed (no pair mask).
+    """
+    blocks: List[CachedBlock] = []
+    for w, rate in branches:
+        start = t // w * w
+        offset = (t - start) % rate
+        groups = head_groups(hq, hkv, rate, (offset - head_offset) % rate)
+        if not groups:
+            continue
+        lo = start if window is None else max(start, t - window + 1)
+        keep = (k_pos >= lo) & (k_pos < start + w) & ((k_pos - start) % rate == offset)
+        if causal:
+            keep &= k_pos <= t
+        ki = torch.nonzero(keep).flatten()
+        if ki.numel() == 0:
+            continue
+        k_rows = None if ki.numel() == k_pos.numel() else ki
+        blocks.extend(CachedBlock(q_heads, kv_heads, None, k_rows, None) for q_heads, kv_heads in groups)
     return blocks
 
 

@@ -36,6 +36,7 @@ from .context import CONTEXT_KEY, DecodeStep, ShardedForward
 from .decode import RanksDivergedError
 from .layout import owner, shard_sizes
 from .groups import SequenceParallel, current
+from .rows import layer_rules
 
 Tensor = torch.Tensor
 
@@ -230,6 +231,7 @@ def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, 
         _agree(comm, input_ids, attention_mask, cache, bool(_setting(model, generate_kwargs, "do_sample")), model.device)
         if comm.rank != 0:
             generate_kwargs.pop("streamer", None)
+    cache.comm = comm  # the cache deals the rows still visible after the prefill out over the group
     state = Generation(cache, comm, sp, broadcast_logits=bool(broadcast_logits))
     hooks = [model.register_forward_pre_hook(_pre_forward(state), with_kwargs=True),
              model.register_forward_hook(_post_forward(state), with_kwargs=True)]
@@ -285,7 +287,9 @@ def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], all
     ulysses = sp.ulysses_size if comm is not None else 1
     cache = generate_kwargs.pop("past_key_values", None)
     if cache is None:
-        return model, ShardedCache(rank, world, layout, ulysses)
+        cache = ShardedCache(rank, world, layout, ulysses=ulysses)
+        cache.set_rules(layer_rules(config, cache.evict))
+        return model, cache
     if not isinstance(cache, ShardedCache):
         raise TypeError(
             f"past_key_values must be a hf_ring.ShardedCache returned by hf_ring.generate, got {type(cache).__name__}"
@@ -296,4 +300,5 @@ def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], all
             f"(ulysses_size {cache.ulysses}), but this is rank {rank} of {world} with layout {layout!r} (ulysses_size "
             f"{ulysses}); continue a cache only on the ranks and layout that made it"
         )
+    cache.set_rules(layer_rules(config, cache.evict))
     return model, cache

@@ -73,6 +73,99 @@ def _measure(impl: str, n: int, new_tokens: int, layout: str, repeats: int, broa
             "tokens": out.sequences[0, n:].tolist()}
 
 
+EVICT_MODELS: Dict[str, Dict] = {
+    # Gemma 3's layer mix: five sliding-window layers (window 1024) for every global one.
+    "gemma3": dict(family="gemma3_text", config=dict(
+        MODEL, num_hidden_layers=6, head_dim=64, query_pre_attn_scalar=64, sliding_window=1024,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"])),
+    # The README's dilated pattern on the 2-layer Llama, one and four query heads per K/V head.
+    "dilated1": dict(family="llama", config=dict(MODEL, num_attention_heads=4, num_key_value_heads=4), dilated=True),
+    "dilated4": dict(family="llama", config=dict(MODEL, num_attention_heads=8, num_key_value_heads=2, head_dim=32),
+                     dilated=True),
+}
+"""The configurations ``--evict`` compares with the sharded cache evicting and keeping every row."""
+DILATED_PATTERN = {"segment_lengths": [2048, 4096, 8192, 16384, 32768, 65536], "dilation_rates": [1, 2, 4, 8, 16, 32]}
+EVICT_LABELS = {"gemma3": "Gemma-3-like (5 window-1024 : 1 full, 6 layers)",
+                "dilated1": "dilated, Hq/Hkv = 1 (4/4 heads)", "dilated4": "dilated, Hq/Hkv = 4 (8/2 heads)"}
+
+
+def _measure_evict(name: str, n: int, new_tokens: int, layout: str, repeats: int) -> Dict:
+    """On this rank, the same generate calls with the sharded cache evicting and keeping every row, interleaved.
+
+    Each call: prefill time, seconds per decoded token, and the most K/V
+    bytes the cache held after any forward of the call.
+    """
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import hf_ring
+
+    spec = EVICT_MODELS[name]
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if world > 1:
+        hf_ring.setup_sequence_parallel(None, layout=layout)
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(spec["family"], **spec["config"])
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="ring_dilated", dtype=torch.float32).eval()
+    hf_ring.configure(model, pattern=DILATED_PATTERN if spec.get("dilated") else None, layout=layout)
+    ids = torch.randint(1, MODEL["vocab_size"], (1, n), generator=torch.Generator().manual_seed(1))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+              return_dict_in_generate=True)
+    runs: Dict[bool, Dict[str, List]] = {e: {"prefill": [], "decode": [], "cache": [], "tokens": []} for e in (False, True)}
+    for i in range(1 + repeats):  # the first round is the untimed warm-up
+        for evict in (False, True):
+            cache = hf_ring.ShardedCache(rank, world, layout, evict=evict)
+            starts: List[float] = []
+            held: List[int] = []
+            pre = model.register_forward_pre_hook(lambda m, a: starts.append(time.perf_counter()))
+            post = model.register_forward_hook(lambda m, a, o: held.append(cache.nbytes()))
+            if dist.is_initialized():
+                dist.barrier()
+            with torch.no_grad():
+                out = hf_ring.generate(model, ids, past_key_values=cache, **kw)
+            starts.append(time.perf_counter())
+            pre.remove()
+            post.remove()
+            if i:
+                run = runs[evict]
+                run["prefill"].append(starts[1] - starts[0])
+                run["decode"].append((starts[-1] - starts[1]) / (len(starts) - 2))
+                run["cache"].append(max(held) / 2**20)
+                run["tokens"] = out.sequences[0, n:].tolist()
+    if world > 1:
+        hf_ring.clear_sequence_parallel()
+    return {str(e): r for e, r in runs.items()}
+
+
+def run_evict(names: List[str], sizes: List[int], new_tokens: int, layout: str, repeats: int) -> List[Dict]:
+    rows = []
+    for name in names:
+        for n in sizes:
+            for world in (1, 2):
+                res = run_ranks(world, _measure_evict, name, n, new_tokens, layout, repeats, exact_peak=False)
+                got = {}
+                for evict in (False, True):
+                    per_rank = [r[str(evict)] for r in res]
+                    decode = summary([r["decode"] for r in per_rank])
+                    got[evict] = {"prefill": summary([r["prefill"] for r in per_rank])["median"],
+                                  "tok_s": 1 / decode["median"], "spread": f"{1 / decode['max']:.3g}-{1 / decode['min']:.3g}",
+                                  "cache": max(max(r["cache"]) for r in per_rank), "tokens": per_rank[0]["tokens"],
+                                  "same": all(r["tokens"] == per_rank[0]["tokens"] for r in per_rank)}
+                off, on = got[False], got[True]
+                row = {"model": EVICT_LABELS[name], "n": n, "world": world, "layout": layout if world > 1 else "-",
+                       "cache_mb_kept": round(off["cache"], 2), "cache_mb_evicted": round(on["cache"], 2),
+                       "cache_ratio": round(on["cache"] / off["cache"], 3),
+                       "decode_tok_s_kept": round(off["tok_s"], 1), "decode_tok_s_evicted": round(on["tok_s"], 1),
+                       "decode_ratio": round(on["tok_s"] / off["tok_s"], 3),
+                       "decode_spread_kept": off["spread"], "decode_spread_evicted": on["spread"],
+                       "prefill_s_kept": round(off["prefill"], 2), "prefill_s_evicted": round(on["prefill"], 2),
+                       "same_tokens": off["same"] and on["same"] and off["tokens"] == on["tokens"],
+                       "repeats": repeats}
+                rows.append(row)
+                print(format_table([row], list(row)), flush=True)
+    return rows
+
+
 def _decode_parts(res: List[Dict], decode_s: float) -> List[Dict[str, float]]:
     """Per rank, milliseconds per decoded token in each clocked part (median over the runs) and the rest."""
     out = []
@@ -167,7 +260,18 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=2, help="timed generate calls per configuration, after one warm-up")
     ap.add_argument("--broadcast-logits", action="store_true", help="hf_ring.generate(broadcast_logits=True)")
     ap.add_argument("--out", default="bench_results")
+    ap.add_argument("--evict", nargs="+", choices=sorted(EVICT_MODELS), metavar="MODEL",
+                    help="instead: compare the sharded cache evicting and keeping every row, in the same runs, for "
+                         f"these configurations ({', '.join(sorted(EVICT_MODELS))}); saved as generate_evict")
     args = ap.parse_args(argv)
+    if args.evict:
+        rows = run_evict(args.evict, args.sizes, args.new_tokens, args.layout, args.repeats)
+        cols = ["model", "n", "world", "cache_mb_kept", "cache_mb_evicted", "cache_ratio", "decode_tok_s_kept",
+                "decode_tok_s_evicted", "decode_ratio", "prefill_s_kept", "prefill_s_evicted", "same_tokens"]
+        print("\n" + format_table(rows, cols))
+        save(args.out, "generate_evict", {"config": vars(args), "models": EVICT_MODELS,
+                                          "pattern": DILATED_PATTERN, "rows": rows})
+        return
     rows = run(args.sizes, args.new_tokens, args.layout, not args.no_reference, args.repeats, args.broadcast_logits)
     cols = ["n", "world", "layout", "prefill_s", "prefill_spread", "prefill_ratio", "decode_tok_s", "decode_spread",
             "decode_speedup", "cache_mb_per_rank", "cache_ratio", "peak_mb_per_rank", "same_tokens"]
