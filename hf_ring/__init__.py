@@ -10,12 +10,13 @@ from .config import configure
 from .data import gather_sequence, shard_batch
 from .decode import RanksDivergedError
 from .generation import generate
+from .guard import install as _install_guard
 from .groups import SequenceParallel, current
 from .layout import local_positions, shard_sizes
 from .loss import tiled_causal_lm_loss
 from .mlp import tiled_rows
 from .offload import offload_checkpoints
-from .parallel import clear_sequence_parallel, setup_sequence_parallel, sync_gradients
+from .parallel import clear_sequence_parallel, setup_sequence_parallel, shutdown, sync_gradients
 from .patches.tiling import configure as configure_tiling
 from .pattern import DilatedPattern
 from .ring import ring_attention
@@ -42,6 +43,7 @@ __all__ = [
     "setup_sequence_parallel",
     "shard_batch",
     "shard_sizes",
+    "shutdown",
     "sync_gradients",
     "tiled_causal_lm_loss",
     "tiled_rows",
@@ -49,3 +51,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 _register()
+_install_guard()

@@ -10,11 +10,16 @@ The bound is ``HF_RING_TIMEOUT`` seconds (default 600): a finite number > 0,
 checked by :func:`comm_timeout` when a ``RingComm`` is made, when a collective
 is issued, and by ``setup_sequence_parallel``.
 
-How the bound is enforced depends on the backend:
+How the bound is enforced depends on the backend that carries the tensor,
+read from the group's backend configuration for the tensor's device (a group
+made by ``init_process_group()`` with no backend is ``cpu:gloo`` on a CPU
+build and ``cpu:gloo,cuda:nccl`` on a CUDA one, so the group's backend name
+alone does not say):
 
-* gloo (CPU): ``work.wait(timeout)`` blocks the calling thread with that
-  deadline (gloo waits on its transport with the timeout given), so the
-  wait itself is bounded.
+* gloo: ``work.wait(timeout)`` blocks the calling thread with that deadline
+  (gloo waits on its transport with the timeout given), so the wait itself is
+  bounded. gloo never marks point-to-point work completed before ``wait()``,
+  so it must not be polled.
 * NCCL and any other backend: a host-side watchdog. ``work.wait()`` of NCCL
   only orders the current CUDA stream after the transfer and returns at once
   unless ``TORCH_NCCL_BLOCKING_WAIT`` is set, so a dead peer would surface
@@ -33,7 +38,7 @@ import os
 import time
 import zlib
 from datetime import timedelta
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -77,8 +82,30 @@ def _failure(what: str, timeout: float, cause) -> CommTimeoutError:
     )
 
 
+def carriers(group: Optional[dist.ProcessGroup]) -> Dict[str, str]:
+    """Which backend carries tensors of each device type over ``group``: ``{"cpu": "gloo", "cuda": "nccl"}``."""
+    return parse_carriers(dist.get_backend_config(_resolve(group)))
+
+
+def parse_carriers(config: str) -> Dict[str, str]:
+    """``"cpu:gloo,cuda:nccl"`` (torch's backend configuration) as ``{"cpu": "gloo", "cuda": "nccl"}``."""
+    found = dict(part.strip().split(":", 1) for part in config.split(",") if ":" in part)
+    if not found:  # a bare backend name: NCCL carries GPU tensors only, others every device type
+        name = config.strip()
+        found = {"cuda": name} if name.lower() == "nccl" else {"cpu": name, "cuda": name}
+    return {device: name.lower() for device, name in found.items()}
+
+
+def carrier(group: Optional[dist.ProcessGroup], device: torch.device) -> str:
+    """The backend that carries a tensor on ``device`` over ``group`` (``"gloo"``, ``"nccl"``, ...)."""
+    return carriers(group).get(torch.device(device).type, "")
+
+
 def wait(work, what: str, timeout: float, backend: str) -> None:
-    """Finish ``work`` within ``timeout`` seconds or raise :class:`CommTimeoutError` (see the module notes)."""
+    """Finish ``work`` within ``timeout`` seconds or raise :class:`CommTimeoutError` (see the module notes).
+
+    ``backend`` is the one that carries the work's tensors (:func:`carrier`), not the group's name.
+    """
     try:
         if backend == "gloo":
             ok = work.wait(timedelta(seconds=timeout))
@@ -119,7 +146,7 @@ def all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup], what: str,
     """
     group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
     work = _post(what, timeout, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
-    wait(work, what, timeout, dist.get_backend(group))
+    wait(work, what, timeout, carrier(group, tensor.device))
     return tensor
 
 
@@ -130,7 +157,7 @@ def all_gather(tensor: Tensor, group: Optional[dist.ProcessGroup], what: str,
     tensor = tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     work = _post(what, timeout, lambda: dist.all_gather(parts, tensor, group=group, async_op=True))
-    wait(work, what, timeout, dist.get_backend(group))
+    wait(work, what, timeout, carrier(group, tensor.device))
     return torch.stack(parts)
 
 
@@ -141,7 +168,7 @@ def broadcast(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup], what
     tensor = tensor.contiguous()
     root = dist.get_global_rank(group, src)
     work = _post(what, timeout, lambda: dist.broadcast(tensor, src=root, group=group, async_op=True))
-    wait(work, what, timeout, dist.get_backend(group))
+    wait(work, what, timeout, carrier(group, tensor.device))
     return tensor
 
 
@@ -154,15 +181,16 @@ def all_to_all(output: Tensor, tensor: Tensor, output_splits: Sequence[int], inp
     group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
     work = _post(what, timeout, lambda: dist.all_to_all_single(
         output, tensor.contiguous(), list(output_splits), list(input_splits), group=group, async_op=True))
-    wait(work, what, timeout, dist.get_backend(group))
+    wait(work, what, timeout, carrier(group, output.device))
     return output
 
 
 def device_for(group: Optional[dist.ProcessGroup]) -> torch.device:
-    """Where small control tensors for ``group`` live: the current GPU under NCCL, else the CPU."""
-    if dist.get_backend(_resolve(group)) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where small control tensors for ``group`` live: the CPU when a backend of the group carries CPU
+    tensors (gloo, also beside NCCL), else the current GPU."""
+    if "cpu" in carriers(group):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 class Pending:
@@ -192,7 +220,7 @@ class RingComm:
         self.group = _resolve(group)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self.backend = dist.get_backend(self.group)
+        self.carriers = carriers(self.group)
         self.timeout = comm_timeout()
 
     def exchange(
@@ -221,7 +249,7 @@ class RingComm:
                 ops.append(dist.P2POp(dist.irecv, t, group=self.group, group_peer=recv_from, tag=tag + i))
         what = f"exchange (send to rank {send_to}, receive from rank {recv_from})"
         works = _post(what, self.timeout, lambda: dist.batch_isend_irecv(ops)) if ops else []
-        return Pending(works, sent, received, what, self.timeout, self.backend)
+        return Pending(works, sent, received, what, self.timeout, self.carriers.get(device.type, ""))
 
     def all_gather_ints(self, values: Sequence[int], what: str) -> List[List[int]]:
         """Every rank's copy of a few small integers, by rank (one small all-gather).

@@ -8,6 +8,8 @@ from .layout import check_layout, head_split
 from .pattern import DilatedPattern
 
 CONFIG_KEY = "ring_dilated"
+ATTN_IMPLEMENTATION = "ring_dilated"
+"""The ``attn_implementation`` name hf_ring registers with transformers."""
 _KEYS = {"segment_lengths", "dilation_rates", "layout", "ulysses_size"}
 
 
@@ -22,6 +24,19 @@ def check_ulysses_size(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"ulysses_size must be a positive int (ranks per head-parallel group), got {value!r}")
     return value
+
+
+def attn_implementations(config: Any) -> Tuple[str, ...]:
+    """Every attention implementation a transformers config names (a dict form names one per sub-model)."""
+    impl = getattr(config, "_attn_implementation", None)
+    if isinstance(impl, Mapping):
+        return tuple(str(v) for v in impl.values() if v is not None)
+    return (str(impl),)
+
+
+def runs_ring(config: Any) -> bool:
+    """Whether a model with this config runs ``ring_dilated`` attention in every layer."""
+    return all(impl == ATTN_IMPLEMENTATION for impl in attn_implementations(config))
 
 
 def model_heads(config: Any) -> Optional[Tuple[int, int]]:

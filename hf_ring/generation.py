@@ -33,6 +33,7 @@ from .cache import ShardedCache
 from .checks import raise_together
 from .comm import RingComm
 from .context import CONTEXT_KEY, DecodeStep, ShardedForward
+from .guard import other_attention_message
 from .decode import RanksDivergedError
 from .layout import owner, shard_sizes
 from .groups import SequenceParallel, current
@@ -269,12 +270,9 @@ def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], all
     max_new = setting("max_new_tokens")
     total = n + max_new if max_new is not None else max(n, setting("max_length") or n)
     check_length(config, n, total, allow_beyond)
-    if config._attn_implementation != "ring_dilated":
+    if not ring_config.runs_ring(config):
         if comm is not None:
-            raise ValueError(
-                f"sharded generation needs attn_implementation='ring_dilated' (this model uses "
-                f"{config._attn_implementation!r}); load it with from_pretrained(..., attn_implementation='ring_dilated')"
-            )
+            raise ValueError(other_attention_message(model))
         return model, None
     if setting("use_cache") is False:
         raise ValueError("hf_ring.generate keeps a sharded KV cache; use_cache=False is not supported")

@@ -7,6 +7,8 @@ ranks taken from the environment, so nothing assumes a single machine.
 """
 from __future__ import annotations
 
+import atexit
+import sys
 from typing import Any, Optional
 
 import torch
@@ -21,6 +23,42 @@ from .layout import check_layout, check_ulysses
 
 
 _MESHES: dict = {}
+
+
+def shutdown(timeout: Optional[float] = None) -> None:
+    """End torch.distributed cleanly: a barrier over the world bounded by ``timeout`` seconds, then
+    ``destroy_process_group``.
+
+    gloo processes that exit with their process group alive often abort at
+    exit ("terminate called without an active exception"), and the launcher
+    reports a finished job as failed. :func:`setup_sequence_parallel`
+    therefore registers this to run at exit; call it yourself only to end the
+    group earlier. ``timeout`` defaults to ``HF_RING_TIMEOUT``. If the barrier
+    fails or times out (a peer died or is still busy), the group is destroyed
+    all the same and a one-line note goes to stderr. Does nothing when no
+    group is initialised. The sequence-parallel setup is cleared.
+    """
+    set_current(None)
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        timeout = comm.comm_timeout() if timeout is None else float(timeout)
+        comm.all_reduce(torch.zeros(1, device=comm.device_for(None)), None, "the barrier before shutdown",
+                        timeout=timeout)
+    except (RuntimeError, ValueError) as err:
+        print(f"hf_ring.shutdown: ending the process group without the barrier ({err})", file=sys.stderr)
+    _MESHES.clear()
+    dist.destroy_process_group()
+
+
+def _shutdown_at_exit() -> None:
+    # An uncaught exception on this rank: its peers will not come to a barrier in time (they are waiting for
+    # this rank's next send, or have failed too), so waiting for them would only delay the error's exit.
+    if getattr(sys, "last_value", None) is not None:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        return
+    shutdown()
 
 
 def clear_sequence_parallel() -> None:
@@ -60,6 +98,9 @@ def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = No
             )
         set_current(None)
         return SequenceParallel(None, None, 0, 1, 0, 1, layout)
+    # Registered once however often the setup runs (unregister is a no-op the first time).
+    atexit.unregister(_shutdown_at_exit)
+    atexit.register(_shutdown_at_exit)
     world = dist.get_world_size()
     sp_size = world if sp_size is None else sp_size
     if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1:
@@ -71,8 +112,8 @@ def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = No
         )
     check_ulysses(sp_size, ulysses_size)
     dp_size = world // sp_size
-    backend = dist.get_backend()
-    device_type = "cuda" if backend == "nccl" else "cpu"
+    # The mesh lives where the ring's tensors do: on the GPU when NCCL carries them, also beside gloo.
+    device_type = "cuda" if comm.carriers(None).get("cuda") == "nccl" and torch.cuda.is_available() else "cpu"
     mesh = _mesh(device_type, (dp_size, sp_size), ("dp", "sp"))
     sp_group, dp_group = mesh.get_group("sp"), mesh.get_group("dp")
     sp_comm = RingComm(sp_group) if sp_size > 1 else None

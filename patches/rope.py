@@ -23,6 +23,7 @@ import torch.distributed as dist
 from transformers.modeling_rope_utils import dynamic_rope_update
 
 from hf_ring.comm import all_reduce
+from hf_ring.config import runs_ring
 from hf_ring.groups import current
 
 _ORIGINAL = "_hf_ring_original_forward"
@@ -94,7 +95,10 @@ def patch_rotary(cls: type) -> bool:
     def forward(self, x, position_ids, *args, **kwargs):
         layer_type = args[0] if args else kwargs.get("layer_type")
         sp = current()
-        if sp is None or sp.sp_size == 1 or not _needs_global_length(self, layer_type):
+        config = getattr(self, "config", None)
+        # Only a ring model's shards need the global length: another model beside it runs whole sequences.
+        if (sp is None or sp.sp_size == 1 or not _needs_global_length(self, layer_type)
+                or (config is not None and not runs_ring(config))):
             return original(self, x, position_ids, *args, **kwargs)
         # Gemma 3 calls once per layer type, in set order that may differ between processes; every call
         # reduces the same value, so matching the calls in any order gives every rank the same answer.

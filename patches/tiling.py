@@ -8,8 +8,10 @@ the ``forward`` of the MLP and RMSNorm classes to run through
 only their input is kept for the backward).
 
 Whether a call is tiled is read at call time from ``model.config.ring_tiling``
-(set with :func:`configure`): ``None`` (the default) tiles under sequence
-parallelism with more than one rank, ``True`` always, ``False`` never. A tiled
+(set with :func:`configure`): ``None`` (the default) tiles a model that runs
+``ring_dilated`` attention under sequence parallelism with more than one rank
+(another model beside it, a teacher or a reference model on ``sdpa``, runs
+exactly as transformers runs it), ``True`` always, ``False`` never. A tiled
 loss step returns ``loss`` and ``logits=None``; the untiled forward (with
 logits) runs when no labels are given, when ``return_logits=True`` is passed,
 or when the call needs something the tiled loss does not reproduce
@@ -26,6 +28,7 @@ from torch import nn
 
 from hf_ring.loss import tiled_causal_lm_loss
 from hf_ring.mlp import tiled_rows
+from hf_ring.config import runs_ring
 from hf_ring.groups import current
 
 CONFIG_KEY = "ring_tiling"
@@ -105,18 +108,22 @@ def configure(model: nn.Module, *, loss: Optional[bool] = None, mlp: Optional[bo
     apply(model)
     model.config.ring_tiling = {"loss": loss, "mlp": mlp, "norm": norm, "loss_chunk_rows": loss_chunk_rows,
                                 "row_chunk_rows": row_chunk_rows}
+    _point_rows_at_config(model)
+
+
+def _point_rows_at_config(model: nn.Module) -> None:
+    """Give the model's MLP and norm modules its config: norms carry none of their own."""
     _, mlp_cls, norm_cls = _classes(model)
     for module in model.modules():
         if type(module) in (mlp_cls, norm_cls):
-            # Norms carry no config of their own; this points them at the model's.
             setattr(module, _CONFIG_REF, model.config)
 
 
-def _on(setting: Optional[bool]) -> bool:
+def _on(setting: Optional[bool], config: Any) -> bool:
     if setting is not None:
         return setting
     sp = current()
-    return sp is not None and sp.sp_size > 1
+    return sp is not None and sp.sp_size > 1 and config is not None and runs_ring(config)
 
 
 def _loss_is_standard(model: nn.Module) -> bool:
@@ -149,9 +156,12 @@ def _tiled_causal_lm_forward(original):
 
     def forward(self, *args, **kwargs):
         return_logits = kwargs.pop(RETURN_LOGITS, False)
+        if _CONFIG_REF not in self.__dict__:  # once per model: its MLPs and norms read the switches from its config
+            _point_rows_at_config(self)
+            setattr(self, _CONFIG_REF, self.config)
         call = signature.bind(self, *args, **kwargs).arguments
         keep = call.get("logits_to_keep", 0)
-        if (call.get("labels") is None or return_logits or not _on(settings(self.config)["loss"])
+        if (call.get("labels") is None or return_logits or not _on(settings(self.config)["loss"], self.config)
                 or not (isinstance(keep, int) and keep == 0) or not _loss_is_standard(self)):
             return original(self, *args, **kwargs)
         return tiled(self, *args, **kwargs)
@@ -164,11 +174,11 @@ def _tiled_causal_lm_forward(original):
 def _tiled_rows_forward(switch: str):
     def make(original):
         def forward(self, x, *args, **kwargs):
-            opts = settings(getattr(self, _CONFIG_REF, None) or getattr(self, "config", None))
-            if args or kwargs or not _on(opts[switch]):
+            config = getattr(self, _CONFIG_REF, None) or getattr(self, "config", None)
+            if args or kwargs or not _on(settings(config)[switch], config):
                 return original(self, x, *args, **kwargs)
             params = [p for p in self.parameters() if p.requires_grad]
-            return tiled_rows(lambda rows: original(self, rows), x, params, opts["row_chunk_rows"])
+            return tiled_rows(lambda rows: original(self, rows), x, params, settings(config)["row_chunk_rows"])
 
         forward.__wrapped__ = original
         return forward

@@ -197,7 +197,8 @@ def absent_peer_case(what):
         err = raises_on_rank(hf_ring.gather_sequence, torch.zeros(1, 2, 3), 4)
     else:
         rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-        emb = LlamaRotaryEmbedding(tiny_config(max_position_embeddings=16, rope_parameters=rope))
+        emb = LlamaRotaryEmbedding(tiny_config(max_position_embeddings=16, rope_parameters=rope,
+                                                attn_implementation="ring_dilated"))
         err = raises_on_rank(emb, torch.zeros(1, 4, 64), torch.arange(4).view(1, 4))
     return err, time.monotonic() - t0
 

@@ -1,0 +1,59 @@
+"""Sequence-sharded inputs reach only models whose attention is ``ring_dilated``.
+
+A forward given :func:`hf_ring.shard_batch` inputs (or a step of
+:func:`hf_ring.generate`) carries a context the ring reads in every layer.
+Another attention (``sdpa``, ``eager``, ``flash_attention_2``) ignores it and
+attends each rank's rows to that rank's own keys only: a wrong loss with
+nothing raised. :func:`install` makes every transformers model refuse such a
+call, on every rank at once, before the model computes anything. Calls
+without that context (every call of a model that hf_ring never sees) pass
+through untouched.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from transformers import PreTrainedModel
+
+from .config import ATTN_IMPLEMENTATION, attn_implementations, runs_ring
+from .context import CONTEXT_KEY, DecodeStep, ShardedForward
+
+_MARK = "_hf_ring_guarded_call"
+
+
+def other_attention_message(model: Any) -> str:
+    names = attn_implementations(getattr(model, "config", None))
+    shown = names[0] if len(names) == 1 else list(names)
+    return (
+        f"{type(model).__name__} was given sequence-sharded inputs (hf_ring.shard_batch, prepare_trainer or "
+        f"hf_ring.generate) but runs attn_implementation={shown!r}, which would attend each rank's rows to its own "
+        f"keys only; load it with attn_implementation={ATTN_IMPLEMENTATION!r} or call "
+        f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r})"
+    )
+
+
+def refuse_other_attention(model: Any, kwargs: Mapping[str, Any]) -> None:
+    """Raise ValueError on every rank when ``kwargs`` are sharded inputs and ``model`` does not run the ring."""
+    ctx = kwargs.get(CONTEXT_KEY)
+    if not isinstance(ctx, (ShardedForward, DecodeStep)) or runs_ring(getattr(model, "config", None)):
+        return
+    error = ValueError(other_attention_message(model))
+    if isinstance(ctx, ShardedForward):
+        ctx.fail(error)  # rides the forward's agreement exchange, so a rank running the ring model raises too
+    raise error
+
+
+def install() -> None:
+    """Guard every transformers model's call (idempotent)."""
+    original = PreTrainedModel.__call__
+    if getattr(original, _MARK, False):
+        return
+
+    def __call__(self, *args, **kwargs):
+        if kwargs:
+            refuse_other_attention(self, kwargs)
+        return original(self, *args, **kwargs)
+
+    setattr(__call__, _MARK, True)
+    __call__.__wrapped__ = original
+    PreTrainedModel.__call__ = __call__

@@ -1,0 +1,108 @@
+"""A training script as users write it, launched by tests/test_launch.py under torchrun or by hand.
+
+``--backend none`` calls ``dist.init_process_group()`` with no backend (what many
+scripts do), ``gloo`` and ``cpu:gloo`` name one. The script runs one sharded
+training step of a tiny Llama (dynamic RoPE, so the shards need the global
+length) and prints its loss and every gradient's relative error against
+transformers' ``sdpa`` on the whole batch, computed in this process by a second
+model beside the sharded one. That second model runs before and after the
+sequence-parallel setup, and on rank 0 only afterwards: it must return the
+same loss, logits and gradients bit for bit, and issue no collective (rank 1
+never joins one). ``--fault kill|raise`` makes rank 1 die or raise after the
+setup instead; rank 0 reports how its step ended. ``--light`` runs only a
+sharded ``ring_attention`` forward and backward and a training loop's metric
+reductions (no model), for launch counts.
+The script ends without any cleanup of its own: the launch must still exit 0.
+"""
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hf_ring  # noqa: E402
+from helpers import rel_err  # noqa: E402
+from models import batch, load  # noqa: E402
+
+
+def whole_step(model, data):
+    """Loss, logits and gradients of one unsharded training step (train mode, labels given)."""
+    model.zero_grad(set_to_none=True)
+    out = model(**data, use_cache=False)
+    out.loss.backward()
+    return out.loss.detach(), out.logits.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def light(rank: int, world: int) -> dict:
+    n = 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, n, 16, generator=g) for _ in range(3))
+    pos = hf_ring.local_positions(n, rank, world, "zigzag")
+    ql, kl, vl = (t[:, :, pos].clone().requires_grad_(True) for t in (q, k, v))
+    hf_ring.ring_attention(ql, kl, vl).sum().backward()
+    # A training loop's metric reductions: gloo groups torn down right after many collectives abort most often.
+    total = torch.ones(1000)
+    for _ in range(50):
+        dist.all_reduce(total)
+    return {"rank": rank, "rows": len(pos)}
+
+
+def report(out: str, result: dict) -> None:
+    # One file per rank: the ranks' lines on a shared stdout can interleave.
+    with open(os.path.join(out, f"rank{result['rank']}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", default="none", help="none, or the backend to name (default: %(default)s)")
+    parser.add_argument("--model", help="a saved tiny Llama with dynamic RoPE (default: none, for --light)")
+    parser.add_argument("--fault", choices=["kill", "raise"], help="rank 1 dies or raises after the setup")
+    parser.add_argument("--light", action="store_true", help="only a sharded ring_attention forward and backward")
+    parser.add_argument("--out", required=True, help="a folder: each rank writes rank<N>.json there")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group(None if args.backend == "none" else args.backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.light:
+        hf_ring.setup_sequence_parallel(None, sp_size=world)
+        report(args.out, light(rank, world))
+        return
+    data = batch(3, 2, 37)
+    beside = load(args.model, "sdpa").train()
+    before = whole_step(beside, data)
+    hf_ring.setup_sequence_parallel(None, sp_size=world)
+    if args.fault and rank == 1:
+        if args.fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError("rank 1 fails on purpose")
+    model = load(args.model, "ring_dilated").train()
+    start = time.monotonic()
+    try:
+        out = model(**hf_ring.shard_batch(data))
+        out.loss.backward()
+        hf_ring.sync_gradients(model)
+    except Exception as err:
+        report(args.out, {"rank": rank, "error": type(err).__name__, "message": str(err)[:300],
+                          "after_s": time.monotonic() - start})
+        raise
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)  # each rank's loss is its shard's share of the sequence loss
+    result = {"rank": rank, "backend": dist.get_backend(), "loss": float(loss),
+              "loss_err": rel_err(loss, before[0]),
+              "grad_err": max(rel_err(p.grad, before[2][k]) for k, p in model.named_parameters())}
+    if rank == 0:  # alone: a collective here would never complete
+        after = whole_step(beside, data)
+        result["beside_identical"] = all(torch.equal(a, b) for a, b in zip(before[:2], after[:2])) and all(
+            torch.equal(before[2][k], after[2][k]) for k in before[2])
+    report(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

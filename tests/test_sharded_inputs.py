@@ -1,0 +1,90 @@
+"""Sharded inputs reach only ring_dilated models; a model on another attention beside them runs as transformers runs it."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import hf_ring
+from cases import raises_on_rank
+from models import batch, length_dependent_rope, load, saved_model_dir
+
+N = 37  # past the dynamic RoPE's 16 positions: the ring model's shards need the global length
+
+
+def _path():
+    return saved_model_dir("llama", seed=7, **length_dependent_rope("llama"))
+
+
+def other_attention_case(path, attn, ring_on_rank1):
+    """Every rank gives sharded inputs to a model on ``attn``; or rank 1 gives them to a ring model instead."""
+    hf_ring.setup_sequence_parallel(None, 2)
+    try:
+        use = "ring_dilated" if ring_on_rank1 and dist.get_rank() == 1 else attn
+        model = load(path, use).train()
+        return raises_on_rank(lambda: model(**hf_ring.shard_batch(batch(1, 2, N))))
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("ring_on_rank1", [False, True])
+def test_sharded_inputs_into_another_attention_raise_on_every_rank(pools, attn, ring_on_rank1):
+    # With one rank on the ring, the other's error rides the ring's agreement exchange, which is the forward's first
+    # collective unless a length-dependent RoPE reduces the global length before it (then both ranks time out).
+    path = saved_model_dir("llama", seed=7) if ring_on_rank1 else _path()
+    errors = pools(2).run(other_attention_case, path, attn, ring_on_rank1)
+    for rank, err in enumerate(errors):
+        assert err is not None and err[0] == "ValueError", (rank, err)
+        assert f"attn_implementation='{attn}'" in err[1] and "set_attn_implementation('ring_dilated')" in err[1], err
+    # the rank that ran the ring model raises the error of the rank that did not, not a vaguer one of its own
+    assert "sequence-sharded inputs" in errors[1][1]
+
+
+def _step(model, data):
+    """Whatever a training step of ``model`` returns, detached, and its parameter gradients."""
+    model.zero_grad(set_to_none=True)
+    out = model(**data)
+    tensors = [out.logits.detach()]
+    if out.loss is not None:
+        out.loss.backward()
+        tensors.append(out.loss.detach())
+    return tensors, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _identical(a, b):
+    return len(a[0]) == len(b[0]) and len(a[1]) == len(b[1]) and all(
+        torch.equal(x, y) for x, y in zip(a[0] + a[1], b[0] + b[1]))
+
+
+def beside_case(path):
+    """A teacher (sdpa, no labels), a reference model (eager, train mode, labels) and a reward model
+    (sequence classification, sdpa) beside a sharded ring model: before the setup, and after it on rank 0 alone."""
+    from transformers import AutoModelForSequenceClassification
+
+    hf_ring.clear_sequence_parallel()
+    data = batch(2, 2, N)
+    labelled = dict(data, use_cache=False)
+    torch.manual_seed(0)
+    reward = AutoModelForSequenceClassification.from_pretrained(
+        path, attn_implementation="sdpa", num_labels=1, pad_token_id=0, dtype=torch.float32).train()
+    others = {"teacher": (load(path, "sdpa").eval(), {"input_ids": data["input_ids"]}),
+              "reference": (load(path, "eager").train(), labelled),
+              "reward": (reward, {"input_ids": data["input_ids"], "attention_mask": data["attention_mask"]})}
+    before = {name: _step(model, inputs) for name, (model, inputs) in others.items()}
+    hf_ring.setup_sequence_parallel(None, 2)
+    try:
+        ring = load(path, "ring_dilated").train()
+        out = ring(**hf_ring.shard_batch(data))
+        out.loss.backward()
+        if dist.get_rank() != 0:
+            return None
+        # rank 0 alone: a collective issued by any of these calls would never complete
+        after = {name: _step(model, inputs) for name, (model, inputs) in others.items()}
+        return {name: _identical(before[name], after[name]) for name in others} | {
+            "reference returns logits": after["reference"][0][0].shape == (2, N, 97)}
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+def test_models_beside_the_sharded_one_run_as_transformers_runs_them(pools):
+    found = pools(2).run(beside_case, _path())[0]
+    assert found == {"teacher": True, "reference": True, "reward": True, "reference returns logits": True}, found
