@@ -102,6 +102,15 @@ def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = No
     atexit.unregister(_shutdown_at_exit)
     atexit.register(_shutdown_at_exit)
     world = dist.get_world_size()
+    seen = getattr(accelerator, "num_processes", world) if accelerator is not None else world
+    if seen != world:
+        # accelerate without GPUs builds a one-process state unless told to use the CPU, while torchrun's group
+        # spans every process: nothing would average the gradients or split the data over the replicas.
+        raise ValueError(
+            f"the accelerator sees {seen} process(es) but torch.distributed runs {world}: on a machine without GPUs "
+            "accelerate joins the processes only when told to use the CPU; pass TrainingArguments(use_cpu=True) or "
+            "Accelerator(cpu=True), or launch with ACCELERATE_USE_CPU=true"
+        )
     sp_size = world if sp_size is None else sp_size
     if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1:
         raise ValueError(f"sp_size must be a positive int, got {sp_size!r}")

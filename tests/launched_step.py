@@ -66,12 +66,19 @@ def main() -> None:
     parser.add_argument("--fault", choices=["kill", "raise"], help="rank 1 dies or raises after the setup")
     parser.add_argument("--light", action="store_true", help="only a sharded ring_attention forward and backward")
     parser.add_argument("--out", required=True, help="a folder: each rank writes rank<N>.json there")
+    parser.add_argument("--accelerator", choices=["cpu", "default"],
+                        help="with --light: set up through Accelerator(cpu=True) or Accelerator()")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group(None if args.backend == "none" else args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.light:
-        hf_ring.setup_sequence_parallel(None, sp_size=world)
+        accelerator = None
+        if args.accelerator:
+            from accelerate import Accelerator
+
+            accelerator = Accelerator(cpu=args.accelerator == "cpu")
+        hf_ring.setup_sequence_parallel(accelerator, sp_size=world)
         report(args.out, light(rank, world))
         return
     data = batch(3, 2, 37)

@@ -95,6 +95,20 @@ def test_fault_on_one_rank_is_reported_within_the_bound(tmp_path, backend, fault
     assert "Traceback" in err0 and "terminate called" not in err0 + err1
 
 
+@pytest.mark.parametrize("accelerator", ["cpu", "default"])
+def test_an_accelerator_that_sees_one_process_is_refused(accelerator):
+    """Without GPUs, accelerate builds a one-process state unless told to use the CPU, while torchrun's group spans
+    both processes: a Trainer would neither average gradients nor split data, so the setup refuses it."""
+    done, results = _torchrun("--light", "--accelerator", accelerator, timeout=120)
+    if accelerator == "cpu":
+        assert done.returncode == 0 and len(results) == 2, done.stderr[-3000:]
+    else:
+        assert done.returncode != 0 and not results
+        # (each rank raises it by itself; torchrun may stop the second before it prints)
+        assert "the accelerator sees 1 process(es) but torch.distributed runs 2" in done.stderr, done.stderr[-3000:]
+        assert "use_cpu=True" in done.stderr
+
+
 LAUNCHES = 20
 
 
