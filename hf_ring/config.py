@@ -1,11 +1,13 @@
 """``config.ring_dilated``: how a model's ``ring_dilated`` attention is laid out, kept in config.json."""
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from .layout import check_layout, head_split
-from .pattern import DilatedPattern
+from .pattern import DilatedPattern, coverage_message
 
 CONFIG_KEY = "ring_dilated"
 ATTN_IMPLEMENTATION = "ring_dilated"
@@ -49,6 +51,22 @@ def model_heads(config: Any) -> Optional[Tuple[int, int]]:
     return hq, hkv if isinstance(hkv, int) else hq
 
 
+@functools.lru_cache(maxsize=64)  # every layer of every forward asks; the answer depends on these two alone
+def _coverage(pattern: DilatedPattern, num_heads: int) -> Optional[str]:
+    return coverage_message(pattern, num_heads)
+
+
+def warn_coverage(pattern: Optional[DilatedPattern], config: Any) -> None:
+    """Warn when ``pattern`` leaves positions that no query head of the model reads (see
+    :meth:`DilatedPattern.coverage_gaps`); Python's warning filter shows it once per place."""
+    heads = model_heads(config)
+    if pattern is None or heads is None:
+        return
+    message = _coverage(pattern, heads[0])
+    if message is not None:
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
 def parse(value: Optional[Mapping[str, Any]]) -> RingConfig:
     """Validate a ``config.ring_dilated`` dict; ``None`` means dense attention, zigzag layout."""
     if value is None:
@@ -71,7 +89,9 @@ def configure(model: Any, pattern: Union[DilatedPattern, Mapping[str, Any], None
               layout: str = "zigzag", ulysses_size: Optional[int] = None) -> Any:
     """Set the dilation pattern, layout and head-parallel size of ``model`` (stored in ``model.config.ring_dilated``).
 
-    ``pattern=None`` is exact dense attention. ``ulysses_size``: ranks per
+    ``pattern=None`` is exact dense attention; a pattern whose dilation rates
+    exceed the model's query heads leaves some positions unread by every
+    head at long distances, and is warned about. ``ulysses_size``: ranks per
     head-parallel group this model is trained with (see
     :func:`hf_ring.setup_sequence_parallel`); :func:`hf_ring.prepare_trainer`
     takes it from here, and a forward under another setting is refused.
@@ -90,5 +110,6 @@ def configure(model: Any, pattern: Union[DilatedPattern, Mapping[str, Any], None
         if heads is not None:
             head_split(*heads, ulysses_size)
     config = getattr(model, "config", model)
+    warn_coverage(pattern, config)
     setattr(config, CONFIG_KEY, value)
     return model

@@ -9,8 +9,11 @@ dense attention.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
 
 Branches = Tuple[Tuple[int, int], ...]
 
@@ -94,8 +97,72 @@ class DilatedPattern:
         per_pair = 4 * head_dim
         return {"pattern": pairs * per_pair, "dense": dense * per_pair, "ratio": pairs / dense if dense else 0.0}
 
+    def coverage_gaps(self, num_heads: int) -> List["CoverageGap"]:
+        """The distances at which fewer positions read a key with ``num_heads`` query heads than with enough.
+
+        Head h reads branch (w, r) at the in-segment positions congruent to
+        ``h % r``: with fewer heads than r, the residues ``num_heads .. r-1``
+        are no head's, and a position that only such a branch lets reach a
+        distance reads nothing there (neither as query nor as key). For each
+        band of distances between consecutive segment lengths, the share of
+        the positions that read some key at that distance with every residue
+        covered but read none with ``num_heads`` heads; bands that lose
+        nothing are left out, so the list is empty when the heads cover it all.
+        """
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        if all(r <= num_heads for r in self.dilation_rates):
+            return []
+        # The pattern repeats with this period; a very long one is sampled from its start.
+        period = min(math.lcm(*self.segment_lengths, *self.dilation_rates), 1 << 22)
+        p = torch.arange(period)
+        edges = [0] + sorted(set(self.segment_lengths))
+        gaps = []
+        for start, end in zip(edges, edges[1:]):
+            full = torch.zeros(period, dtype=torch.bool)
+            seen = torch.zeros(period, dtype=torch.bool)
+            for w, r in self.branches:
+                nearest = -(-start // r) * r  # the shortest distance in the band this branch can reach
+                if nearest >= end or nearest >= w:
+                    continue
+                reach = (p % w) >= nearest
+                full |= reach
+                seen |= reach & ((p % w) % r < num_heads)
+            lost = int((full & ~seen).sum())
+            if lost:
+                rates = tuple(sorted({r for w, r in self.branches if r > num_heads and w > start}))
+                gaps.append(CoverageGap(start, end, num_heads, rates, lost / int(full.sum())))
+        return gaps
+
     def __repr__(self) -> str:
         return f"DilatedPattern({list(self.segment_lengths)}, {list(self.dilation_rates)})"
+
+
+@dataclass(frozen=True)
+class CoverageGap:
+    """Distances ``[start, end)`` at which a ``share`` of the positions that enough heads would read, no head reads."""
+
+    start: int
+    end: int
+    num_heads: int
+    rates: Tuple[int, ...]  # the rates above num_heads among the branches that reach these distances
+    share: float
+
+    def describe(self) -> str:
+        return f"{self.share:.0%} at distances {self.start}-{self.end - 1}"
+
+
+def coverage_message(pattern: DilatedPattern, num_heads: int) -> Optional[str]:
+    """Why and where ``pattern`` leaves positions unread with ``num_heads`` query heads, and the fix; None if nowhere."""
+    gaps = pattern.coverage_gaps(num_heads)
+    if not gaps:
+        return None
+    rates = sorted({r for r in pattern.dilation_rates if r > num_heads})
+    return (f"{pattern!r} with {num_heads} query heads leaves positions unread: head h reads a branch of rate r at "
+            f"offset h % r only, so the branches of rates {rates} read offsets 0-{num_heads - 1} and no other. "
+            "Positions the pattern reaches but no head reads: " + ", ".join(g.describe() for g in gaps)
+            + f". Use dilation rates of at most {num_heads} (the query heads), or a model with at least "
+            f"{max(rates)} query heads")
 
 
 def branches_of(pattern: Optional[DilatedPattern]) -> Branches:

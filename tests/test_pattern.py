@@ -69,3 +69,64 @@ def test_pattern_with_window_is_refused():
         hf_ring.ring_attention(q, q, q, window=4, pattern=DilatedPattern([4], [1]))
     with pytest.raises(TypeError, match="pattern must be"):
         hf_ring.ring_attention(q, q, q, pattern=[(4, 1)])
+
+
+def _reading_positions(pattern, heads, n, start, end):
+    """Positions that read some key at a distance in [start, end) through some head, by brute force over the
+    float64 reference's multiplicities (independent of the coverage arithmetic)."""
+    import reference as R
+
+    seen = torch.zeros(n, n, dtype=torch.bool)
+    for h in range(heads):
+        seen |= R.dilated_multiplicity(n, pattern.branches, h) > 0
+    d = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+    return int((seen & (d >= start) & (d < end)).any(1).sum())
+
+
+@pytest.mark.parametrize("lengths,rates,heads", [
+    ([8, 16, 32, 64], [1, 2, 4, 8], 4),
+    ([8, 16, 32, 64], [1, 2, 4, 8], 2),
+    ([8, 16, 32, 64], [1, 2, 4, 8], 1),
+    ([12, 24, 48], [1, 3, 4], 2),
+    ([12, 24, 48], [1, 3, 4], 3),
+    ([16, 64], [1, 4], 4),
+    ([64, 16], [1, 8], 2),  # the dense-enough branch is the longer one: nothing is blind
+])
+def test_coverage_gaps_match_brute_force(lengths, rates, heads):
+    pattern = DilatedPattern(lengths, rates)
+    n = 2 * max(lengths)
+    gaps = {(g.start, g.end): g.share for g in pattern.coverage_gaps(heads)}
+    enough = max(rates)  # every residue of every branch is some head's offset
+    edges = sorted(set(lengths) | {0})
+    for start, end in zip(edges, edges[1:]):
+        full = _reading_positions(pattern, enough, n, start, end)
+        got = _reading_positions(pattern, heads, n, start, end)
+        share = gaps.get((start, end), 0.0)
+        assert got == pytest.approx(full * (1 - share)), (start, end, full, got, share)
+
+
+def test_coverage_message_names_the_distances_the_share_and_the_fix():
+    pattern = DilatedPattern([512, 1024, 2048, 4096], [1, 2, 4, 8])
+    message = hf_ring.pattern.coverage_message(pattern, 4)
+    assert "50% at distances 2048-4095" in message and "rates [8] read offsets 0-3" in message, message
+    assert "dilation rates of at most 4" in message
+    assert hf_ring.pattern.coverage_message(pattern, 8) is None
+    assert hf_ring.pattern.coverage_message(DilatedPattern([1024, 2048, 4096], [1, 2, 4]), 4) is None
+    # rates above the heads cost positions near segment starts even below the longest fully read segment
+    gaps = DilatedPattern([12, 24, 48], [1, 3, 4]).coverage_gaps(3)
+    assert [(g.start, g.end, g.rates) for g in gaps][:1] == [(12, 24, (4,))]
+    with pytest.raises(ValueError, match="num_heads"):
+        pattern.coverage_gaps(0)
+
+
+def test_configure_warns_when_the_heads_leave_positions_unread(recwarn):
+    import warnings
+
+    from models import tiny_config
+
+    config = tiny_config()  # 4 query heads
+    with pytest.warns(UserWarning, match=r"with 4 query heads leaves positions unread.*50% at distances 32-63"):
+        hf_ring.configure(config, DilatedPattern([16, 32, 64], [1, 2, 8]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf_ring.configure(config, DilatedPattern([16, 32, 64], [1, 2, 4]))
