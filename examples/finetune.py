@@ -16,6 +16,11 @@ sequence); groups are data-parallel replicas. The checkpoint is a safetensors
 model whose config.json carries the attention pattern, written every
 ``--save-every`` steps and at the end with the step it was taken at;
 ``--resume`` continues from it.
+
+``--dilated`` trains the dilated pattern instead (segments ``--seq-len``/4,
+/2, /1 with rates 1, 2, 4, 240 steps): the first quarter of the steps runs
+dense attention, then the pattern, its segments scaled to each curriculum
+stage's length so the short stages already need the dilated branches.
 """
 from __future__ import annotations
 
@@ -221,7 +226,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sp-size", type=int, default=None, help="ranks per sequence (default: all)")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--batch-size", type=int, default=4, help="sequences per step and data-parallel replica")
-    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 120; 240 with --dilated)")
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--eval-every", type=int, default=50)
@@ -232,6 +237,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--data", default=None, help="local .txt or .jsonl file (default: passkey retrieval)")
     ap.add_argument("--segment-lengths", type=int, nargs="*", help="dilated attention: segment lengths")
     ap.add_argument("--dilation-rates", type=int, nargs="*", help="dilated attention: dilation rates")
+    ap.add_argument("--dilated", action="store_true",
+                    help="the tested dilated recipe: segments --seq-len/4, /2, /1 with rates 1 2 4, 240 steps, the "
+                         "first --dense-frac of the steps dense (default: off)")
+    ap.add_argument("--dense-frac", type=float, default=0.25,
+                    help="with a dilated pattern: share of the steps trained with dense attention before the "
+                         "pattern takes over (default: %(default)s)")
     ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
     ap.add_argument("--ulysses-size", type=int, default=1,
                     help="ranks per head-parallel group: 1 the ring, --sp-size head parallelism, between both")
@@ -247,6 +258,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if bool(args.segment_lengths) != bool(args.dilation_rates):
         ap.error("--segment-lengths and --dilation-rates go together")
+    if args.dilated:
+        if args.segment_lengths:
+            ap.error("--dilated sets the pattern itself; give it or --segment-lengths/--dilation-rates, not both")
+        if args.seq_len < 16:
+            ap.error("--dilated needs --seq-len of at least 16")
+        args.segment_lengths = [args.seq_len // 4, args.seq_len // 2, args.seq_len]
+        args.dilation_rates = [1, 2, 4]
+    if args.steps is None:
+        args.steps = 240 if args.dilated else 120
+    if not 0.0 <= args.dense_frac < 1.0:
+        ap.error("--dense-frac must be in [0, 1)")
     if args.seq_len < 1:
         ap.error("--seq-len must be positive")
     if args.save_every < 0:
@@ -313,6 +335,20 @@ def main(argv=None) -> dict:
         stage = 0 if frac < 0.5 else 1 + int((frac - 0.5) * 2 * (stages - 1))
         return min(args.seq_len, max(sp_size, args.warmup_len << stage))
 
+    def pattern_at(step: int) -> Optional[hf_ring.DilatedPattern]:
+        """The pattern a training step runs: dense for the first --dense-frac of the steps (the model first learns
+        to retrieve at all), then the pattern with its segments scaled to the curriculum's length, so that the short
+        stages already need the long branches as the full length does (a 32-token stage would otherwise run dense)."""
+        if pattern is None or step < args.dense_frac * args.steps:
+            return None
+        length = length_at(step)
+        return hf_ring.DilatedPattern([max(r, w * length // args.seq_len) for w, r in pattern.branches],
+                                      pattern.dilation_rates)
+
+    def use(chosen: Optional[hf_ring.DilatedPattern]) -> None:
+        if pattern is not None:
+            hf_ring.configure(model, pattern=chosen, layout=args.layout, ulysses_size=args.ulysses_size)
+
     def batch_for(step: int, micro: int) -> Dict[str, torch.Tensor]:
         # Same batch on every rank of an sp group, different across dp replicas and steps.
         g = torch.Generator().manual_seed(hash((args.seed, step, micro, sp.dp_rank)) % 2**31)
@@ -339,6 +375,7 @@ def main(argv=None) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         loss = 0.0
+        use(pattern_at(step))
         for micro in range(args.grad_accum):
             batch = {k: v.to(accelerator.device) for k, v in batch_for(step, micro).items()}
             loss += train_step(model, batch, sp) / args.grad_accum
@@ -352,10 +389,12 @@ def main(argv=None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         record = {"step": step + 1, "loss": loss, "seq_len": batch["input_ids"].shape[1]}
         if eval_batches and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+            use(pattern)  # evaluated, and saved, with the full pattern
             record["accuracy"] = retrieval_accuracy(model, eval_batches, sp)
         history.append(record)
         reached = step + 1
         if is_main and args.save_every and reached % args.save_every == 0 and reached < args.steps:
+            use(pattern)
             save_checkpoint(model, optimizer, reached, history, args.output)
         if bar is not None:
             shown = {"loss": f"{loss:.3f}", "tok/s": f"{tokens / (time.perf_counter() - t0):.0f}"}
@@ -367,6 +406,7 @@ def main(argv=None) -> dict:
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - t0
+    use(pattern)
     by_depth = {}
     if eval_batches and args.depth_prompts:
         by_depth = accuracy_by_depth(model, sp, args.seq_len, args.depth_prompts, args.seed)
@@ -378,6 +418,7 @@ def main(argv=None) -> dict:
         accs = [h["accuracy"] for h in history if "accuracy" in h]
         summary = {"wall_s": round(wall, 1), "steps": reached - start, "world": world, "sp_size": sp_size,
                    "seed": args.seed, "seq_len": args.seq_len,
+                   "pattern": None if pattern is None else pattern.to_dict(),
                    "accuracy_before": accs[0] if accs else None, "accuracy_after": accs[-1] if accs else None,
                    "accuracy_by_depth": by_depth, "chance": 1 / N_KEYS,
                    "final_loss": history[-1].get("loss") if history else None}

@@ -178,3 +178,27 @@ def test_generate_answers_from_a_checkpoint(tmp_path, capsys):
     lines = [line for line in out.splitlines() if line.startswith("prompt ")]
     assert lines == [f"prompt {i}: passkey {a - ft.KEY0:2d}, {s}" for i, (a, s) in enumerate(zip(answers.tolist(), said))]
     assert accuracy == float((pred == answers).float().mean())
+
+
+def test_dilated_recipe_runs_dense_first_then_the_pattern_scaled_to_each_stage(tmp_path, monkeypatch):
+    seen = []
+    original = ft.train_step
+
+    def record(model, batch, sp):
+        seen.append((batch["input_ids"].shape[1], (model.config.ring_dilated or {}).get("segment_lengths")))
+        return original(model, batch, sp)
+
+    monkeypatch.setattr(ft, "train_step", record)
+    out = tmp_path / "ckpt"
+    ft.main(["--dilated", "--steps", "8", "--seq-len", "64", "--batch-size", "1", "--eval-batches", "1",
+             "--eval-every", "100", "--warmup-len", "16", "--depth-prompts", "0", "--output", str(out)])
+    # 25% of 8 steps dense; the curriculum 16 -> 32 -> 64 over 90% of them; segments 64/4, 64/2, 64 scaled
+    assert seen == [(16, None), (16, None), (16, [4, 8, 16]), (16, [4, 8, 16]), (32, [8, 16, 32]),
+                    (32, [8, 16, 32]), (32, [8, 16, 32]), (64, [16, 32, 64])], seen
+    saved = json.load(open(out / "config.json"))["ring_dilated"]
+    assert saved["segment_lengths"] == [16, 32, 64] and saved["dilation_rates"] == [1, 2, 4]
+    assert json.load(open(out / "summary.json"))["pattern"] == {"segment_lengths": [16, 32, 64],
+                                                                "dilation_rates": [1, 2, 4]}
+    with pytest.raises(SystemExit):
+        ft.parse_args(["--dilated", "--segment-lengths", "8", "--dilation-rates", "1"])
+    assert ft.parse_args(["--dilated", "--seq-len", "4096"]).steps == 240 and ft.parse_args([]).steps == 120
