@@ -111,6 +111,7 @@ def ring_dilated_attention(
     key_valid = None
     try:  # under sequence parallelism a rank whose arguments fail makes every rank raise, at once
         cfg = ring_config.parse(getattr(module.config, ring_config.CONFIG_KEY, None))
+        ring_config.warn_coverage(cfg.pattern, module.config)  # a saved pattern may leave positions unread
         # transformers' own backends let an explicit is_causal win over the module's attribute.
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         opts = check_options(causal, sliding_window, cfg.pattern, scaling, query.shape[-1], cfg.layout)

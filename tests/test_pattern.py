@@ -130,3 +130,16 @@ def test_configure_warns_when_the_heads_leave_positions_unread(recwarn):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hf_ring.configure(config, DilatedPattern([16, 32, 64], [1, 2, 4]))
+
+
+def test_a_model_whose_saved_pattern_leaves_positions_unread_warns_at_its_forward(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from models import tiny_config
+
+    config = tiny_config()
+    config.ring_dilated = {"segment_lengths": [8, 16, 32], "dilation_rates": [1, 2, 8], "layout": "zigzag"}
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="ring_dilated")
+    with pytest.warns(UserWarning, match=r"with 4 query heads leaves positions unread.*at distances 16-31"):
+        model(input_ids=torch.arange(40).view(1, 40))
