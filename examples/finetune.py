@@ -28,6 +28,8 @@ import argparse
 import json
 import math
 import os
+import resource
+import statistics
 import sys
 import time
 from typing import Dict, List, Optional
@@ -374,7 +376,7 @@ def main(argv=None) -> dict:
     for step in range(start, args.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
-        loss = 0.0
+        loss, began = 0.0, time.perf_counter()
         use(pattern_at(step))
         for micro in range(args.grad_accum):
             batch = {k: v.to(accelerator.device) for k, v in batch_for(step, micro).items()}
@@ -387,7 +389,8 @@ def main(argv=None) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        record = {"step": step + 1, "loss": loss, "seq_len": batch["input_ids"].shape[1]}
+        record = {"step": step + 1, "loss": loss, "seq_len": batch["input_ids"].shape[1],
+                  "step_s": round(time.perf_counter() - began, 4)}
         if eval_batches and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
             use(pattern)  # evaluated, and saved, with the full pattern
             record["accuracy"] = retrieval_accuracy(model, eval_batches, sp)
@@ -412,16 +415,24 @@ def main(argv=None) -> dict:
         by_depth = accuracy_by_depth(model, sp, args.seq_len, args.depth_prompts, args.seed)
         if is_main:
             print("accuracy by passkey depth: " + ", ".join(f"{float(d):.0%} {a:.2f}" for d, a in by_depth.items()))
+    # ru_maxrss is in KiB on Linux: the process's resident peak over the whole run, evaluation included
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
+    peaks = hf_ring.comm.all_gather(peak, None, "the peak memory report").flatten().tolist() if world > 1 else [
+        float(peak)]
     if is_main:
         save_checkpoint(model, optimizer, reached, history, args.output)
         plot(history, by_depth, args.seq_len, os.path.join(args.output, "accuracy.png"))
         accs = [h["accuracy"] for h in history if "accuracy" in h]
+        full = [h["step_s"] for h in history if h.get("seq_len") == args.seq_len and "step_s" in h]
         summary = {"wall_s": round(wall, 1), "steps": reached - start, "world": world, "sp_size": sp_size,
                    "seed": args.seed, "seq_len": args.seq_len,
                    "pattern": None if pattern is None else pattern.to_dict(),
                    "accuracy_before": accs[0] if accs else None, "accuracy_after": accs[-1] if accs else None,
                    "accuracy_by_depth": by_depth, "chance": 1 / N_KEYS,
-                   "final_loss": history[-1].get("loss") if history else None}
+                   "final_loss": history[-1].get("loss") if history else None,
+                   # the median training step at full length (after the curriculum), and each rank's resident peak
+                   "step_s_at_full_length": round(statistics.median(full), 3) if full else None,
+                   "peak_rss_mb_per_rank": [round(x, 1) for x in peaks]}
         with open(os.path.join(args.output, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         print(json.dumps(summary))

@@ -4,7 +4,7 @@ import sys
 
 BENCHES = {"ring": "hf_ring.bench.ring", "dilated": "hf_ring.bench.dilated", "generate": "hf_ring.bench.generate",
            "scale": "hf_ring.bench.scale", "model": "hf_ring.bench.model",
-           "gpu": "hf_ring.bench.gpu",
+           "gpu": "hf_ring.bench.gpu", "quality": "hf_ring.bench.quality",
            "tables": "hf_ring.bench.tables"}
 
 

@@ -1,0 +1,130 @@
+"""``python -m hf_ring.bench quality``: what dilated attention trades, as a model, against the dense ring.
+
+Runs ``examples/finetune.py`` (passkey retrieval, 2 ranks, the sequence split)
+for each length and attention, dense and ``--dilated``, one seed after another
+in this one run, and collects each run's summary: retrieval accuracy overall
+and by the passkey's depth, the training time, the median step at full length
+and each rank's resident peak. With ``--convert-steps`` it also takes the
+dense checkpoint of the first seed, evaluates it under the dilated pattern as
+it is, and fine-tunes it with the pattern at full length, recording the
+accuracy after each number of steps. Tokens per step are the same at every
+length (``--tokens-per-step``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Optional
+
+import torch
+
+from .common import format_table, save
+
+EXAMPLE = os.path.join("examples", "finetune.py")
+
+
+def _launch(script: str, ranks: int, args: List[str]) -> Dict:
+    """One launch of the example as a user makes it; its summary.json."""
+    out = args[args.index("--output") + 1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(ranks)]
+    env = dict(os.environ)
+    if ranks > 1:
+        cmd.append("--multi_gpu")
+    if not torch.cuda.is_available():
+        env["ACCELERATE_USE_CPU"] = "true"  # without it accelerate starts one process on a machine without GPUs
+    done = subprocess.run(cmd + [script] + args, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd + [script] + args)} failed:\n{done.stderr[-3000:]}")
+    with open(os.path.join(out, "summary.json")) as f:
+        return json.load(f)
+
+
+def _by_depth(summary: Dict) -> str:
+    return " / ".join(f"{v:.2f}" for v in summary["accuracy_by_depth"].values())
+
+
+def run(script: str, sizes: List[int], seeds: List[int], modes: List[str], tokens_per_step: int, ranks: int,
+        convert_steps: List[int], work: str) -> Dict[str, List[Dict]]:
+    rows, converted = [], []
+    for n in sizes:
+        batch = max(1, tokens_per_step // n)
+        for mode in modes:
+            for seed in seeds:
+                out = os.path.join(work, f"{mode}_{n}_{seed}")
+                args = ["--sp-size", str(ranks), "--seq-len", str(n), "--batch-size", str(batch), "--seed", str(seed),
+                        "--output", out] + (["--dilated"] if mode == "dilated" else [])
+                got = _launch(script, ranks, args)
+                row = {"n": n, "attention": mode, "pattern": "" if got["pattern"] is None else
+                       f"{got['pattern']['segment_lengths']} / {got['pattern']['dilation_rates']}",
+                       "seed": seed, "steps": got["steps"], "accuracy": got["accuracy_after"],
+                       "by_depth": _by_depth(got), "train_s": got["wall_s"],
+                       "step_s": got["step_s_at_full_length"], "peak_mb_per_rank": max(got["peak_rss_mb_per_rank"])}
+                rows.append(row)
+                print(format_table([row], list(row)), flush=True)
+        dense = [r for r in rows if r["n"] == n and r["attention"] == "dense"]
+        dilated = [r for r in rows if r["n"] == n and r["attention"] == "dilated"]
+        if dense and dilated:
+            for r in dilated:
+                r["step_over_dense"] = round(r["step_s"] / dense[0]["step_s"], 2)
+                r["peak_over_dense"] = round(r["peak_mb_per_rank"] / dense[0]["peak_mb_per_rank"], 2)
+        if convert_steps and dense:
+            converted.append(_convert(script, n, seeds[0], batch, ranks, convert_steps, work))
+            print(format_table([converted[-1]], list(converted[-1])), flush=True)
+    return {"rows": rows, "converted": converted}
+
+
+def _convert(script: str, n: int, seed: int, batch: int, ranks: int, steps: List[int], work: str) -> Dict:
+    """The dense checkpoint under the dilated pattern as it is, then fine-tuned with it at full length."""
+    out = os.path.join(work, f"convert_{n}")
+    every = steps[0]
+    args = ["--sp-size", str(ranks), "--seq-len", str(n), "--batch-size", str(batch), "--seed", str(seed),
+            "--model", os.path.join(work, f"dense_{n}_{seed}"), "--dilated", "--dense-frac", "0", "--warmup-len", "0",
+            "--steps", str(max(steps)), "--eval-every", str(every), "--save-every", "0", "--output", out]
+    got = _launch(script, ranks, args)
+    history = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=True)["history"]
+    curve = {h["step"]: h["accuracy"] for h in history if "accuracy" in h}
+    row = {"n": n, "dense_accuracy_converted": curve[0]}
+    for s in steps:
+        row[f"after_{s}_steps"] = curve.get(s)
+    row["by_depth_at_end"] = _by_depth(got)
+    return row
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--script", default=EXAMPLE, help="the fine-tuning example (default: %(default)s)")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 16384], help="lengths (default: %(default)s)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds per length and attention "
+                    "(default: %(default)s)")
+    ap.add_argument("--modes", nargs="+", default=["dense", "dilated"], choices=["dense", "dilated"],
+                    help="attentions to train (default: %(default)s)")
+    ap.add_argument("--tokens-per-step", type=int, default=16384,
+                    help="sequences per step are this over the length (default: %(default)s)")
+    ap.add_argument("--ranks", type=int, default=2, help="processes, all on one sequence (default: %(default)s)")
+    ap.add_argument("--convert-steps", type=int, nargs="*", default=[10, 20, 40],
+                    help="evaluate the converted dense checkpoint after these fine-tuning steps; the first is also "
+                         "the evaluation interval (default: %(default)s; none: no conversion)")
+    ap.add_argument("--out", default="bench_results", help="where quality.json goes (default: %(default)s)")
+    ap.add_argument("--append", action="store_true",
+                    help="add these rows to an existing quality.json in --out, e.g. more seeds at one length "
+                         "(default: replace it)")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as work:
+        got = run(args.script, args.sizes, args.seeds, args.modes, args.tokens_per_step, args.ranks,
+                  args.convert_steps, work)
+    path = os.path.join(args.out, "quality.json")
+    runs = [vars(args)]
+    if args.append and os.path.exists(path):
+        with open(path) as f:
+            before = json.load(f)
+        runs = before["runs"] + runs
+        got = {key: before[key] + got[key] for key in got}
+    save(args.out, "quality", {"runs": runs, **got})
+
+
+if __name__ == "__main__":
+    main()
