@@ -52,8 +52,8 @@ def run(script: str, sizes: List[int], seeds: List[int], modes: List[str], token
     rows, converted = [], []
     for n in sizes:
         batch = max(1, tokens_per_step // n)
-        for mode in modes:
-            for seed in seeds:
+        for seed in seeds:  # the attentions alternate, so a drift of the machine's speed touches both alike
+            for mode in modes:
                 out = os.path.join(work, f"{mode}_{n}_{seed}")
                 args = ["--sp-size", str(ranks), "--seq-len", str(n), "--batch-size", str(batch), "--seed", str(seed),
                         "--output", out] + (["--dilated"] if mode == "dilated" else [])
@@ -65,13 +65,13 @@ def run(script: str, sizes: List[int], seeds: List[int], modes: List[str], token
                        "step_s": got["step_s_at_full_length"], "peak_mb_per_rank": max(got["peak_rss_mb_per_rank"])}
                 rows.append(row)
                 print(format_table([row], list(row)), flush=True)
-        dense = [r for r in rows if r["n"] == n and r["attention"] == "dense"]
-        dilated = [r for r in rows if r["n"] == n and r["attention"] == "dilated"]
-        if dense and dilated:
-            for r in dilated:
-                r["step_over_dense"] = round(r["step_s"] / dense[0]["step_s"], 2)
-                r["peak_over_dense"] = round(r["peak_mb_per_rank"] / dense[0]["peak_mb_per_rank"], 2)
-        if convert_steps and dense:
+        dense = {r["seed"]: r for r in rows if r["n"] == n and r["attention"] == "dense"}
+        for r in rows:
+            pair = dense.get(r["seed"])
+            if r["n"] == n and r["attention"] == "dilated" and pair is not None:  # against the run just before it
+                r["step_over_dense"] = round(r["step_s"] / pair["step_s"], 2)
+                r["peak_over_dense"] = round(r["peak_mb_per_rank"] / pair["peak_mb_per_rank"], 2)
+        if convert_steps and seeds[0] in dense:
             converted.append(_convert(script, n, seeds[0], batch, ranks, convert_steps, work))
             print(format_table([converted[-1]], list(converted[-1])), flush=True)
     return {"rows": rows, "converted": converted}
