@@ -226,37 +226,52 @@ def plot(history: List[dict], by_depth: Dict[str, float], seq_len: int, path: st
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sp-size", type=int, default=None, help="ranks per sequence (default: all)")
-    ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--batch-size", type=int, default=4, help="sequences per step and data-parallel replica")
+    ap.add_argument("--seq-len", type=int, default=4096,
+                    help="tokens per sequence at full length (default: %(default)s)")
+    ap.add_argument("--batch-size", type=int, default=4,
+                    help="sequences per step and data-parallel replica (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 120; 240 with --dilated)")
-    ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=5e-3)
-    ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default: %(default)s)")
+    ap.add_argument("--lr", type=float, default=5e-3, help="peak AdamW learning rate (default: %(default)s)")
+    ap.add_argument("--eval-every", type=int, default=50,
+                    help="measure retrieval accuracy every N steps and at the end (default: %(default)s)")
+    ap.add_argument("--eval-batches", type=int, default=8,
+                    help="held-out batches of the accuracy measurement (default: %(default)s)")
     ap.add_argument("--depth-prompts", type=int, default=8,
-                    help="held-out sequences per passkey depth in the final evaluation (0 = none)")
+                    help="held-out sequences per passkey depth in the final evaluation, 0 = none "
+                         "(default: %(default)s)")
     ap.add_argument("--model", default=None, help="local Llama/Mistral checkpoint (default: a small Llama)")
     ap.add_argument("--data", default=None, help="local .txt or .jsonl file (default: passkey retrieval)")
-    ap.add_argument("--segment-lengths", type=int, nargs="*", help="dilated attention: segment lengths")
-    ap.add_argument("--dilation-rates", type=int, nargs="*", help="dilated attention: dilation rates")
+    ap.add_argument("--segment-lengths", type=int, nargs="*",
+                    help="dilated attention: segment lengths (default: none, dense attention)")
+    ap.add_argument("--dilation-rates", type=int, nargs="*",
+                    help="dilated attention: dilation rates, one per segment length (default: none)")
     ap.add_argument("--dilated", action="store_true",
                     help="the tested dilated recipe: segments --seq-len/4, /2, /1 with rates 1 2 4, 240 steps, the "
                          "first --dense-frac of the steps dense (default: off)")
     ap.add_argument("--dense-frac", type=float, default=0.25,
                     help="with a dilated pattern: share of the steps trained with dense attention before the "
                          "pattern takes over (default: %(default)s)")
-    ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
+    ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"],
+                    help="how the sequence is split over the ranks (default: %(default)s)")
     ap.add_argument("--ulysses-size", type=int, default=1,
-                    help="ranks per head-parallel group: 1 the ring, --sp-size head parallelism, between both")
-    ap.add_argument("--gradient-checkpointing", action="store_true")
-    ap.add_argument("--output", default="checkpoints/passkey")
-    ap.add_argument("--save-every", type=int, default=100, help="write the checkpoint every N steps (0 = only at the end)")
-    ap.add_argument("--resume", action="store_true", help="continue from the checkpoint in --output")
+                    help="ranks per head-parallel group: 1 the ring, --sp-size head parallelism, between both "
+                         "(default: %(default)s)")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="recompute each layer in the backward (default: off)")
+    ap.add_argument("--output", default="checkpoints/passkey",
+                    help="where the checkpoint, accuracy.png and summary.json go (default: %(default)s)")
+    ap.add_argument("--save-every", type=int, default=100,
+                    help="write the checkpoint every N steps (0 = only at the end) (default: %(default)s)")
+    ap.add_argument("--resume", action="store_true", help="continue from the checkpoint in --output (default: off)")
     ap.add_argument("--warmup-len", type=int, default=32,
                     help="passkey curriculum: start at this length and double up to --seq-len over the first "
-                         "--warmup-frac of the steps, with the same tokens per step (0 = always --seq-len)")
-    ap.add_argument("--warmup-frac", type=float, default=0.9, help="share of the steps in the curriculum")
-    ap.add_argument("--seed", type=int, default=0)
+                         "--warmup-frac of the steps, with the same tokens per step, 0 = always --seq-len "
+                         "(default: %(default)s)")
+    ap.add_argument("--warmup-frac", type=float, default=0.9,
+                    help="share of the steps in the curriculum (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the weights, the data and the held-out sets (default: %(default)s)")
     args = ap.parse_args(argv)
     if bool(args.segment_lengths) != bool(args.dilation_rates):
         ap.error("--segment-lengths and --dilation-rates go together")

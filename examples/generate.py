@@ -93,23 +93,32 @@ def prompt_ids(args, tokenizer, vocab: int) -> torch.Tensor:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="local Llama/Mistral checkpoint (default: a tiny random Llama)")
-    ap.add_argument("--prompt-file", default=None, help=".txt or .jsonl file whose text is the prompt")
+    ap.add_argument("--prompt-file", default=None,
+                    help=".txt or .jsonl file whose text is the prompt (default: none, a synthetic prompt)")
     ap.add_argument("--prompt-len", type=int, default=8192,
-                    help="tokens of the synthetic prompt; with --prompt-file, keep at most this many (0 = all)")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--do-sample", action="store_true")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=123)
+                    help="tokens of the synthetic prompt; with --prompt-file, keep at most this many (0 = all) "
+                         "(default: %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default: %(default)s)")
+    ap.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding (default: off)")
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="sampling temperature, with --do-sample (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=123,
+                    help="seed of the synthetic or passkey prompts and of sampling (default: %(default)s)")
     ap.add_argument("--sp-size", type=int, default=None, help="ranks per sequence (default: all)")
-    ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
+    ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"],
+                    help="how the prompt is split over the ranks (default: %(default)s)")
     ap.add_argument("--ulysses-size", type=int, default=1,
-                    help="ranks per head-parallel group: 1 the ring, --sp-size head parallelism, between both")
-    ap.add_argument("--segment-lengths", type=int, nargs="*", default=None, help="dilated attention branches")
-    ap.add_argument("--dilation-rates", type=int, nargs="*", default=None)
-    ap.add_argument("--passkey", action="store_true", help="answer passkey prompts (a finetune.py checkpoint)")
-    ap.add_argument("--prompts", type=int, default=8, help="passkey prompts to answer")
-    ap.add_argument("--seq-len", type=int, default=4096, help="length of each passkey prompt")
-    ap.add_argument("--quiet", action="store_true", help="do not stream the tokens")
+                    help="ranks per head-parallel group: 1 the ring, --sp-size head parallelism, between both "
+                         "(default: %(default)s)")
+    ap.add_argument("--segment-lengths", type=int, nargs="*", default=None,
+                    help="dilated attention: segment lengths (default: none, dense attention)")
+    ap.add_argument("--dilation-rates", type=int, nargs="*", default=None,
+                    help="dilated attention: dilation rates, one per segment length (default: none)")
+    ap.add_argument("--passkey", action="store_true",
+                    help="answer passkey prompts (a finetune.py checkpoint) (default: off)")
+    ap.add_argument("--prompts", type=int, default=8, help="passkey prompts to answer (default: %(default)s)")
+    ap.add_argument("--seq-len", type=int, default=4096, help="length of each passkey prompt (default: %(default)s)")
+    ap.add_argument("--quiet", action="store_true", help="do not stream the tokens (default: off)")
     return ap.parse_args(argv)
 
 

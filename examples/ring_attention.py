@@ -29,14 +29,16 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
-    ap.add_argument("--segments", type=int, nargs="*", help="dilated: segment lengths")
-    ap.add_argument("--rates", type=int, nargs="*", help="dilated: dilation rates")
-    ap.add_argument("--check", action="store_true", help="compare with one process on the whole sequence")
+    ap.add_argument("--seq-len", type=int, default=4096, help="global sequence length (default: %(default)s)")
+    ap.add_argument("--heads", type=int, default=8, help="query heads (default: %(default)s)")
+    ap.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default: %(default)s)")
+    ap.add_argument("--head-dim", type=int, default=64, help="head dimension (default: %(default)s)")
+    ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"],
+                    help="how the sequence is split over the ranks (default: %(default)s)")
+    ap.add_argument("--segments", type=int, nargs="*", help="dilated: segment lengths (default: none, dense attention)")
+    ap.add_argument("--rates", type=int, nargs="*", help="dilated: dilation rates, one per segment (default: none)")
+    ap.add_argument("--check", action="store_true",
+                    help="compare with one process on the whole sequence (default: off)")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()

@@ -68,18 +68,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sp-size", type=int, default=None, help="ranks per sequence (default: all)")
     ap.add_argument("--model", default=None, help="local causal LM directory (default: a small Llama built here)")
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--batch-size", type=int, default=8, help="sequences per step and data-parallel replica")
-    ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--train-rows", type=int, default=2000)
-    ap.add_argument("--eval-rows", type=int, default=64)
-    ap.add_argument("--lora", action="store_true", help="train LoRA adapters (needs peft)")
-    ap.add_argument("--gradient-checkpointing", action="store_true")
-    ap.add_argument("--no-trl", action="store_true", help="transformers.Trainer on pre-tokenized rows instead")
-    ap.add_argument("--output", default="checkpoints/sft")
-    ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=60, help="optimizer steps (default: %(default)s)")
+    ap.add_argument("--batch-size", type=int, default=8,
+                    help="sequences per step and data-parallel replica (default: %(default)s)")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default: %(default)s)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
+    ap.add_argument("--train-rows", type=int, default=2000, help="training examples made (default: %(default)s)")
+    ap.add_argument("--eval-rows", type=int, default=64, help="evaluation examples made (default: %(default)s)")
+    ap.add_argument("--lora", action="store_true", help="train LoRA adapters (needs peft) (default: off)")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="recompute each layer in the backward (default: off)")
+    ap.add_argument("--no-trl", action="store_true",
+                    help="transformers.Trainer on pre-tokenized rows instead of TRL's SFTTrainer (default: off)")
+    ap.add_argument("--output", default="checkpoints/sft",
+                    help="where checkpoints, the model and summary.json go (default: %(default)s)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from the last checkpoint in --output (default: off)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the model, the data and training (default: %(default)s)")
     return ap.parse_args(argv)
 
 
@@ -126,7 +132,8 @@ def build_trainer(args: argparse.Namespace, tokenizer, model_path: str):
                        data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True))
     from trl import SFTConfig, SFTTrainer
 
-    # Packed rows are refused under sequence parallelism for now, so padding_free and packing stay off.
+    # Padded rows keep this example small and exact against one process. Packed rows work under sequence
+    # parallelism too (padding_free=True: each document attends only to itself, on every rank).
     config = SFTConfig(**common, max_length=256, packing=False, padding_free=False)
     return SFTTrainer(model=model, args=config, processing_class=tokenizer, peft_config=peft_config,
                       train_dataset=Dataset.from_list(train), eval_dataset=Dataset.from_list(evals))
