@@ -1,10 +1,13 @@
 """``python -m hf_ring.bench quality``: what dilated attention trades, as a model, against the dense ring.
 
 Runs ``examples/finetune.py`` (passkey retrieval, 2 ranks, the sequence split)
-for each length and attention, dense and ``--dilated``, one seed after another
-in this one run, and collects each run's summary: retrieval accuracy overall
-and by the passkey's depth, the training time, the median step at full length
-and each rank's resident peak. With ``--convert-steps`` it also takes the
+for each length and attention, dense and ``--dilated``, the attentions
+alternating seed by seed, and collects each run's summary: retrieval accuracy
+overall and by the passkey's depth and each rank's resident peak (these runs
+are long, so they are not timed). Step time is compared in short runs of their own at full
+length, dense and dilated alternating (``--timing-steps``,
+``--timing-repeats``; ``--timing-only`` runs just those, for a quiet
+machine). With ``--convert-steps`` it also takes the
 dense checkpoint of the first seed, evaluates it under the dilated pattern as
 it is, and fine-tunes it with the pattern at full length, recording the
 accuracy after each number of steps. Tokens per step are the same at every
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,20 +65,42 @@ def run(script: str, sizes: List[int], seeds: List[int], modes: List[str], token
                 row = {"n": n, "attention": mode, "pattern": "" if got["pattern"] is None else
                        f"{got['pattern']['segment_lengths']} / {got['pattern']['dilation_rates']}",
                        "seed": seed, "steps": got["steps"], "accuracy": got["accuracy_after"],
-                       "by_depth": _by_depth(got), "train_s": got["wall_s"],
-                       "step_s": got["step_s_at_full_length"], "peak_mb_per_rank": max(got["peak_rss_mb_per_rank"])}
+                       "by_depth": _by_depth(got), "peak_mb_per_rank": max(got["peak_rss_mb_per_rank"])}
                 rows.append(row)
                 print(format_table([row], list(row)), flush=True)
-        dense = {r["seed"]: r for r in rows if r["n"] == n and r["attention"] == "dense"}
-        for r in rows:
-            pair = dense.get(r["seed"])
-            if r["n"] == n and r["attention"] == "dilated" and pair is not None:  # against the run just before it
-                r["step_over_dense"] = round(r["step_s"] / pair["step_s"], 2)
-                r["peak_over_dense"] = round(r["peak_mb_per_rank"] / pair["peak_mb_per_rank"], 2)
-        if convert_steps and seeds[0] in dense:
+        if convert_steps and "dense" in modes:
             converted.append(_convert(script, n, seeds[0], batch, ranks, convert_steps, work))
             print(format_table([converted[-1]], list(converted[-1])), flush=True)
     return {"rows": rows, "converted": converted}
+
+
+def timing(script: str, sizes: List[int], tokens_per_step: int, ranks: int, steps: int, repeats: int,
+           work: str) -> List[Dict]:
+    """Training steps at full length with no curriculum, dense and dilated alternating: the step-time comparison,
+    in runs short enough to take on a quiet machine (the accuracy runs are long, and only their accuracy counts)."""
+    rows = []
+    for n in sizes:
+        batch = max(1, tokens_per_step // n)
+        times: Dict[str, List[float]] = {"dense": [], "dilated": []}
+        peaks: Dict[str, List[float]] = {"dense": [], "dilated": []}
+        for _ in range(repeats):
+            for mode in ("dense", "dilated"):
+                out = os.path.join(work, f"timing_{mode}_{n}")
+                args = ["--sp-size", str(ranks), "--seq-len", str(n), "--batch-size", str(batch), "--warmup-len", "0",
+                        "--steps", str(steps), "--eval-every", str(10 * steps), "--eval-batches", "1",
+                        "--depth-prompts", "0", "--save-every", "0", "--output", out]
+                got = _launch(script, ranks, args + (["--dilated", "--dense-frac", "0"] if mode == "dilated" else []))
+                times[mode].append(got["step_s_at_full_length"])
+                peaks[mode].append(max(got["peak_rss_mb_per_rank"]))
+        row = {"n": n, "ranks": ranks, "batch": batch, "dense_step_s": round(statistics.median(times["dense"]), 3),
+               "dilated_step_s": round(statistics.median(times["dilated"]), 3)}
+        row["step_over_dense"] = round(row["dilated_step_s"] / row["dense_step_s"], 2)
+        row["dense_peak_mb"] = round(max(peaks["dense"]), 1)
+        row["dilated_peak_mb"] = round(max(peaks["dilated"]), 1)
+        row["peak_over_dense"] = round(row["dilated_peak_mb"] / row["dense_peak_mb"], 2)
+        rows.append(row)
+        print(format_table([row], list(row)), flush=True)
+    return rows
 
 
 def _convert(script: str, n: int, seed: int, batch: int, ranks: int, steps: List[int], work: str) -> Dict:
@@ -112,17 +138,25 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--append", action="store_true",
                     help="add these rows to an existing quality.json in --out, e.g. more seeds at one length "
                          "(default: replace it)")
+    ap.add_argument("--timing-steps", type=int, default=10,
+                    help="steps per timing run at full length (default: %(default)s)")
+    ap.add_argument("--timing-repeats", type=int, default=2,
+                    help="timing runs per attention and length, alternating (default: %(default)s)")
+    ap.add_argument("--timing-only", action="store_true", help="only the step-time comparison (default: off)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as work:
-        got = run(args.script, args.sizes, args.seeds, args.modes, args.tokens_per_step, args.ranks,
-                  args.convert_steps, work)
+        got = {"rows": [], "converted": []} if args.timing_only else run(
+            args.script, args.sizes, args.seeds, args.modes, args.tokens_per_step, args.ranks, args.convert_steps,
+            work)
+        got["timing"] = timing(args.script, args.sizes, args.tokens_per_step, args.ranks, args.timing_steps,
+                               args.timing_repeats, work)
     path = os.path.join(args.out, "quality.json")
     runs = [vars(args)]
     if args.append and os.path.exists(path):
         with open(path) as f:
             before = json.load(f)
         runs = before["runs"] + runs
-        got = {key: before[key] + got[key] for key in got}
+        got = {key: before.get(key, []) + got[key] for key in got}
     save(args.out, "quality", {"runs": runs, **got})
 
 

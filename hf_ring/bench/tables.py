@@ -81,9 +81,15 @@ COLUMNS: Dict[str, Sequence[Column]] = {
                  ("fwd_bwd_s_2", "fwd+bwd s, 2 GPUs"), ("speedup", "speed-up"), ("max_rel_err_fp32", "fp32 error"),
                  ("killed_peer", "a killed peer raises"), ("raised_after_s", "after s"), ("timeout_s", "timeout s")),
     "quality": (("n", "n"), ("attention", "attention"), ("pattern", "pattern"), ("seed", "seed"), ("steps", "steps"),
-                ("accuracy", "accuracy"), ("by_depth", "accuracy by passkey depth"), ("train_s", "training s"),
-                ("step_s", "step s at full length"), ("step_over_dense", "step / dense"),
-                ("peak_mb_per_rank", "peak MB per rank"), ("peak_over_dense", "peak / dense")),
+                ("accuracy", "accuracy"), ("by_depth", "accuracy by passkey depth 0/10/20/30/40/50%"),
+                ("peak_mb_per_rank", "peak MB per rank")),
+    "quality_timing": (("n", "n"), ("ranks", "ranks"), ("batch", "sequences per step"),
+                       ("dense_step_s", "dense step s"), ("dilated_step_s", "dilated step s"),
+                       ("step_over_dense", "dilated / dense"), ("dense_peak_mb", "dense peak MB per rank"),
+                       ("dilated_peak_mb", "dilated peak MB per rank"), ("peak_over_dense", "peak, dilated / dense")),
+    "quality_convert": (("n", "n"), ("dense_accuracy_converted", "dense checkpoint under the pattern"),
+                        ("after_10_steps", "after 10 steps"), ("after_20_steps", "after 20 steps"),
+                        ("after_40_steps", "after 40 steps"), ("by_depth_at_end", "by depth after 40 steps")),
     "scale": (("n", "n"), ("world", "ranks"), ("attention", "attention"), ("tiling", "tiled"), ("step_s", "step s"),
               ("peak_mb", "peak MB per rank"), ("fit_mb", "fit MB"), ("fit_off", "fit off by")),
 }
@@ -156,6 +162,8 @@ def render_finetune_runs(payload: Dict) -> str:
 DERIVED: Dict[str, Tuple[str, Callable[[Dict], str]]] = {
     "generate_decode_parts": ("generate", render_decode_parts),
     "finetune_runs": ("finetune_summary", render_finetune_runs),
+    "quality_timing": ("quality", lambda payload: render("quality_timing", {"rows": payload.get("timing", [])})),
+    "quality_convert": ("quality", lambda payload: render("quality_convert", {"rows": payload.get("converted", [])})),
 }
 """Tables made from another benchmark's JSON: NAME -> (the JSON's name, its renderer)."""
 
