@@ -75,11 +75,30 @@ def _autocast_alike(query: Tensor, key: Tensor, value: Tensor) -> Tuple[Tensor, 
     return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
-def _refuse_unsupported(dropout: float, training: bool, kwargs: dict, sharded: bool) -> None:
+DROPOUT_SETTINGS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout",
+                    "attention_dropout_prob", "attn_dropout_prob")
+"""The names model families give their attention-dropout setting (GPT-2: ``attn_pdrop``, BERT-like:
+``attention_probs_dropout_prob``); MPT and DBRX keep theirs in ``config.attn_config``."""
+
+
+def _dropout_setting(config: Any) -> str:
+    """The config attribute holding the model's nonzero attention dropout (``attention_dropout`` if none is found)."""
+    nested = getattr(config, "attn_config", None)
+    for prefix, holder in (("", config), ("attn_config.", nested)):
+        for name in DROPOUT_SETTINGS:
+            value = holder.get(name) if isinstance(holder, dict) else getattr(holder, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value:
+                return prefix + name
+    return "attention_dropout"
+
+
+def _refuse_unsupported(dropout: float, training: bool, kwargs: dict, sharded: bool, config: Any = None) -> None:
     if dropout and training:
+        name = _dropout_setting(config)
+        load = "" if "." in name else f"load the model with from_pretrained(..., {name}=0.0), or "
         raise ValueError(
-            f"ring_dilated does not implement attention dropout (got dropout={dropout}); "
-            "set config.attention_dropout = 0.0"
+            f"ring_dilated does not implement attention dropout (got dropout={dropout} in training); {load}set "
+            f"config.{name} = 0.0 before the model is built (its attention layers copy the value when built)"
         )
     for name, why in UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
@@ -116,7 +135,7 @@ def ring_dilated_attention(
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         opts = check_options(causal, sliding_window, cfg.pattern, scaling, query.shape[-1], cfg.layout)
         softcap, sinks = check_softcap(kwargs.get("softcap")), check_sinks(kwargs.get("s_aux"), query.shape[1])
-        _refuse_unsupported(dropout, module.training, kwargs, sharded)
+        _refuse_unsupported(dropout, module.training, kwargs, sharded, module.config)
         query, key, value = _autocast_alike(query, key, value)
         if not query.dtype == key.dtype == value.dtype:
             raise TypeError(f"q, k, v must share one dtype; got q={query.dtype}, k={key.dtype}, v={value.dtype}")

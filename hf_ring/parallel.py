@@ -93,8 +93,11 @@ def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = No
     if not (dist.is_available() and dist.is_initialized()):
         if sp_size not in (None, 1) or ulysses_size != 1:
             raise ValueError(
-                f"sp_size={sp_size}, ulysses_size={ulysses_size} needs several processes; launch with `accelerate launch --num_processes N` "
-                "or `torchrun --nproc_per_node N`"
+                f"sp_size={sp_size}, ulysses_size={ulysses_size} needs several processes, and torch.distributed is not "
+                "initialised in this one; launch N processes (N a multiple of sp_size): `torchrun --nproc_per_node N "
+                "script.py`, or `accelerate launch --num_processes N script.py` (on CPUs add `--multi_gpu` and "
+                "ACCELERATE_USE_CPU=true, else accelerate starts one process); under a launcher, pass the Accelerator "
+                "or call torch.distributed.init_process_group first"
             )
         set_current(None)
         return SequenceParallel(None, None, 0, 1, 0, 1, layout)

@@ -40,6 +40,7 @@ from .layout import head_split
 
 ATTN_IMPLEMENTATION = "ring_dilated"
 _HOOK_ATTR = "_hf_ring_shard_hook"
+_PREPARED_ATTR = "_hf_ring_prepared"
 
 
 def shard_model_inputs(kwargs: Dict[str, Any], sp: Optional[SequenceParallel] = None) -> Dict[str, Any]:
@@ -254,11 +255,42 @@ def _use_ring_attention(model: torch.nn.Module) -> None:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
+def _training_started(trainer: Any) -> bool:
+    """Whether ``trainer.train()`` has run or is running (a callback calls in from inside it)."""
+    state = getattr(trainer, "state", None)
+    # train() sets is_in_train on entry; the state's max_steps (0 until then) and global_step stay set after it.
+    return bool(getattr(trainer, "is_in_train", False) or getattr(state, "max_steps", 0)
+                or getattr(state, "global_step", 0))
+
+
+def _refuse_misuse(trainer: Any, sp_size: Optional[int], layout: str, ulysses_size: Optional[int]) -> None:
+    """Refuse a second call and a call once training has started: the same, local outcome on every rank."""
+    done = getattr(trainer, _PREPARED_ATTR, None)
+    if done is not None:
+        raise ValueError(
+            f"prepare_trainer was already called on this trainer ({done}); the second call "
+            f"({_describe(sp_size, layout, ulysses_size)}) is refused and the first call's setup stays in force. "
+            "Call hf_ring.prepare_trainer once per trainer, after building it and before train(); for another "
+            "split, build a new trainer and prepare that one"
+        )
+    if _training_started(trainer):
+        raise ValueError(
+            "prepare_trainer was called after trainer.train() started (e.g. from a callback): the model, optimizer "
+            "and data loaders are already built for an unsplit run. Call hf_ring.prepare_trainer(trainer, sp_size=...) "
+            "once, after building the trainer and before trainer.train()"
+        )
+
+
+def _describe(sp_size: Optional[int], layout: str, ulysses_size: Optional[int]) -> str:
+    return f"sp_size={sp_size}, layout={layout!r}, ulysses_size={ulysses_size}"
+
+
 def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: str = "zigzag",
                     ulysses_size: Optional[int] = None) -> Any:
     """Make a built ``transformers.Trainer`` (or subclass, e.g. TRL's ``SFTTrainer``) split every sequence over ``sp_size`` ranks.
 
-    Call it after the trainer is built and before ``train``/``evaluate``/``predict``.
+    Call it once, after the trainer is built and before ``train``/``evaluate``/``predict``;
+    a second call, or one after ``train()`` has started (e.g. from a callback), raises ``ValueError``.
     The remaining factor of the world is data parallel. Sets up the groups
     (:func:`hf_ring.setup_sequence_parallel` with the trainer's accelerator),
     switches the model's attention to ``ring_dilated`` and returns the trainer.
@@ -271,6 +303,7 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: str = "
 
     if not isinstance(trainer, Trainer):
         raise TypeError(f"trainer must be a transformers.Trainer (or subclass), got {type(trainer).__name__}")
+    _refuse_misuse(trainer, sp_size, layout, ulysses_size)
     if getattr(trainer, "model_init", None) is not None:
         raise ValueError("prepare_trainer needs a trainer built with model=..., not model_init")
     if trainer.is_deepspeed_enabled:
@@ -284,8 +317,9 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: str = "
     heads = ring_config.model_heads(base.config)
     if heads is not None:
         head_split(*heads, ring_config.check_ulysses_size(ulysses_size))  # refused now, not at the first step
-    setup_sequence_parallel(trainer.accelerator, sp_size, layout=layout, ulysses_size=ulysses_size)
+    sp = setup_sequence_parallel(trainer.accelerator, sp_size, layout=layout, ulysses_size=ulysses_size)
     _use_ring_attention(trainer.model)
     trainer.__class__ = _sequence_parallel_class(type(trainer))
     attach_shard_hook(trainer.model)
+    setattr(trainer, _PREPARED_ATTR, _describe(sp.sp_size, sp.layout, sp.ulysses_size))
     return trainer
