@@ -199,4 +199,3 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
-    ft.close()

@@ -522,7 +522,7 @@ def _resume_case(trainer, checkpoint, sp_size, layout):
 
 
 def sft_case(path, sp_size=None, *, padding_free=False, steps=2, per_device=2, accum=2):
-    """Train with TRL's SFTTrainer (examples/sft.py's tokenizer and data); a refusal of packed rows is returned."""
+    """Train with TRL's SFTTrainer (examples/sft.py's tokenizer and data)."""
     import os
     import sys
     import tempfile
