@@ -6,7 +6,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
-from .layout import check_layout, head_split
+from .layout import check_layout, check_ulysses_size, head_split
 from .pattern import DilatedPattern, coverage_message
 
 CONFIG_KEY = "ring_dilated"
@@ -20,12 +20,6 @@ class RingConfig:
     pattern: Optional[DilatedPattern]
     layout: str = "zigzag"
     ulysses_size: Optional[int] = None  # None: whatever hf_ring.setup_sequence_parallel was given
-
-
-def check_ulysses_size(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"ulysses_size must be a positive int (ranks per head-parallel group), got {value!r}")
-    return value
 
 
 def attn_implementations(config: Any) -> Tuple[str, ...]:

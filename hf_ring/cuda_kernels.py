@@ -22,8 +22,8 @@ same memory.
   call per member of a query-head group, each over a strided view of its
   query heads against all K/V heads: K/V are never repeated.
 
-The contracts these kernels check at run time and fake tensors do not
-(``DESIGN.md``) hold on every call: q, k, v, out and dout share one dtype
+The contracts that these kernels check at run time, and that fake tensors
+do not, hold on every call: q, k, v, out and dout share one dtype
 and have ``stride(-1) == 1``; a backward's logsumexp is fp32, 3-D and
 contiguous; a dense flash backward gets ``cum_seq_q/k = None``.
 """

@@ -16,7 +16,7 @@ its group's ring shard, in the order the ring expects, and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -49,10 +49,16 @@ def chunk_bounds(seq_len: int, num_chunks: int) -> List[Run]:
     return bounds
 
 
+def check_ulysses_size(value: Any) -> int:
+    """``ulysses_size``, ranks per head-parallel group, as a positive int (the one place it is type-checked)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ulysses_size must be a positive int (ranks per head-parallel group), got {value!r}")
+    return value
+
+
 def check_ulysses(world_size: int, ulysses: int) -> int:
     """``ulysses``: ranks per head-parallel group, a divisor of ``world_size``."""
-    if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1:
-        raise ValueError(f"ulysses_size must be a positive int, got {ulysses!r}")
+    check_ulysses_size(ulysses)
     if world_size % ulysses:
         raise ValueError(
             f"ulysses_size={ulysses} does not divide the {world_size} sequence-parallel ranks; choose a divisor "

@@ -19,7 +19,7 @@ from . import comm
 from . import patches
 from .comm import RingComm
 from .groups import SequenceParallel, current, set_current
-from .layout import check_layout, check_ulysses
+from .layout import check_layout, check_ulysses, check_ulysses_size
 
 
 _MESHES: dict = {}
@@ -84,8 +84,7 @@ def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = No
     :func:`hf_ring.shard_batch` use.
     """
     check_layout(layout)
-    if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1:
-        raise ValueError(f"ulysses_size must be a positive int, got {ulysses_size!r}")
+    check_ulysses_size(ulysses_size)
     comm.comm_timeout()  # an unusable HF_RING_TIMEOUT is refused now, before any wait
     if accelerator is not None:
         # accelerate initialises torch.distributed (gloo on CPU, NCCL on GPU) for multi-process runs.

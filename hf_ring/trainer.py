@@ -36,7 +36,7 @@ from .data import batch_shape, gather_sequence, model_rows, shard_batch
 from .groups import SequenceParallel, current
 from . import config as ring_config
 from .parallel import setup_sequence_parallel
-from .layout import head_split
+from .layout import check_ulysses_size, head_split
 
 ATTN_IMPLEMENTATION = "ring_dilated"
 _HOOK_ATTR = "_hf_ring_shard_hook"
@@ -74,13 +74,6 @@ def attach_shard_hook(model: torch.nn.Module) -> None:
     """Make every call of ``model`` shard its batch when a sequence-parallel setup is active (idempotent)."""
     if getattr(model, _HOOK_ATTR, None) is None:
         setattr(model, _HOOK_ATTR, model.register_forward_pre_hook(_shard_hook, with_kwargs=True))
-
-
-def detach_shard_hook(model: torch.nn.Module) -> None:
-    handle = getattr(model, _HOOK_ATTR, None)
-    if handle is not None:
-        handle.remove()
-        setattr(model, _HOOK_ATTR, None)
 
 
 def data_mesh(sp: SequenceParallel):
@@ -316,7 +309,7 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: str = "
         ulysses_size = ring_config.parse(getattr(base.config, ring_config.CONFIG_KEY, None)).ulysses_size or 1
     heads = ring_config.model_heads(base.config)
     if heads is not None:
-        head_split(*heads, ring_config.check_ulysses_size(ulysses_size))  # refused now, not at the first step
+        head_split(*heads, check_ulysses_size(ulysses_size))  # refused now, not at the first step
     sp = setup_sequence_parallel(trainer.accelerator, sp_size, layout=layout, ulysses_size=ulysses_size)
     _use_ring_attention(trainer.model)
     trainer.__class__ = _sequence_parallel_class(type(trainer))
