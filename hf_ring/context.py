@@ -21,6 +21,7 @@ from .checks import Options, agree_table, facts, global_length, unsharded_messag
 from .comm import RingComm
 from .decode import CachedBlock, cached_blocks
 from .documents import Documents
+from .groups import SequenceParallel
 from .layout import shard_sizes
 from .ulysses import group_rows
 
@@ -62,6 +63,19 @@ class ShardedForward:
     ring_comm: Optional[RingComm] = None
     _agreed: Dict[Tuple, bool] = field(default_factory=dict, repr=False)
     _group_masks: List[Tuple[Tensor, Tensor]] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def over(cls, sp: Optional[SequenceParallel], seq_len: int, layout: str, **facts: Any) -> "ShardedForward":
+        """A forward over the shards of ``sp``'s group (``None``: one process holds the whole sequence).
+
+        The one place the group's communicators and head-parallel size are
+        taken from a setup; ``facts`` are this forward's own (``padded``,
+        ``contents``, ``documents``, ``placeholder``).
+        """
+        if sp is None or sp.comm is None:
+            return cls(seq_len, None, layout, **facts)
+        return cls(seq_len, sp.comm, layout, ulysses=sp.ulysses_size, head_comm=sp.head_comm,
+                   ring_comm=sp.ring_comm, **facts)
 
     @property
     def world_size(self) -> int:

@@ -198,15 +198,12 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
         if placeholder:
             out["labels"] = torch.full_like(out["labels"], IGNORE_INDEX)
             out["shift_labels"] = torch.full_like(out["shift_labels"], IGNORE_INDEX)
-    out[CONTEXT_KEY] = ShardedForward(
-        n, None if group is None else group.comm, layout, padded=mask is not None and not bool(mask.all()),
+    out[CONTEXT_KEY] = ShardedForward.over(
+        group, n, layout, padded=mask is not None and not bool(mask.all()),
         contents=0 if group is None else (
             (fingerprint(ids) if ids is not None else _token_fingerprint(tokens)) + hash(documents or ())) & 0x7FFFFFFF,
         documents=documents,
         placeholder=placeholder,
-        ulysses=ulysses,
-        head_comm=None if group is None else group.head_comm,
-        ring_comm=None if group is None else group.ring_comm,
     )
     out.setdefault("use_cache", False)  # a KV cache of a training shard is never read
     return out

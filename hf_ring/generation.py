@@ -143,11 +143,8 @@ def _pre_forward(state: Generation):
             if mask is not None:
                 kwargs["attention_mask"] = mask[:, pos]
             # The ranks already agreed on the prompt (_agree), so the batch fingerprint is not needed here.
-            sp = state.sp
-            kwargs[CONTEXT_KEY] = ShardedForward(m, state.comm, cache.layout,
-                                                 padded=mask is not None and not bool(mask.all()),
-                                                 ulysses=cache.ulysses, head_comm=None if sp is None else sp.head_comm,
-                                                 ring_comm=None if sp is None else sp.ring_comm)
+            kwargs[CONTEXT_KEY] = ShardedForward.over(state.sp if state.comm is not None else None, m, cache.layout,
+                                                      padded=mask is not None and not bool(mask.all()))
             # The owner's last local row is the prompt's last token.
             state.src = owner(m - 1, m, world, cache.layout, cache.ulysses)
         else:
