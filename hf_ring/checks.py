@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 import struct
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -380,6 +381,40 @@ def _raise_first(rows: Sequence[Sequence[int]]) -> None:
     first = rows[failed[0]]
     kind, _, message = bytes(first[2:2 + first[1]]).decode(errors="replace").partition("\0")
     raise _KINDS.get(kind, ValueError)(f"rank {failed[0]}: {message}")
+
+
+@dataclass
+class Caught:
+    """What a block of local checks raised (see :func:`caught`)."""
+
+    error: Optional[Exception] = None
+
+
+@contextmanager
+def caught() -> Iterator[Caught]:
+    """Keep the TypeError or ValueError a block of local checks raises instead of raising it now.
+
+    Under sequence parallelism no rank may raise alone while the others wait
+    for it in a collective: the error is handed to the exchange every rank
+    makes next (:func:`fail_together`, or the ring's agreement), which raises
+    it on all of them.
+    """
+    found = Caught()
+    try:
+        yield found
+    except (TypeError, ValueError) as err:
+        found.error = err
+
+
+@contextmanager
+def fail_together(comm: Optional[RingComm], what: str) -> Iterator[None]:
+    """Run a block of local checks; an error it raises on one rank is raised on every rank of ``comm``.
+
+    The ranks exchange the block's outcome once after it (:func:`raise_together`), whether it passed or not.
+    """
+    with caught() as found:
+        yield
+    raise_together(comm, found.error, what)
 
 
 def raise_together(comm: Optional[RingComm], error: Optional[Exception], what: str) -> None:

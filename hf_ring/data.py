@@ -12,7 +12,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from .comm import all_gather
-from .checks import raise_together
+from .checks import fail_together
 from .context import CONTEXT_KEY, ShardedForward
 from .documents import Documents, check_documents, document_starts
 from .layout import local_positions, shard_sizes
@@ -158,7 +158,8 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
     """
     group = _sp(sp)
     documents = shifted = None
-    try:
+    # One small exchange after the checks, so a bad batch on one rank fails every rank of the group.
+    with fail_together(None if group is None else group.comm, "the batch check of shard_batch"):
         _check_batch(batch)
         b, n = batch_shape(batch)
         documents = _documents(batch, batch.get("position_ids"), b, n)
@@ -166,11 +167,6 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
             shifted = _shifted_labels(batch, batch["labels"], documents)
         elif batch.get("shift_labels") is not None:
             raise ValueError("shift_labels without labels: pass labels (shard_batch shifts them on the global rows)")
-        error = None
-    except (TypeError, ValueError) as err:
-        error = err
-    # One small exchange, so a bad batch on one rank fails every rank of the group, not just that one.
-    raise_together(None if group is None else group.comm, error, "the batch check of shard_batch")
     ids = batch.get("input_ids")
     tokens = ids if ids is not None else batch["inputs_embeds"]
     b, n = tokens.shape[:2]

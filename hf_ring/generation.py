@@ -30,7 +30,7 @@ import torch
 from . import config as ring_config
 from . import patches
 from .cache import ShardedCache
-from .checks import raise_together
+from .checks import fail_together
 from .comm import RingComm
 from .context import CONTEXT_KEY, DecodeStep, ShardedForward
 from .guard import other_attention_message
@@ -217,12 +217,8 @@ def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, 
     """
     sp = current()
     comm = sp.comm if sp is not None and sp.sp_size > 1 else None
-    try:
+    with fail_together(comm, "the argument check before generation"):
         model, cache = _prepare(model, input_ids, attention_mask, sp, comm, allow_beyond_max_positions, generate_kwargs)
-        error = None
-    except (TypeError, ValueError) as err:
-        error = err
-    raise_together(comm, error, "the argument check before generation")
     if cache is None:  # not ring_dilated, one process: transformers' own generate
         return model.generate(input_ids, attention_mask=attention_mask, **generate_kwargs)
     if comm is not None:

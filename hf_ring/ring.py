@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .blocks import Rows, band_mask, band_of, default_tile, tiles
-from .checks import agree, check_call, check_message_rows, check_position_ids, full_key_mask, gather_documents, option_codes, resolve_group
+from .checks import agree, caught, check_call, check_message_rows, check_position_ids, full_key_mask, gather_documents, option_codes, resolve_group
 from .comm import Pending, RingComm
 from .documents import Documents, check_documents, dilated_multiplicity, longest, same_document, within_one
 from .kernels import accumulator_dtype, add_sinks, block_backward, block_forward, check_sinks, check_softcap, merge_into, sinks_backward
@@ -450,8 +450,8 @@ def ring_attention(
     all-gather) before any K/V moves: a mismatch raises the same error on every rank.
     """
     comm = resolve_group(group)
-    opts, error = None, None
-    try:  # a bad argument on one rank fails every rank at once: its error rides in the agreement
+    opts, codes = None, ()
+    with caught() as check:  # a bad argument on one rank fails every rank at once: its error rides in the agreement
         opts = check_call(q, k, v, layout=layout, causal=causal, window=window, pattern=pattern, scale=scale,
                           key_mask=key_mask)
         softcap, sinks = check_softcap(softcap), check_sinks(sinks, q.shape[1])
@@ -460,9 +460,7 @@ def ring_attention(
             raise ValueError("pass either position_ids (the ranks then learn the documents) or documents, not both")
         message_rows = check_message_rows(message_rows)
         codes = option_codes(softcap, sinks, position_ids, documents, message_rows)
-    except (TypeError, ValueError) as err:
-        error, codes = err, ()
-    n, padded = agree(comm, q, k, seq_len, opts, codes, error)
+    n, padded = agree(comm, q, k, seq_len, opts, codes, check.error)
     if position_ids is not None:
         documents = gather_documents(comm, position_ids, n, opts.layout, k.device)
     documents = check_documents(documents, q.shape[0], n)
