@@ -290,10 +290,10 @@ def chunk_pair(plan: PairPlan, budget: int, causal: bool, window: Optional[int])
 
 MESSAGES_PER_SHARD = 8
 MIN_MESSAGE_ROWS = 512
-"""Rows of the largest message of a step (a zigzag step's smaller transfer gets half this). Larger messages cost
-memory, not speed: at 8K on two ranks, 1024-row messages took the peak per rank from 0.61x to 0.69x of one
-rank's, while the CPU kernels ran blocks of 256, 512 and 1024 keys at the same speed (forward+backward 0.83,
-0.85 and 0.88 s for the same pairs). Smaller ones add rounds, each with its wait."""
+"""Rows of the largest message of a step (a zigzag step's smaller transfer gets half this). A message's rows are
+held in receive buffers while the previous ones are computed on, so larger messages raise the peak per rank;
+the kernels run blocks of a few hundred keys as fast as larger ones, and smaller messages add rounds, each with
+its wait."""
 
 
 def message_budget(seq_len: int, world_size: int, hkv: int) -> int:
