@@ -25,10 +25,16 @@ class Family:
     attention_kwargs: Tuple[str, ...]  # keywords beyond (mask, dropout, scaling) that change the math
     layers: str  # which layers attend how
     rope: str  # RoPE types of released checkpoints
+    tiled: Tuple[str, ...] = ()  # CausalLM, MLP and RMSNorm classes the sequence tiling fits (empty: not tiled)
+
+    @property
+    def modeling(self) -> str:
+        """The module that defines the family's classes."""
+        return f"transformers.models.{self.module}.modeling_{self.module}"
 
     def rotary_classes(self) -> Tuple[type, ...]:
         # Imported on use: ``import hf_ring`` should not load every family's modeling code.
-        module = importlib.import_module(f"transformers.models.{self.module}.modeling_{self.module}")
+        module = importlib.import_module(self.modeling)
         return tuple(getattr(module, name) for name in self.rotary)
 
     def apply(self) -> None:
@@ -44,17 +50,22 @@ class Family:
 
 
 FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
-    Family("llama", "llama", ("LlamaRotaryEmbedding",), (), "all full", "default, llama3, linear, dynamic, yarn"),
+    Family("llama", "llama", ("LlamaRotaryEmbedding",), (), "all full", "default, llama3, linear, dynamic, yarn",
+           ("LlamaForCausalLM", "LlamaMLP", "LlamaRMSNorm")),
     Family("mistral", "mistral", ("MistralRotaryEmbedding",), ("sliding_window",),
-           "all sliding when config.sliding_window is set, else full", "default"),
+           "all sliding when config.sliding_window is set, else full", "default",
+           ("MistralForCausalLM", "MistralMLP", "MistralRMSNorm")),
     Family("qwen2", "qwen2", ("Qwen2RotaryEmbedding",), ("sliding_window",),
-           "config.layer_types (sliding from max_window_layers when use_sliding_window)", "default, yarn, dynamic"),
+           "config.layer_types (sliding from max_window_layers when use_sliding_window)", "default, yarn, dynamic",
+           ("Qwen2ForCausalLM", "Qwen2MLP", "Qwen2RMSNorm")),
     Family("qwen3", "qwen3", ("Qwen3RotaryEmbedding",), ("sliding_window",),
-           "config.layer_types (sliding from max_window_layers when use_sliding_window)", "default, yarn"),
+           "config.layer_types (sliding from max_window_layers when use_sliding_window)", "default, yarn",
+           ("Qwen3ForCausalLM", "Qwen3MLP", "Qwen3RMSNorm")),
     Family("qwen3_moe", "qwen3_moe", ("Qwen3MoeRotaryEmbedding",), ("sliding_window",),
            "all sliding when config.sliding_window is set, else full", "default, yarn"),
     Family("gemma2", "gemma2", ("Gemma2RotaryEmbedding",), ("sliding_window", "softcap"),
-           "config.layer_types: sliding and full alternate", "default"),
+           "config.layer_types: sliding and full alternate", "default",
+           ("Gemma2ForCausalLM", "Gemma2MLP", "Gemma2RMSNorm")),
     Family("gemma3_text", "gemma3", ("Gemma3RotaryEmbedding",), ("sliding_window",),
            "config.layer_types: 5 sliding to 1 full; one rotary module with a RoPE per layer type",
            "sliding: default; full: linear"),

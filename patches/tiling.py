@@ -26,10 +26,12 @@ from typing import Any, Dict, Optional, Tuple
 
 from torch import nn
 
-from hf_ring.loss import tiled_causal_lm_loss
-from hf_ring.mlp import tiled_rows
 from hf_ring.config import runs_ring
 from hf_ring.groups import current
+from hf_ring.loss import tiled_causal_lm_loss
+from hf_ring.mlp import tiled_rows
+
+from .families import FAMILIES
 
 CONFIG_KEY = "ring_tiling"
 SETTINGS = ("loss", "mlp", "norm", "loss_chunk_rows", "row_chunk_rows")
@@ -38,14 +40,10 @@ _ORIGINAL = "_hf_ring_tiling_original_forward"
 _CONFIG_REF = "_hf_ring_tiling_config"
 """Set on MLP and norm modules by :func:`configure`: the model config holding their settings."""
 
-FAMILIES: Dict[str, Tuple[str, str, str, str]] = {
-    "llama": ("transformers.models.llama.modeling_llama", "LlamaForCausalLM", "LlamaMLP", "LlamaRMSNorm"),
-    "mistral": ("transformers.models.mistral.modeling_mistral", "MistralForCausalLM", "MistralMLP", "MistralRMSNorm"),
-    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2ForCausalLM", "Qwen2MLP", "Qwen2RMSNorm"),
-    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3ForCausalLM", "Qwen3MLP", "Qwen3RMSNorm"),
-    "gemma2": ("transformers.models.gemma2.modeling_gemma2", "Gemma2ForCausalLM", "Gemma2MLP", "Gemma2RMSNorm"),
-}
-"""Families whose CausalLM forward, MLP and norm are known to fit the tiled versions (module, class names)."""
+TILED: Dict[str, Tuple[str, str, str, str]] = {
+    name: (family.modeling, *family.tiled) for name, family in FAMILIES.items() if family.tiled}
+"""Families whose CausalLM forward, MLP and norm are known to fit the tiled versions (module, class names),
+from the one family table."""
 
 # The lines of a standard CausalLM forward that touch logits or the loss; a
 # forward with any other such line (a logit scale, say) is not tiled.
@@ -204,9 +202,9 @@ def _unpatch(cls: type) -> None:
 def _classes(model_or_class: Any) -> Tuple[type, Optional[type], Optional[type]]:
     """The CausalLM class, its MLP class and its RMSNorm class, from a model, a CausalLM class or a family name."""
     if isinstance(model_or_class, str):
-        if model_or_class not in FAMILIES:
-            raise ValueError(f"no tiling entry for model type {model_or_class!r}; known: {', '.join(sorted(FAMILIES))}")
-        module, causal, mlp, norm = FAMILIES[model_or_class]
+        if model_or_class not in TILED:
+            raise ValueError(f"no tiling entry for model type {model_or_class!r}; known: {', '.join(sorted(TILED))}")
+        module, causal, mlp, norm = TILED[model_or_class]
         mod = importlib.import_module(module)
         return getattr(mod, causal), getattr(mod, mlp), getattr(mod, norm)
     cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
@@ -217,7 +215,7 @@ def _classes(model_or_class: Any) -> Tuple[type, Optional[type], Optional[type]]
             mlp_cls = type(getattr(layers[0], "mlp", None))
             norm_cls = type(getattr(layers[0], "input_layernorm", None))
     else:
-        for module, causal, mlp, norm in FAMILIES.values():
+        for module, causal, mlp, norm in TILED.values():
             if cls.__name__ == causal and cls.__module__ == module:
                 mod = importlib.import_module(module)
                 mlp_cls, norm_cls = getattr(mod, mlp), getattr(mod, norm)
@@ -225,7 +223,7 @@ def _classes(model_or_class: Any) -> Tuple[type, Optional[type], Optional[type]]
 
 
 def _check_rowwise(cls: type, kind: str, index: int) -> None:
-    known = {entry[index] for entry in FAMILIES.values()}
+    known = {entry[index] for entry in TILED.values()}
     if cls.__name__ not in known:
         raise TypeError(f"{cls.__name__} is not a known row-wise {kind} (known: {', '.join(sorted(known))}); "
                         f"tiling it could change its result (e.g. a mixture of experts); pass {kind.lower()}=False")
@@ -260,11 +258,11 @@ def is_applied(model_or_class: Any) -> bool:
 
 
 def apply_all() -> None:
-    """Patch every family in :data:`FAMILIES` (what sequence-parallel setup calls)."""
-    for name in FAMILIES:
+    """Patch every family in :data:`TILED` (what sequence-parallel setup calls)."""
+    for name in TILED:
         apply(name)
 
 
 def revert_all() -> None:
-    for name in FAMILIES:
+    for name in TILED:
         revert(name)
