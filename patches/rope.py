@@ -18,11 +18,9 @@ import weakref
 from typing import Iterator, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from transformers.modeling_rope_utils import dynamic_rope_update
 
-from hf_ring.comm import all_reduce
 from hf_ring.config import runs_ring
 from hf_ring.groups import current
 
@@ -101,10 +99,12 @@ def patch_rotary(cls: type) -> bool:
                 or (config is not None and not runs_ring(config))):
             return original(self, x, position_ids, *args, **kwargs)
         # Gemma 3 calls once per layer type, in set order that may differ between processes; every call
-        # reduces the same value, so matching the calls in any order gives every rank the same answer.
-        longest = position_ids.max().reshape(1).to(torch.long)
-        all_reduce(longest, sp.sp_group, "the RoPE global length", op=dist.ReduceOp.MAX)
-        original(self, x[:1, :1], longest.view(1, 1).to(position_ids.device), *args, **kwargs)  # global-length update only
+        # gathers the same value, so matching the calls in any order gives every rank the same answer. The
+        # exchange has the size of every control exchange, so a rank that reached another one instead (its
+        # model refusing sharded inputs in the forward's agreement) fails both at once rather than waiting.
+        longest = max(row[0] for row in sp.comm.all_gather_ints([int(position_ids.max())], "the RoPE global length"))
+        longest = torch.tensor([[longest]], dtype=torch.long, device=position_ids.device)
+        original(self, x[:1, :1], longest, *args, **kwargs)  # global-length update only
         with torch.no_grad():  # as the decorated original; raw must not redo the update with the shard's length
             return raw(self, x, position_ids, *args, **kwargs)
 

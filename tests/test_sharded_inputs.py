@@ -28,8 +28,8 @@ def other_attention_case(path, attn, ring_on_rank1):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("ring_on_rank1", [False, True])
 def test_sharded_inputs_into_another_attention_raise_on_every_rank(pools, attn, ring_on_rank1):
-    # With one rank on the ring, the other's error rides the ring's agreement exchange, which is the forward's first
-    # collective unless a length-dependent RoPE reduces the global length before it (then both ranks time out).
+    # With one rank on the ring, the other's error rides the ring's agreement exchange, the forward's first
+    # collective when the RoPE does not depend on the length (see the test below for one that does).
     path = saved_model_dir("llama", seed=7) if ring_on_rank1 else _path()
     errors = pools(2).run(other_attention_case, path, attn, ring_on_rank1)
     for rank, err in enumerate(errors):
@@ -37,6 +37,15 @@ def test_sharded_inputs_into_another_attention_raise_on_every_rank(pools, attn, 
         assert f"attn_implementation='{attn}'" in err[1] and "set_attn_implementation('ring_dilated')" in err[1], err
     # the rank that ran the ring model raises the error of the rank that did not, not a vaguer one of its own
     assert "sequence-sharded inputs" in errors[1][1]
+
+
+def test_another_attention_beside_a_ring_whose_rope_gathers_the_length_fails_both_at_once(pools):
+    """The ring model's first exchange gathers the RoPE's global length; the other rank's model is in the agreement
+    instead. Both exchanges have one size, so both ranks raise a named error at once instead of timing out."""
+    errors = pools(2).run(other_attention_case, _path(), "sdpa", True)
+    for rank, err in enumerate(errors):
+        assert err is not None and err[0] == "ValueError", (rank, err)
+        assert "the ranks reached different exchanges" in err[1] and "ran another model" in err[1], err
 
 
 def _step(model, data):
