@@ -37,7 +37,7 @@ from .ulysses import head_parallel
 
 Tensor = torch.Tensor
 
-NAME = "ring_dilated"
+NAME = ring_config.ATTN_IMPLEMENTATION
 
 UNSUPPORTED_KWARGS = {
     "head_mask": "head masks are not implemented by ring_dilated",

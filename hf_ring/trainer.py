@@ -38,7 +38,6 @@ from . import config as ring_config
 from .parallel import setup_sequence_parallel
 from .layout import check_ulysses_size, head_split
 
-ATTN_IMPLEMENTATION = "ring_dilated"
 _HOOK_ATTR = "_hf_ring_shard_hook"
 _PREPARED_ATTR = "_hf_ring_prepared"
 
@@ -244,8 +243,8 @@ def _sequence_parallel_class(cls: type) -> type:
 
 def _use_ring_attention(model: torch.nn.Module) -> None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
-    if getattr(base.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
-        base.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if not ring_config.runs_ring(base.config):
+        base.set_attn_implementation(ring_config.ATTN_IMPLEMENTATION)
 
 
 def _training_started(trainer: Any) -> bool:
