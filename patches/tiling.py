@@ -38,7 +38,8 @@ SETTINGS = ("loss", "mlp", "norm", "loss_chunk_rows", "row_chunk_rows")
 RETURN_LOGITS = "return_logits"
 _ORIGINAL = "_hf_ring_tiling_original_forward"
 _CONFIG_REF = "_hf_ring_tiling_config"
-"""Set on MLP and norm modules by :func:`configure`: the model config holding their settings."""
+"""Set on MLP and norm modules (by :func:`configure`, or by the CausalLM's first forward, which marks itself with
+it too): the model config holding their settings."""
 
 TILED: Dict[str, Tuple[str, str, str, str]] = {
     name: (family.modeling, *family.tiled) for name, family in FAMILIES.items() if family.tiled}
@@ -173,10 +174,11 @@ def _tiled_rows_forward(switch: str):
     def make(original):
         def forward(self, x, *args, **kwargs):
             config = getattr(self, _CONFIG_REF, None) or getattr(self, "config", None)
-            if args or kwargs or not _on(settings(config)[switch], config):
+            opts = settings(config)
+            if args or kwargs or not _on(opts[switch], config):
                 return original(self, x, *args, **kwargs)
             params = [p for p in self.parameters() if p.requires_grad]
-            return tiled_rows(lambda rows: original(self, rows), x, params, settings(config)["row_chunk_rows"])
+            return tiled_rows(lambda rows: original(self, rows), x, params, opts["row_chunk_rows"])
 
         forward.__wrapped__ = original
         return forward
