@@ -47,6 +47,11 @@ def _launch(script: str, ranks: int, args: List[str]) -> Dict:
         return json.load(f)
 
 
+def _args(ranks: int, n: int, batch: int, out: str) -> List[str]:
+    """What every launch of the example here shares: the ranks, the length, sequences per step, where it writes."""
+    return ["--sp-size", str(ranks), "--seq-len", str(n), "--batch-size", str(batch), "--output", out]
+
+
 def _by_depth(summary: Dict) -> str:
     return " / ".join(f"{v:.2f}" for v in summary["accuracy_by_depth"].values())
 
@@ -59,8 +64,7 @@ def run(script: str, sizes: List[int], seeds: List[int], modes: List[str], token
         for seed in seeds:  # the attentions alternate, so a drift of the machine's speed touches both alike
             for mode in modes:
                 out = os.path.join(work, f"{mode}_{n}_{seed}")
-                args = ["--sp-size", str(ranks), "--seq-len", str(n), "--batch-size", str(batch), "--seed", str(seed),
-                        "--output", out] + (["--dilated"] if mode == "dilated" else [])
+                args = _args(ranks, n, batch, out) + ["--seed", str(seed)] + (["--dilated"] if mode == "dilated" else [])
                 got = _launch(script, ranks, args)
                 row = {"n": n, "attention": mode, "pattern": "" if got["pattern"] is None else
                        f"{got['pattern']['segment_lengths']} / {got['pattern']['dilation_rates']}",
@@ -86,9 +90,9 @@ def timing(script: str, sizes: List[int], tokens_per_step: int, ranks: int, step
         for _ in range(repeats):
             for mode in ("dense", "dilated"):
                 out = os.path.join(work, f"timing_{mode}_{n}")
-                args = ["--sp-size", str(ranks), "--seq-len", str(n), "--batch-size", str(batch), "--warmup-len", "0",
-                        "--steps", str(steps), "--eval-every", str(10 * steps), "--eval-batches", "1",
-                        "--depth-prompts", "0", "--save-every", "0", "--output", out]
+                args = _args(ranks, n, batch, out) + ["--warmup-len", "0", "--steps", str(steps), "--eval-every",
+                                                      str(10 * steps), "--eval-batches", "1", "--depth-prompts", "0",
+                                                      "--save-every", "0"]
                 got = _launch(script, ranks, args + (["--dilated", "--dense-frac", "0"] if mode == "dilated" else []))
                 times[mode].append(got["step_s_at_full_length"])
                 peaks[mode].append(max(got["peak_rss_mb_per_rank"]))
@@ -107,9 +111,9 @@ def _convert(script: str, n: int, seed: int, batch: int, ranks: int, steps: List
     """The dense checkpoint under the dilated pattern as it is, then fine-tuned with it at full length."""
     out = os.path.join(work, f"convert_{n}")
     every = steps[0]
-    args = ["--sp-size", str(ranks), "--seq-len", str(n), "--batch-size", str(batch), "--seed", str(seed),
-            "--model", os.path.join(work, f"dense_{n}_{seed}"), "--dilated", "--dense-frac", "0", "--warmup-len", "0",
-            "--steps", str(max(steps)), "--eval-every", str(every), "--save-every", "0", "--output", out]
+    args = _args(ranks, n, batch, out) + [
+        "--seed", str(seed), "--model", os.path.join(work, f"dense_{n}_{seed}"), "--dilated", "--dense-frac", "0",
+        "--warmup-len", "0", "--steps", str(max(steps)), "--eval-every", str(every), "--save-every", "0"]
     got = _launch(script, ranks, args)
     history = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=True)["history"]
     curve = {h["step"]: h["accuracy"] for h in history if "accuracy" in h}
