@@ -23,16 +23,15 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from . import config as ring_config
 from . import patches
-from .checks import Options, check_options, check_qkv, full_key_mask, option_codes
+from .checks import check_options, check_qkv, check_sinks, check_softcap, full_key_mask, option_codes
 from .documents import Documents, check_documents, document_starts
-from .kernels import check_sinks, check_softcap
 from .context import CONTEXT_KEY, DecodeStep, ShardedForward, refuse_unsharded
 from .decode import CachedBlock, cached_attention, cached_blocks, merge_ranks
 from .groups import current
-from .layout import HeadSplit, head_split
-from .pattern import branches_of
+from .layout import head_split
 from .rows import KEEP_ALL, rule_for
 from .ring import run
+from .spec import AttentionSpec
 from .ulysses import head_parallel
 
 Tensor = torch.Tensor
@@ -127,86 +126,99 @@ def ring_dilated_attention(
     ctx = kwargs.get(CONTEXT_KEY)
     sp = current()
     sharded = sp is not None and sp.sp_size > 1
-    key_valid = None
     try:  # under sequence parallelism a rank whose arguments fail makes every rank raise, at once
-        cfg = ring_config.parse(getattr(module.config, ring_config.CONFIG_KEY, None))
-        ring_config.warn_coverage(cfg.pattern, module.config)  # a saved pattern may leave positions unread
         # transformers' own backends let an explicit is_causal win over the module's attribute.
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        opts = check_options(causal, sliding_window, cfg.pattern, scaling, query.shape[-1], cfg.layout)
-        softcap, sinks = check_softcap(kwargs.get("softcap")), check_sinks(kwargs.get("s_aux"), query.shape[1])
+        spec = _layer_spec(module, query, causal, scaling, sliding_window, kwargs)
         _refuse_unsupported(dropout, module.training, kwargs, sharded, module.config)
         query, key, value = _autocast_alike(query, key, value)
         if not query.dtype == key.dtype == value.dtype:
             raise TypeError(f"q, k, v must share one dtype; got q={query.dtype}, k={key.dtype}, v={value.dtype}")
         if isinstance(ctx, ShardedForward) and query.shape[2] == key.shape[2]:
-            check_qkv(query, key, value)
-            key_valid = _key_mask_2d(attention_mask)
-            if ctx.world_size > 1 and opts.layout != ctx.layout:
-                raise ValueError(
-                    f"config.ring_dilated layout {opts.layout!r} differs from the sequence-parallel layout "
-                    f"{ctx.layout!r}; use one layout for both (hf_ring.configure and hf_ring.setup_sequence_parallel)"
-                )
-            if ctx.world_size > 1 and cfg.ulysses_size not in (None, ctx.ulysses):
-                raise ValueError(
-                    f"config.ring_dilated ulysses_size={cfg.ulysses_size} differs from the sequence-parallel setup's "
-                    f"ulysses_size={ctx.ulysses}; pass the same to hf_ring.setup_sequence_parallel (prepare_trainer "
-                    "takes it from the config) or change it with hf_ring.configure"
-                )
-            split = head_split(query.shape[1], key.shape[1], ctx.ulysses)
+            spec = _sharded_spec(module, query, key, value, attention_mask, spec, ctx)
     except (TypeError, ValueError, NotImplementedError) as err:
         if isinstance(ctx, ShardedForward):
             ctx.fail(err)
         raise
     if isinstance(ctx, DecodeStep):
-        out = _decode_step(query, key, value, _key_mask_2d(attention_mask), opts, ctx, softcap, sinks,
-                           getattr(module, "layer_idx", None))
+        out = _decode_step(query, key, value, _key_mask_2d(attention_mask), spec, ctx, getattr(module, "layer_idx", None))
     elif query.shape[2] != key.shape[2]:
         if sharded:
             raise NotImplementedError(
                 "ring_dilated got a KV cache while the sequence is split across ranks; generate with "
                 "hf_ring.generate(model, input_ids, ...), which keeps the cache sharded"
             )
-        out = _over_cache(query, key, value, attention_mask, opts, softcap, sinks)
+        out = _over_cache(query, key, value, attention_mask, spec)
     elif isinstance(ctx, ShardedForward):
-        out = _sharded(module, query, key, value, key_valid, opts, ctx, softcap, sinks, split)
+        out = _sharded(module, query, key, value, spec, ctx)
     elif sharded:
-        refuse_unsharded(sp.comm, query, key, opts)
+        refuse_unsharded(sp.comm, query, key, spec)
     else:
-        check_qkv(query, key, value)
-        key_valid = _key_mask_2d(attention_mask)
-        key_mask = full_key_mask(key_valid, key, key_valid is not None and not bool(key_valid.all()))
-        out = run(query, key, value, None, seq_len=query.shape[2], layout="contiguous", causal=opts.causal,
-                  window=opts.window, pattern=opts.pattern, scale=opts.scale, key_mask=key_mask,
-                  documents=_local_documents(query, attention_mask, kwargs), softcap=softcap, sinks=sinks)
+        out = _whole(query, key, value, attention_mask, spec, kwargs)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _sharded(module, query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[Tensor], opts: Options,
-             ctx: ShardedForward, softcap: Optional[float], sinks: Optional[Tensor], split: HeadSplit) -> Tensor:
+def _layer_spec(module, query: Tensor, causal: Any, scaling: Any, sliding_window: Any, kwargs: dict) -> AttentionSpec:
+    """What this layer's attention computes, from the model's config and the call's keywords (checked)."""
+    cfg = ring_config.parse(getattr(module.config, ring_config.CONFIG_KEY, None))
+    ring_config.warn_coverage(cfg.pattern, module.config)  # a saved pattern may leave positions unread
+    spec = check_options(causal, sliding_window, cfg.pattern, scaling, query.shape[-1], cfg.layout)
+    return spec.at(softcap=check_softcap(kwargs.get("softcap")), sinks=check_sinks(kwargs.get("s_aux"), query.shape[1]))
+
+
+def _sharded_spec(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, spec: AttentionSpec,
+                  ctx: ShardedForward) -> AttentionSpec:
+    """The spec of a forward over shards: the forward's layout, length, documents and this rank's key padding."""
+    check_qkv(query, key, value)
+    cfg = ring_config.parse(getattr(module.config, ring_config.CONFIG_KEY, None))
+    if ctx.world_size > 1 and spec.layout != ctx.layout:
+        raise ValueError(
+            f"config.ring_dilated layout {spec.layout!r} differs from the sequence-parallel layout "
+            f"{ctx.layout!r}; use one layout for both (hf_ring.configure and hf_ring.setup_sequence_parallel)"
+        )
+    if ctx.world_size > 1 and cfg.ulysses_size not in (None, ctx.ulysses):
+        raise ValueError(
+            f"config.ring_dilated ulysses_size={cfg.ulysses_size} differs from the sequence-parallel setup's "
+            f"ulysses_size={ctx.ulysses}; pass the same to hf_ring.setup_sequence_parallel (prepare_trainer "
+            "takes it from the config) or change it with hf_ring.configure"
+        )
+    head_split(query.shape[1], key.shape[1], ctx.ulysses)  # the heads must serve the head-parallel groups
+    return spec.at(layout=ctx.layout if ctx.world_size > 1 else "contiguous", seq_len=ctx.seq_len,
+                   documents=ctx.documents, key_mask=_key_mask_2d(attention_mask))
+
+
+def _whole(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, spec: AttentionSpec,
+           kwargs: dict) -> Tensor:
+    """Whole sequences in one process: the ring on this process alone."""
+    check_qkv(query, key, value)
+    key_valid = _key_mask_2d(attention_mask)
+    key_mask = full_key_mask(key_valid, key, key_valid is not None and not bool(key_valid.all()))
+    return run(query, key, value, None, spec.at(layout="contiguous", seq_len=query.shape[2], key_mask=key_mask,
+                                                documents=_local_documents(query, attention_mask, kwargs)))
+
+
+def _sharded(module, query: Tensor, key: Tensor, value: Tensor, spec: AttentionSpec, ctx: ShardedForward) -> Tensor:
     """The ring (or head parallelism) over the shards of one forward; the ranks agree once per kind of layer.
 
-    A rank that holds no row of the sequence runs the model on a placeholder
+    ``spec.key_mask`` is this rank's rows' padding (None: no padding here). A
+    rank that holds no row of the sequence runs the model on a placeholder
     row: the ring gets none of it, and its output there is zero.
     """
     if ctx.placeholder:
+        key_valid = spec.key_mask
         out = _sharded(module, query[:, :, :0], key[:, :, :0], value[:, :, :0],
-                       None if key_valid is None else key_valid[:, :0], opts, replace(ctx, placeholder=False),
-                       softcap, sinks, split)
+                       spec.at(key_mask=None if key_valid is None else key_valid[:, :0]),
+                       replace(ctx, placeholder=False))
         return torch.cat([out, out.new_zeros(*out.shape[:2], query.shape[2], out.shape[3])], dim=2)
-    codes = option_codes(softcap, sinks, None, ctx.documents) + [("ulysses_size", ctx.ulysses)]
-    if ctx.agree(query, key, opts, codes) and ctx.world_size > 1:
+    codes = option_codes(spec) + [("ulysses_size", ctx.ulysses)]
+    if ctx.agree(query, key, spec, codes) and ctx.world_size > 1:
         patches.check_supported(module.config)  # once per forward: the family does not change between layers
-    key_mask = full_key_mask(key_valid, key, ctx.padded)
+    key_mask = full_key_mask(spec.key_mask, key, ctx.padded)
     if ctx.ulysses > 1:
-        return head_parallel(query, key, value, ctx.head_comm, ctx.ring_comm, split=split, sizes=ctx.group_sizes(),
-                             seq_len=ctx.seq_len, layout=ctx.layout, causal=opts.causal, window=opts.window,
-                             pattern=opts.pattern, scale=opts.scale,
-                             key_mask=None if key_mask is None else ctx.group_key_mask(key_mask),
-                             documents=ctx.documents, softcap=softcap, sinks=sinks)
-    return run(query, key, value, ctx.comm, seq_len=ctx.seq_len, layout=ctx.layout if ctx.world_size > 1 else "contiguous",
-               causal=opts.causal, window=opts.window, pattern=opts.pattern, scale=opts.scale, key_mask=key_mask,
-               documents=ctx.documents, softcap=softcap, sinks=sinks)
+        spec = spec.at(key_mask=None if key_mask is None else ctx.group_key_mask(key_mask))
+        return head_parallel(query, key, value, ctx.head_comm, ctx.ring_comm,
+                             head_split(query.shape[1], key.shape[1], ctx.ulysses), ctx.group_sizes(), spec)
+    return run(query, key, value, ctx.comm, spec.at(key_mask=key_mask))
 
 
 def _local_documents(query: Tensor, attention_mask: Any, kwargs: dict) -> Optional[Documents]:
@@ -241,8 +253,7 @@ def _is_cache_mask(attention_mask: Any) -> bool:
     return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
 
 
-def _over_cache(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, opts: Options,
-                softcap: Optional[float], sinks: Optional[Tensor]) -> Tensor:
+def _over_cache(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, spec: AttentionSpec) -> Tensor:
     """New tokens over transformers' own cache in one process.
 
     The mask function gives such a forward the cache's own 4-D mask (what
@@ -260,7 +271,7 @@ def _over_cache(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, 
             f"padding mask; got {type(mask).__name__} {tuple(getattr(mask, 'shape', ()))} "
             f"{getattr(mask, 'dtype', '')}. Pass the 2-D attention_mask from the tokenizer (or none)"
         )
-    if opts.pattern is None:
+    if spec.pattern is None:
         groups = [(range(query.shape[1]), range(key.shape[1]))]
         blocks = [CachedBlock(q, k, None, None, None) for q, k in groups]
     else:
@@ -271,14 +282,14 @@ def _over_cache(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, 
                 "hf_ring.generate"
             )
         k_pos = torch.arange(kv_len)
-        blocks = cached_blocks(k_pos[kv_len - q_len:], k_pos, hq=query.shape[1], hkv=key.shape[1], causal=opts.causal,
-                               window=opts.window, branches=branches_of(opts.pattern))
-    out, lse = cached_attention(query, key, value, blocks, scale=opts.scale, pair_mask=mask, softcap=softcap)
-    return merge_ranks(out, lse, None, sinks).to(query.dtype)
+        blocks = cached_blocks(k_pos[kv_len - q_len:], k_pos, hq=query.shape[1], hkv=key.shape[1], causal=spec.causal,
+                               window=spec.window, branches=spec.branches)
+    out, lse = cached_attention(query, key, value, blocks, scale=spec.scale, pair_mask=mask, softcap=spec.softcap)
+    return merge_ranks(out, lse, None, spec.sinks).to(query.dtype)
 
 
-def _decode_step(query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[Tensor], opts: Options,
-                 ctx: DecodeStep, softcap: Optional[float], sinks: Optional[Tensor], layer_idx: Optional[int]) -> Tensor:
+def _decode_step(query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[Tensor], spec: AttentionSpec,
+                 ctx: DecodeStep, layer_idx: Optional[int]) -> Tensor:
     """New tokens of :func:`hf_ring.generate` over this rank's cache rows, merged across the ranks.
 
     Each row set of the layer (all its K/V heads, or one K/V head of a
@@ -288,12 +299,12 @@ def _decode_step(query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[
     cache = ctx.cache
     layer_idx = 0 if layer_idx is None else layer_idx
     rule = cache.rule_of(layer_idx)
-    branches = branches_of(opts.pattern)
+    branches = spec.branches
     sets = cache.layer_rows(layer_idx)
     hq, hkv = query.shape[1], sum(k_rows.shape[1] for _, k_rows, _ in sets)
-    if rule is not KEEP_ALL and rule != rule_for(opts.window, branches, hq, hkv):
+    if rule is not KEEP_ALL and rule != rule_for(spec.window, branches, hq, hkv):
         raise ValueError(
-            f"layer {layer_idx} attends with window {opts.window} and branches {list(branches)} over {hq} query and "
+            f"layer {layer_idx} attends with window {spec.window} and branches {list(branches)} over {hq} query and "
             f"{hkv} K/V heads, but the sharded cache kept its rows for window {rule.window} and branches "
             f"{list(rule.branches)}: the model's config (layer_types, sliding_window, ring_dilated, head counts) does "
             "not say what its attention does. Pass past_key_values=hf_ring.ShardedCache(rank, world, layout, "
@@ -305,14 +316,14 @@ def _decode_step(query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[
     outs, lses = [], []
     for s, (k_pos, k_rows, v_rows) in enumerate(sets):
         q = query if len(sets) == 1 else query[:, s * per:(s + 1) * per]
-        blocks = ctx.blocks((rule, s), k_pos, per, k_rows.shape[1], opts.causal, opts.window, branches,
+        blocks = ctx.blocks((rule, s), k_pos, per, k_rows.shape[1], spec.causal, spec.window, branches,
                             query.device, head_offset=s * per)
-        out, lse = cached_attention(q, k_rows, v_rows, blocks, scale=opts.scale,
-                                    key_mask=ctx.key_mask(key_valid, (rule, s), k_pos), softcap=softcap)
+        out, lse = cached_attention(q, k_rows, v_rows, blocks, scale=spec.scale,
+                                    key_mask=ctx.key_mask(key_valid, (rule, s), k_pos), softcap=spec.softcap)
         outs.append(out)
         lses.append(lse)
     out, lse = (outs[0], lses[0]) if len(sets) == 1 else (torch.cat(outs, 1), torch.cat(lses, 1))
-    return merge_ranks(out, lse, ctx.comm, sinks, same_ids=ctx.take_check()).to(query.dtype)
+    return merge_ranks(out, lse, ctx.comm, spec.sinks, same_ids=ctx.take_check()).to(query.dtype)
 
 
 def ring_dilated_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,

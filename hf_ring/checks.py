@@ -13,32 +13,22 @@ import struct
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from .arguments import positive_int
 from .comm import RingComm
 from .kernels import default_scale
-from .documents import Documents, document_starts
+from .documents import Documents, check_documents, document_starts
 from .layout import LAYOUTS, check_layout, infer_seq_len, local_positions, shard_sizes
 from .pattern import DilatedPattern
+from .spec import AttentionSpec
 
 Tensor = torch.Tensor
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-@dataclass(frozen=True)
-class Options:
-    """Validated options of one attention call (the same for every layer of a kind)."""
-
-    layout: str
-    causal: bool
-    window: Optional[int]
-    pattern: Optional[DilatedPattern]
-    scale: float
-    key_mask: Optional[Tensor] = None
 
 
 def check_qkv(q, k, v) -> None:
@@ -84,17 +74,43 @@ def _check_window(window, causal: bool) -> Optional[int]:
     return window
 
 
+def _check_tensor(name: str, t: Any, what: str, shape: Tuple[int, ...], dims: str) -> Tensor:
+    """``t`` is a tensor of ``shape`` (named ``dims`` in errors); ``what`` says what it must hold."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be {what} of shape {dims} = {shape} or None, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {dims} = {shape}, got {tuple(t.shape)}")
+    return t
+
+
 def check_key_mask(key_mask, k: Tensor) -> Optional[Tensor]:
     if key_mask is None:
         return None
-    if not isinstance(key_mask, torch.Tensor):
-        raise TypeError(f"key_mask must be a bool tensor of shape (batch, local rows) or None, got {type(key_mask).__name__}")
-    expected = (k.shape[0], k.shape[2])
-    if tuple(key_mask.shape) != expected:
-        raise ValueError(f"key_mask must have shape (batch, local rows) = {expected}, got {tuple(key_mask.shape)}")
+    _check_tensor("key_mask", key_mask, "a bool tensor", (k.shape[0], k.shape[2]), "(batch, local rows)")
     if key_mask.dtype != torch.bool:
         raise TypeError(f"key_mask must be torch.bool (True = attend), got {key_mask.dtype}")
     return key_mask.to(k.device)
+
+
+def check_softcap(softcap) -> Optional[float]:
+    """``softcap`` as a float, or None; it must be a finite number > 0."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float > 0 or None (scores -> softcap·tanh(scores/softcap)), got {softcap!r}")
+    if not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
+    return float(softcap)
+
+
+def check_sinks(sinks, hq: int) -> Optional[Tensor]:
+    """``sinks``: one float logit per query head, shape ``(Hq,)``, or None."""
+    if sinks is None:
+        return None
+    _check_tensor("sinks", sinks, "a float tensor (one logit per query head)", (hq,), "(query heads,)")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+    return sinks
 
 
 def _check_pattern(pattern, window) -> Optional[DilatedPattern]:
@@ -128,18 +144,53 @@ def _check_causal(causal) -> bool:
     return bool(causal)
 
 
-def check_options(causal, window, pattern, scale, head_dim: int, layout: str = "zigzag") -> Options:
-    """Validated options; ``scale=None`` becomes ``1/sqrt(head_dim)``."""
+def check_options(causal, window, pattern, scale, head_dim: int, layout: str = "zigzag") -> AttentionSpec:
+    """The spec of these options (checked); ``scale=None`` becomes ``1/sqrt(head_dim)``."""
     causal = _check_causal(causal)
     window = _check_window(window, causal)
-    return Options(check_layout(layout), causal, window, _check_pattern(pattern, window), _check_scale(scale, head_dim))
+    return AttentionSpec(_check_scale(scale, head_dim), causal, window, _check_pattern(pattern, window),
+                         layout=check_layout(layout))
 
 
-def check_call(q, k, v, *, layout: str, causal, window, pattern, scale, key_mask) -> Options:
-    """Every local check of a ring attention call; the options with the key mask."""
+OPTIONS = {"layout": "zigzag", "seq_len": None, "causal": True, "window": None, "pattern": None, "scale": None,
+           "softcap": None, "documents": None, "message_rows": None}
+"""The options :func:`hf_ring.ring_attention` takes by keyword, with their defaults."""
+
+
+def check_spec(q, k, v, options: Mapping[str, Any], key_mask=None, sinks=None) -> AttentionSpec:
+    """Every local check of a ring attention call: its spec, before the ranks agree on the length."""
     check_qkv(q, k, v)
-    opts = check_options(causal, window, pattern, scale, q.shape[-1], layout)
-    return Options(opts.layout, opts.causal, opts.window, opts.pattern, opts.scale, check_key_mask(key_mask, k))
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"ring_attention got unexpected keyword argument(s) {unknown}; it takes group, key_mask, "
+                        f"position_ids, sinks and the options {sorted(OPTIONS)}")
+    o = {**OPTIONS, **options}
+    spec = check_options(o["causal"], o["window"], o["pattern"], o["scale"], q.shape[-1], o["layout"])
+    return spec.at(softcap=check_softcap(o["softcap"]), documents=o["documents"],
+                   message_rows=check_message_rows(o["message_rows"]), key_mask=check_key_mask(key_mask, k),
+                   sinks=check_sinks(sinks, q.shape[1]))
+
+
+def agreed_spec(comm: Optional[RingComm], q: Tensor, k: Tensor, v: Tensor, options: Mapping[str, Any],
+                key_mask=None, position_ids=None, sinks=None) -> AttentionSpec:
+    """The checked spec of a ring attention call, with the global length, documents and key mask every rank agreed.
+
+    A bad argument on one rank fails every rank at once: its error rides in
+    the agreement (one small all-gather) that precedes any K/V transfer.
+    """
+    spec = None
+    with caught() as check:
+        spec = check_spec(q, k, v, options, key_mask, sinks)
+        position_ids = check_position_ids(position_ids, q)
+        if position_ids is not None and spec.documents is not None:
+            raise ValueError("pass either position_ids (the ranks then learn the documents) or documents, not both")
+    codes = () if check.error is not None else option_codes(spec, position_ids)
+    n, padded = agree(comm, q, k, options.get("seq_len"), spec, codes, check.error)
+    documents = spec.documents
+    if position_ids is not None:
+        documents = gather_documents(comm, position_ids, n, spec.layout, k.device)
+    return spec.at(seq_len=n, documents=check_documents(documents, q.shape[0], n),
+                   key_mask=full_key_mask(spec.key_mask, k, padded))
 
 
 def resolve_group(group) -> Optional[RingComm]:
@@ -167,15 +218,10 @@ def check_position_ids(position_ids, q: Tensor) -> Optional[Tensor]:
     """This rank's rows' position ids ``(B, S_local)`` (integers), or None."""
     if position_ids is None:
         return None
-    if not isinstance(position_ids, torch.Tensor):
-        raise TypeError(f"position_ids must be an integer tensor of shape (batch, local rows) or None, "
-                        f"got {type(position_ids).__name__}")
+    _check_tensor("position_ids", position_ids, "an integer tensor (this rank's rows, in local_positions order)",
+                  (q.shape[0], q.shape[2]), "(batch, local rows)")
     if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
         raise TypeError(f"position_ids must be an integer tensor (torch.long), got {position_ids.dtype}")
-    expected = (q.shape[0], q.shape[2])
-    if tuple(position_ids.shape) != expected:
-        raise ValueError(f"position_ids must have shape (batch, local rows) = {expected} (this rank's rows, in "
-                         f"local_positions order), got {tuple(position_ids.shape)}")
     return position_ids
 
 
@@ -213,7 +259,7 @@ _COLUMNS: Tuple[Tuple[str, bool], ...] = (
 _SHARDED = [name for name, _ in _COLUMNS].index("sharded inputs")
 
 
-def facts(q: Tensor, k: Tensor, seq_len: Optional[int], opts: Options, padded: bool,
+def facts(q: Tensor, k: Tensor, seq_len: Optional[int], opts: AttentionSpec, padded: bool,
           sharded: bool = True, contents: int = 0, codes: Sequence[Tuple[str, int]] = ()) -> List[int]:
     """This rank's row of the agreement table (see ``_COLUMNS``); ``codes`` are :func:`option_codes`."""
     return [
@@ -258,22 +304,20 @@ def _float_code(x: Optional[float]) -> int:
     return _NONE if x is None else struct.unpack("<q", struct.pack("<d", x))[0]
 
 
-def option_codes(softcap: Optional[float], sinks: Optional[Tensor], position_ids: Optional[Tensor],
-                 documents: Any, message_rows: Optional[int] = None) -> List[Tuple[str, int]]:
+def option_codes(spec: AttentionSpec, position_ids: Optional[Tensor] = None) -> List[Tuple[str, int]]:
     """The options beyond the basic ones that every rank must share, as integers for the agreement."""
-    return [("softcap", _float_code(softcap)), ("sinks", _NONE if sinks is None else 1),
+    documents = spec.documents
+    return [("softcap", _float_code(spec.softcap)), ("sinks", _NONE if spec.sinks is None else 1),
             ("position_ids", _NONE if position_ids is None else 1),
             ("documents", _NONE if documents is None else hash(documents) & ((1 << 61) - 1)),
-            ("message_rows", _NONE if message_rows is None else message_rows)]
+            ("message_rows", _NONE if spec.message_rows is None else spec.message_rows)]
 
 
 def check_message_rows(message_rows) -> Optional[int]:
     """K/V rows per ring message, or None for the default."""
     if message_rows is None:
         return None
-    if isinstance(message_rows, bool) or not isinstance(message_rows, int) or message_rows < 1:
-        raise ValueError(f"message_rows must be a positive int (K/V rows per ring message) or None, got {message_rows!r}")
-    return message_rows
+    return positive_int(message_rows, "message_rows", "K/V rows per ring message, or None")
 
 
 def _name_the_option(comm: RingComm, codes: Sequence[Tuple[str, int]]) -> None:
@@ -330,7 +374,7 @@ def _padded(key_mask: Optional[Tensor]) -> bool:
     return key_mask is not None and not bool(key_mask.all())
 
 
-def agree(comm: Optional[RingComm], q: Tensor, k: Tensor, seq_len: Optional[int], opts: Optional[Options],
+def agree(comm: Optional[RingComm], q: Tensor, k: Tensor, seq_len: Optional[int], opts: Optional[AttentionSpec],
           codes: Sequence[Tuple[str, int]] = (), error: Optional[Exception] = None) -> Tuple[int, bool]:
     """The global length, and whether any rank has padded keys, agreed by every rank of the ring.
 

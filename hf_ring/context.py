@@ -17,12 +17,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .cache import ShardedCache
-from .checks import Options, agree_table, facts, global_length, unsharded_message
+from .checks import agree_table, facts, global_length, unsharded_message
 from .comm import RingComm
 from .decode import CachedBlock, cached_blocks
 from .documents import Documents
 from .groups import SequenceParallel
 from .layout import shard_sizes
+from .spec import AttentionSpec
 from .ulysses import group_rows
 
 Tensor = torch.Tensor
@@ -31,7 +32,7 @@ CONTEXT_KEY = "ring_context"
 """The model keyword under which a forward's context travels to the attention layers."""
 
 
-def _layer_key(q: Tensor, k: Tensor, opts: Options) -> Tuple:
+def _layer_key(q: Tensor, k: Tensor, opts: AttentionSpec) -> Tuple:
     """What may differ between the layers of one forward (head counts, windows...), to agree once per kind."""
     return (tuple(q.shape), k.shape[1], q.dtype, opts.causal, opts.window, opts.pattern, opts.scale)
 
@@ -100,7 +101,7 @@ class ShardedForward:
         self._group_masks.append((key_mask, rows))
         return rows
 
-    def agree(self, q: Tensor, k: Tensor, opts: Options, codes: Sequence[Tuple[str, int]] = ()) -> bool:
+    def agree(self, q: Tensor, k: Tensor, opts: AttentionSpec, codes: Sequence[Tuple[str, int]] = ()) -> bool:
         """Check, once per kind of layer, that every rank runs the same attention over its shard of this batch.
 
         True when this call did the check (the first layer of its kind in this forward).
@@ -136,7 +137,7 @@ class ShardedForward:
         return 0 if self.world_size == 1 else len(self._agreed)
 
 
-def refuse_unsharded(comm: RingComm, q: Tensor, k: Tensor, opts: Options) -> None:
+def refuse_unsharded(comm: RingComm, q: Tensor, k: Tensor, opts: AttentionSpec) -> None:
     """A whole-sequence forward under sequence parallelism without sharded inputs: the same error on every rank.
 
     The ranks still take part in the agreement, so a group where only some

@@ -19,7 +19,8 @@ import torch
 
 from .blocks import allowed_pairs
 from .comm import RingComm
-from .kernels import accumulator_dtype, add_sinks, block_forward, check_sinks, check_softcap, merge_into
+from .checks import check_sinks, check_softcap
+from .kernels import accumulator_dtype, add_sinks, block_forward, merge_into, merge_stacked
 from .pattern import DENSE, head_groups, head_slice
 
 Tensor = torch.Tensor
@@ -210,22 +211,12 @@ def cached_attention(
     return out, lse
 
 
-def _merge(outs: Tensor, lses: Tensor) -> Tuple[Tensor, Tensor]:
-    top = lses.amax(0)
-    safe_top = top.masked_fill(torch.isneginf(top), 0.0)
-    weights = torch.exp(lses - safe_top)
-    total = weights.sum(0)
-    merged = (weights.unsqueeze(-1) * outs).sum(0)
-    out = merged / torch.where(total == 0, torch.ones_like(total), total).unsqueeze(-1)
-    return out, safe_top + torch.log(total)  # log 0 = -inf: no partial saw a key
-
-
 def merge_partials(outs: Tensor, lses: Tensor) -> Tensor:
     """Log-sum-exp merge of stacked partial results ``outs`` ``(P, B, H, S, D)``, ``lses`` ``(P, B, H, S)``.
 
     Queries no partial could attend come out as 0.
     """
-    return _merge(outs, lses)[0]
+    return merge_stacked(outs, lses)[0]
 
 
 class RanksDivergedError(ValueError):
@@ -274,7 +265,7 @@ def merge_ranks(out: Tensor, lse: Tensor, comm: Optional[RingComm], sinks: Optio
                     f"the ranks ran different tokens at this decoding step (ranks {differ} differ from rank 0)")
             parts = parts[:, : parts.shape[1] - extra]
         parts = parts.view(parts.shape[0], *out.shape[:-1], out.shape[-1] + 1)
-        out, lse = _merge(parts[..., :-1], parts[..., -1])
+        out, lse = merge_stacked(parts[..., :-1], parts[..., -1])
     if sinks is not None:
         out, _ = add_sinks(out, lse, sinks)
     return out

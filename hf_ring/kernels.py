@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -43,20 +44,6 @@ _NEG_INF = float("-inf")
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
-
-
-def backend(q: Tensor, mask: Optional[Tensor] = None, softcap: Optional[float] = None) -> str:
-    """The kernel that runs a block of ``q``'s device and dtype: ``cpu_flash``, ``cuda_flash``, ``cuda_efficient`` or ``math``."""
-    if softcap is not None:
-        return "math"
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        return "cpu_flash"
-    if q.device.type == "cuda":
-        if mask is None and cuda_kernels.flash_supports(q):
-            return "cuda_flash"
-        if cuda_kernels.efficient_supports(q):
-            return "cuda_efficient"
-    return "math"
 
 
 def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -149,12 +136,20 @@ def _tile_args(causal: bool, mask: Optional[Tensor], band: Optional[Band], qt: T
     return False, allowed if sub is None else sub & allowed
 
 
-def _merged(o1: Tensor, l1: Tensor, o2: Tensor, l2: Tensor) -> Tuple[Tensor, Tensor]:
-    """Log-sum-exp merge of two partial results, out of place (the tiles' results are fresh tensors)."""
-    new = torch.logaddexp(l1, l2)
-    safe = new.masked_fill(torch.isneginf(new), 0.0)
-    out = o1 * torch.exp(l1 - safe).unsqueeze(-1) + o2.to(o1.dtype) * torch.exp(l2 - safe).unsqueeze(-1)
-    return out, new
+def merge_stacked(outs: Tensor, lses: Tensor) -> Tuple[Tensor, Tensor]:
+    """Log-sum-exp merge of stacked partial results ``outs`` ``(P, ..., D)``, ``lses`` ``(P, ...)``, out of place.
+
+    ``L = log Σ exp(L_i)``, ``O = Σ exp(L_i - L)·O_i``; rows no partial saw a
+    key come out ``(0, -inf)``. :func:`merge_into` is the same rule in place,
+    for two partials.
+    """
+    top = lses.amax(0)
+    safe_top = top.masked_fill(torch.isneginf(top), 0.0)
+    weights = torch.exp(lses - safe_top)
+    total = weights.sum(0)
+    merged = (weights.unsqueeze(-1) * outs).sum(0)
+    out = merged / torch.where(total == 0, torch.ones_like(total), total).unsqueeze(-1)
+    return out, safe_top + torch.log(total)  # log 0 = -inf: no partial saw a key
 
 
 def _tiled_forward(tile_fn, q, k, v, causal, mask, band):
@@ -173,7 +168,7 @@ def _tiled_forward(tile_fn, q, k, v, causal, mask, band):
             args = _tile_args(causal, mask, band, qt, kt, q.device)
             if args is not None:
                 o_t, l_t = tile_fn(_rows(q, qt), _rows(k, kt), _rows(v, kt), *args)
-                out, lse = _merged(out, lse, o_t, l_t)
+                out, lse = merge_stacked(torch.stack([out, o_t.to(out.dtype)]), torch.stack([lse, l_t]))
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2)
@@ -246,55 +241,123 @@ def _with_band(mask: Optional[Tensor], band: Optional[Band], sq: int, sk: int, d
     return allowed if mask is None else mask & allowed
 
 
-def block_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    scale: float,
-    causal: bool = False,
-    mask: Optional[Tensor] = None,
-    softcap: Optional[float] = None,
-    band: Optional[Band] = None,
-) -> Tuple[Tensor, Tensor]:
+def _cpu_flash_forward(q, k, v, scale, causal, mask, softcap):
+    bias = None if mask is None else _additive(mask, q.dtype)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
+                                                                           scale=scale)
+    if mask is not None:
+        # The fused kernel reports lse = 0 for a row whose keys are all masked.
+        seen = torch.isneginf(mask).all(-1).logical_not() if mask.is_floating_point() else mask.any(-1)
+        lse = lse.masked_fill(seen.logical_not(), _NEG_INF)
+    return out, lse
+
+
+def _cpu_flash_backward(dout, q, k, v, out, lse, scale, causal, mask, softcap):
+    bias = None if mask is None else _additive(mask, q.dtype)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
+    )
+
+
+def _efficient_forward(q, k, v, scale, causal, mask, softcap):
+    return cuda_kernels.efficient_forward(q, k, v, scale=scale, causal=causal, mask=mask)
+
+
+def _efficient_backward(dout, q, k, v, out, lse, scale, causal, mask, softcap):
+    return cuda_kernels.efficient_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One way to run a block, forward and backward.
+
+    ``supports(q, masked, softcap)``: whether it takes a block of ``q``'s
+    device and dtype (``masked``: the block has a mask). ``forward(q, k, v,
+    scale, causal, mask, softcap)`` and ``backward(dout, q, k, v, out, lse,
+    scale, causal, mask, softcap)`` see a mask with any band already joined,
+    unless ``takes_band``: then they get the band instead of a mask, and the
+    keyword call of :mod:`hf_ring.cuda_kernels`. ``tiles``: when the block is
+    cut into tiles of :data:`MATH_TILE` rows a side first (``"never"``,
+    ``"masked"``: when it carries a mask or band, ``"always"``: it
+    materialises scores). ``fallible``: a RuntimeError (a GPU the kernel does
+    not support) hands the block to the next kernel that supports it.
+    """
+
+    name: str
+    supports: Callable[[Tensor, bool, Optional[float]], bool]
+    forward: Callable
+    backward: Callable
+    tiles: str = "never"
+    takes_band: bool = False
+    fallible: bool = False
+
+
+_CPU_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fused(q: Tensor, softcap: Optional[float], device: str) -> bool:
+    """No fused kernel in torch applies a soft cap."""
+    return softcap is None and q.device.type == device
+
+
+KERNELS: Tuple[Kernel, ...] = (
+    Kernel("cuda_flash", lambda q, masked, cap: _fused(q, cap, "cuda") and not masked and cuda_kernels.flash_supports(q),
+           cuda_kernels.flash_forward, cuda_kernels.flash_backward, takes_band=True, fallible=True),
+    Kernel("cuda_efficient", lambda q, masked, cap: _fused(q, cap, "cuda") and cuda_kernels.efficient_supports(q),
+           _efficient_forward, _efficient_backward, tiles="masked", fallible=True),
+    # The ring hands the CPU blocks of at most a tile whenever they carry a mask, so it never tiles.
+    Kernel("cpu_flash", lambda q, masked, cap: _fused(q, cap, "cpu") and q.dtype in _CPU_FLASH_DTYPES,
+           _cpu_flash_forward, _cpu_flash_backward),
+    Kernel("math", lambda q, masked, cap: True, _math_tile_forward, _math_tile_backward, tiles="always"),
+)
+"""The kernels a block may run on, in order of preference: the first that supports it runs it."""
+
+
+def backend(q: Tensor, mask: Optional[Tensor] = None, softcap: Optional[float] = None) -> str:
+    """The kernel that runs a block of ``q``'s device and dtype: ``cpu_flash``, ``cuda_flash``, ``cuda_efficient`` or ``math``."""
+    return next(kn.name for kn in KERNELS if kn.supports(q, mask is not None, softcap))
+
+
+def _cut(kernel: Kernel, q: Tensor, k: Tensor, mask: Optional[Tensor], band: Optional[Band]) -> bool:
+    """Whether ``kernel`` runs this block in tiles."""
+    masked = True if kernel.tiles == "always" else (kernel.tiles == "masked" and (band is not None or mask is not None))
+    return _needs_tiles(q, k, masked)
+
+
+def _run(kernel: Kernel, fn: Callable, tiled: Callable, args: Tuple, block: Tuple, q: Tensor, k: Tensor):
+    """One kernel over one block: ``args`` the tensors, ``block`` ``(scale, causal, mask, softcap, band)``."""
+    scale, causal, mask, softcap, band = block
+    if kernel.takes_band:
+        return fn(*args, scale=scale, causal=causal, band=band)
+    if _cut(kernel, q, k, mask, band):
+        return tiled(lambda *a: fn(*a[:-2], scale, a[-2], a[-1], softcap), *args, causal, mask, band)
+    return fn(*args, scale, causal, _with_band(mask, band, q.shape[2], k.shape[2], q.device), softcap)
+
+
+def _each_kernel(q: Tensor, mask: Optional[Tensor], softcap: Optional[float], attempt: Callable):
+    """``attempt(kernel)`` with the first kernel that supports the block; a fallible one that fails hands on."""
+    for kernel in KERNELS:
+        if not kernel.supports(q, mask is not None, softcap):
+            continue
+        if not kernel.fallible:
+            return attempt(kernel)
+        try:
+            return attempt(kernel)
+        except RuntimeError as err:  # a GPU the kernel does not support
+            _warn_fallback(err)
+    raise AssertionError("the math kernel supports every block")
+
+
+def block_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool = False,
+                  mask: Optional[Tensor] = None, softcap: Optional[float] = None,
+                  band: Optional[Band] = None) -> Tuple[Tensor, Tensor]:
     """Attention of one block: ``out`` in ``q.dtype`` ``(B, Hq, S_q, D)``, ``lse`` fp32 ``(B, Hq, S_q)``.
 
     No route makes a mask or scores larger than one tile of ``MATH_TILE`` rows a side.
     """
-    kind = backend(q, mask, softcap)
-    if kind == "cuda_flash":
-        try:
-            return cuda_kernels.flash_forward(q, k, v, scale=scale, causal=causal, band=band)
-        except RuntimeError as err:  # a GPU the kernel does not support
-            _warn_fallback(err)
-    if kind in ("cuda_flash", "cuda_efficient"):
-        def efficient(qt, kt, vt, c, m):
-            return cuda_kernels.efficient_forward(qt, kt, vt, scale=scale, causal=c, mask=m)
-
-        try:
-            if _needs_tiles(q, k, band is not None or mask is not None):
-                return _tiled_forward(efficient, q, k, v, causal, mask, band)
-            return efficient(q, k, v, causal, _with_band(mask, band, q.shape[2], k.shape[2], q.device))
-        except RuntimeError as err:
-            _warn_fallback(err)
-    if kind == "cpu_flash":  # the ring hands the CPU blocks of at most a tile whenever they carry a mask
-        mask = _with_band(mask, band, q.shape[2], k.shape[2], q.device)
-        bias = None if mask is None else _additive(mask, q.dtype)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=bias, scale=scale
-        )
-        if mask is not None:
-            # The fused kernel reports lse = 0 for a row whose keys are all masked.
-            seen = torch.isneginf(mask).all(-1).logical_not() if mask.is_floating_point() else mask.any(-1)
-            lse = lse.masked_fill(seen.logical_not(), _NEG_INF)
-        return out, lse
-
-    def math(qt, kt, vt, c, m):
-        return _math_tile_forward(qt, kt, vt, scale, c, m, softcap)
-
-    if _needs_tiles(q, k, True):
-        return _tiled_forward(math, q, k, v, causal, mask, band)
-    return math(q, k, v, causal, _with_band(mask, band, q.shape[2], k.shape[2], q.device))
+    block = (scale, causal, mask, softcap, band)
+    return _each_kernel(q, mask, softcap,
+                        lambda kn: _run(kn, kn.forward, _tiled_forward, (q, k, v), block, q, k))
 
 
 def merge_into(out: Tensor, lse: Tensor, o_blk: Tensor, l_blk: Tensor) -> None:
@@ -311,20 +374,9 @@ def merge_into(out: Tensor, lse: Tensor, o_blk: Tensor, l_blk: Tensor) -> None:
     lse.copy_(new)
 
 
-def block_backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    *,
-    scale: float,
-    causal: bool = False,
-    mask: Optional[Tensor] = None,
-    softcap: Optional[float] = None,
-    band: Optional[Band] = None,
-) -> Tuple[Tensor, Tensor, Tensor]:
+def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, scale: float,
+                   causal: bool = False, mask: Optional[Tensor] = None, softcap: Optional[float] = None,
+                   band: Optional[Band] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the *merged* ``out`` and ``lse`` of the whole attention.
 
     Using the global ``out``/``lse`` makes each block's gradient its exact share
@@ -332,35 +384,9 @@ def block_backward(
     """
     # A row with no key anywhere has lse = -inf; +inf makes every p = exp(s - lse) exactly 0.
     lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
-    kind = backend(q, mask, softcap)
-    if kind == "cuda_flash":
-        try:
-            return cuda_kernels.flash_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, band=band)
-        except RuntimeError as err:
-            _warn_fallback(err)
-    if kind in ("cuda_flash", "cuda_efficient"):
-        def efficient(do, qt, kt, vt, o, lt, c, m):
-            return cuda_kernels.efficient_backward(do, qt, kt, vt, o, lt, scale=scale, causal=c, mask=m)
-
-        try:
-            if _needs_tiles(q, k, band is not None or mask is not None):
-                return _tiled_backward(efficient, dout, q, k, v, out, lse, causal, mask, band)
-            return efficient(dout, q, k, v, out, lse, causal, _with_band(mask, band, q.shape[2], k.shape[2], q.device))
-        except RuntimeError as err:
-            _warn_fallback(err)
-    if kind == "cpu_flash":
-        mask = _with_band(mask, band, q.shape[2], k.shape[2], q.device)
-        bias = None if mask is None else _additive(mask, q.dtype)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
-        )
-
-    def math(do, qt, kt, vt, o, lt, c, m):
-        return _math_tile_backward(do, qt, kt, vt, o, lt, scale, c, m, softcap)
-
-    if _needs_tiles(q, k, True):
-        return _tiled_backward(math, dout, q, k, v, out, lse, causal, mask, band)
-    return math(dout, q, k, v, out, lse, causal, _with_band(mask, band, q.shape[2], k.shape[2], q.device))
+    block = (scale, causal, mask, softcap, band)
+    return _each_kernel(q, mask, softcap,
+                        lambda kn: _run(kn, kn.backward, _tiled_backward, (dout, q, k, v, out, lse), block, q, k))
 
 
 FALLBACK_WARNING = "hf_ring: a fused CUDA kernel refused a block"
@@ -371,32 +397,6 @@ def _warn_fallback(err: Exception) -> None:
     warnings.warn(f"{FALLBACK_WARNING} ({err}); using the next kernel", stacklevel=3)
 
 
-def check_softcap(softcap) -> Optional[float]:
-    """``softcap`` as a float, or None; it must be a finite number > 0."""
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float > 0 or None (scores -> softcap·tanh(scores/softcap)), got {softcap!r}")
-    if not math.isfinite(softcap) or softcap <= 0:
-        raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
-    return float(softcap)
-
-
-def check_sinks(sinks, hq: int) -> Optional[Tensor]:
-    """``sinks``: one float logit per query head, shape ``(Hq,)``, or None."""
-    if sinks is None:
-        return None
-    if not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"sinks must be a float tensor of shape (query heads,) = ({hq},) or None, "
-                        f"got {type(sinks).__name__}")
-    if not sinks.is_floating_point():
-        raise TypeError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
-    if tuple(sinks.shape) != (hq,):
-        raise ValueError(f"sinks must have shape (query heads,) = ({hq},): one logit per query head, "
-                         f"got {tuple(sinks.shape)}")
-    return sinks
-
-
 def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tuple[Tensor, Tensor]:
     """Join one sink logit per query head to the softmax denominator, with a zero value vector.
 
@@ -404,7 +404,7 @@ def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tuple[Tensor, Tensor]:
     attention; returns ``exp(L - L')·out`` and ``L' = logaddexp(L, sink_h)``
     in ``out``'s dtype and fp32 (fp64 for fp64). A row with no key gets 0.
     """
-    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    acc = accumulator_dtype(out)
     sink = sinks.to(device=lse.device, dtype=acc).view(1, -1, 1)
     new = torch.logaddexp(lse.to(acc), sink)
     return (out.to(acc) * torch.exp(lse.to(acc) - new).unsqueeze(-1)).to(out.dtype), new.to(lse.dtype)
@@ -415,7 +415,7 @@ def sinks_backward(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Ten
 
     ``out`` and ``lse`` are the results *with* the sinks joined.
     """
-    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    acc = accumulator_dtype(out)
     p_sink = torch.exp(sinks.to(device=lse.device, dtype=acc).view(1, -1, 1) - lse.to(acc))
     delta = (dout.to(acc) * out.to(acc)).sum(-1)
     return -(p_sink * delta).sum((0, 2)).to(device=sinks.device, dtype=sinks.dtype)

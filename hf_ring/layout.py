@@ -20,6 +20,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from .arguments import positive_int
+
 LAYOUTS: Tuple[str, ...] = ("zigzag", "contiguous")
 
 Run = Tuple[int, int]
@@ -51,9 +53,7 @@ def chunk_bounds(seq_len: int, num_chunks: int) -> List[Run]:
 
 def check_ulysses_size(value: Any) -> int:
     """``ulysses_size``, ranks per head-parallel group, as a positive int (the one place it is type-checked)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"ulysses_size must be a positive int (ranks per head-parallel group), got {value!r}")
-    return value
+    return positive_int(value, "ulysses_size", "ranks per head-parallel group")
 
 
 def check_ulysses(world_size: int, ulysses: int) -> int:

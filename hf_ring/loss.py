@@ -19,6 +19,8 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from .arguments import positive_int
+
 IGNORE_INDEX = -100
 LOSS_CHUNK_ELEMENTS = 1 << 25
 """Default budget of one chunk of fp32 logits (128 MiB); rows per chunk = this // vocab."""
@@ -28,9 +30,7 @@ def chunk_rows_for(vocab: int, chunk_rows: Optional[int] = None) -> int:
     """Rows per chunk: ``chunk_rows`` if given, else the default logits budget over ``vocab`` (at least 1)."""
     if chunk_rows is None:
         return max(1, LOSS_CHUNK_ELEMENTS // max(vocab, 1))
-    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"loss chunk_rows must be a positive int, got {chunk_rows!r}")
-    return chunk_rows
+    return positive_int(chunk_rows, "loss chunk_rows")
 
 
 def shifted_targets(labels: Optional[torch.Tensor], shift_labels: Optional[torch.Tensor],

@@ -13,6 +13,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from .arguments import positive_int
+
 ROW_CHUNK_ROWS = 8192
 """Default rows per chunk."""
 
@@ -79,8 +81,7 @@ def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, para
     ``fn`` (dropout) repeat identically in the recomputation.
     """
     chunk = ROW_CHUNK_ROWS if chunk_rows is None else chunk_rows
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+    positive_int(chunk, "chunk_rows")
     if x.dim() < 2 or x[..., 0].numel() <= chunk:
         return fn(x)
     return _TiledRows.apply(fn, chunk, x, *params)

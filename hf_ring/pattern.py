@@ -15,6 +15,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from .arguments import positive_int
+
 Branches = Tuple[Tuple[int, int], ...]
 
 DENSE: Branches = ((1 << 62, 1),)
@@ -109,8 +111,7 @@ class DilatedPattern:
         covered but read none with ``num_heads`` heads; bands that lose
         nothing are left out, so the list is empty when the heads cover it all.
         """
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        positive_int(num_heads, "num_heads")
         if all(r <= num_heads for r in self.dilation_rates):
             return []
         # The pattern repeats with this period; a very long one is sampled from its start.

@@ -21,19 +21,20 @@ kernels on bounded tiles.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .blocks import Rows, band_mask, band_of, default_tile, tiles
-from .checks import agree, caught, check_call, check_message_rows, check_position_ids, full_key_mask, gather_documents, option_codes, resolve_group
+from .checks import agreed_spec, resolve_group
 from .comm import Pending, RingComm
-from .documents import Documents, check_documents, dilated_multiplicity, longest, same_document, within_one
-from .kernels import accumulator_dtype, add_sinks, block_backward, block_forward, check_sinks, check_softcap, merge_into, sinks_backward
-from .pattern import DENSE, DilatedPattern, branches_of, head_slice
-from .schedule import Block, Piece, RankPlan, Step, message_budget, rank_plan, sent, view_within
+from .documents import Documents, dilated_multiplicity, longest, same_document, within_one
+from .kernels import accumulator_dtype, add_sinks, block_backward, block_forward, merge_into, sinks_backward
+from .pattern import head_slice
+from .schedule import Block, Geometry, Piece, RankPlan, Step, message_budget, rank_plan, sent, view_within
+from .spec import AttentionSpec
 
 Tensor = torch.Tensor
 
@@ -62,15 +63,8 @@ DILATED_DOCUMENT_TILE = 512
 class _Ctx:
     comm: Optional[RingComm]
     plan: RankPlan
-    scale: float
-    causal: bool
-    window: Optional[int]
-    key_mask: Optional[Tensor] = None  # (B, S_local) bool, True where a key may be attended
-    documents: Optional[Documents] = None  # global start rows of the documents, per batch row
-    dilated: Optional[Tuple[Tuple[int, int], ...]] = None  # branches counted inside documents
-    softcap: Optional[float] = None
+    spec: AttentionSpec
     backward_tile: int = BACKWARD_TILE
-    head_base: int = 0  # global index of local query head 0 (head parallelism), for dilation offsets
 
 
 def rows_major(b: int, h: int, s: int, d: int, dtype: torch.dtype, device) -> Tensor:
@@ -195,34 +189,35 @@ def _kernel_args(ctx: _Ctx, q: Rows, k_pos: int, nk: int, kind: str, device,
 
     None when documents leave the block no allowed pair.
     """
-    docs = ctx.documents
-    if docs is not None and ctx.dilated is not None:
-        heads = range(heads.start + ctx.head_base, heads.stop + ctx.head_base, heads.step)
-        m = dilated_multiplicity(docs, q.pos, q.count, k_pos, nk, ctx.dilated, heads, ctx.causal, device)
+    spec = ctx.spec
+    docs = spec.documents
+    if spec.dilated_in_documents:
+        heads = range(heads.start + spec.head_base, heads.stop + spec.head_base, heads.step)
+        m = dilated_multiplicity(docs, q.pos, q.count, k_pos, nk, spec.pattern.branches, heads, spec.causal, device)
         if key_valid is not None:
             m = m * key_valid[:, None, None, :]
         if not bool(m.any()):
             return None
-        return {"causal": False, "mask": torch.log(m.to(torch.float32)), "softcap": ctx.softcap}
+        return {"causal": False, "mask": torch.log(m.to(torch.float32)), "softcap": spec.softcap}
     doc_mask = None
     if docs is not None and not within_one(docs, q.pos, q.last_pos, k_pos, k_pos + nk - 1):
         doc_mask = same_document(docs, q.pos, q.count, k_pos, nk, device)
     if key_valid is None and doc_mask is None:
-        band = band_of(q, k_pos, ctx.causal, ctx.window) if kind == "mask" else None
-        return {"causal": kind == "causal", "mask": None, "softcap": ctx.softcap, "band": band}
+        band = band_of(q, k_pos, spec.causal, spec.window) if kind == "mask" else None
+        return {"causal": kind == "causal", "mask": None, "softcap": spec.softcap, "band": band}
     if kind == "full":
         mask = torch.ones(q.count, nk, dtype=torch.bool, device=device)
     elif kind == "causal":
         mask = torch.ones(q.count, nk, dtype=torch.bool, device=device).tril()
     else:
-        mask = band_mask(q.count, nk, *band_of(q, k_pos, ctx.causal, ctx.window), device=device)
+        mask = band_mask(q.count, nk, *band_of(q, k_pos, spec.causal, spec.window), device=device)
     if key_valid is not None:
         mask = mask[None, None] & key_valid[:, None, None, :]
     if doc_mask is not None:
         mask = mask & doc_mask
         if not bool(mask.any()):
             return None
-    return {"causal": False, "mask": mask, "softcap": ctx.softcap}
+    return {"causal": False, "mask": mask, "softcap": spec.softcap}
 
 
 def _single_block(plan: RankPlan, q: Tensor, k: Tensor) -> Optional[Block]:
@@ -242,18 +237,18 @@ def _visits(ctx: _Ctx, k: Tensor, v: Tensor) -> Iterator[Tuple[Step, list]]:
         incoming = None
         if i + 1 < len(steps):
             nxt = steps[i + 1]
-            incoming = _post(ctx.comm, nxt, *_kv_traffic(nxt, k, v, ctx.key_mask), k.device, tag=KV_TAG)
-        yield step, _kv_views(step, k, v, ctx.key_mask, got)
+            incoming = _post(ctx.comm, nxt, *_kv_traffic(nxt, k, v, ctx.spec.key_mask), k.device, tag=KV_TAG)
+        yield step, _kv_views(step, k, v, ctx.spec.key_mask, got)
         del got  # the visiting rows are done with; only the next step's stay in memory
 
 
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """This rank's rows of the output (``q.dtype``) and their LSE, with the sinks (if any) joined once per row."""
-    plan, key_mask = ctx.plan, ctx.key_mask
+    plan, spec = ctx.plan, ctx.spec
     b, hq, s, d = q.shape
     only = _single_block(plan, q, k)
-    if only is not None and key_mask is None and ctx.documents is None:
-        out, lse = block_forward(q, k, v, scale=ctx.scale,
+    if only is not None and spec.key_mask is None and spec.documents is None:
+        out, lse = block_forward(q, k, v, scale=spec.scale,
                                  **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
         return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
     out = rows_major(b, hq, s, d, accumulator_dtype(q), q.device)
@@ -267,7 +262,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx, sinks: Optional[Ten
                                 None if all_valid else pm[:, ks], blk.q_heads)
             if args is None:
                 continue
-            o_blk, l_blk = block_forward(q[:, hs, rs], pk[:, :, ks], pv[:, :, ks], scale=ctx.scale, **args)
+            o_blk, l_blk = block_forward(q[:, hs, rs], pk[:, :, ks], pv[:, :, ks], scale=spec.scale, **args)
             merge_into(out[:, hs, rs], lse[:, hs, rs], o_blk, l_blk)
         del kv
     if sinks is not None:
@@ -288,11 +283,11 @@ def _scatter_grads(dk: Tensor, dv: Tensor, step: Step, got: List[Tensor]) -> Non
 
 
 def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, Tensor]:
-    plan, comm, key_mask = ctx.plan, ctx.comm, ctx.key_mask
+    plan, comm, spec = ctx.plan, ctx.comm, ctx.spec
     b, hq, s, d = q.shape
     only = _single_block(plan, q, k)
-    if only is not None and key_mask is None and ctx.documents is None:
-        return block_backward(dout, q, k, v, out, lse, scale=ctx.scale,
+    if only is not None and spec.key_mask is None and spec.documents is None:
+        return block_backward(dout, q, k, v, out, lse, scale=spec.scale,
                               **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
     acc = accumulator_dtype(q)
     dq = rows_major(*q.shape, acc, q.device)
@@ -313,7 +308,7 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
             gk, gv = grads[blk.piece]
             stride = blk.q.stride
             k_prog = Rows(blk.k_off * stride, blk.k_pos, blk.nk, stride)
-            for qt, kt, kind in tiles(blk.q, k_prog, ctx.causal, ctx.window, ctx.backward_tile):
+            for qt, kt, kind in tiles(blk.q, k_prog, spec.causal, spec.window, ctx.backward_tile):
                 rs, ks = qt.slice, slice(kt.local // stride, kt.local // stride + kt.count)
                 args = _kernel_args(ctx, qt, kt.pos, kt.count, kind, q.device,
                                     None if all_valid else pm[:, ks], blk.q_heads)
@@ -321,7 +316,7 @@ def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, T
                     continue
                 dq_b, dk_b, dv_b = block_backward(
                     dout[:, hs, rs], q[:, hs, rs], pk[:, :, ks], pv[:, :, ks], out[:, hs, rs], lse[:, hs, rs],
-                    scale=ctx.scale, **args,
+                    scale=spec.scale, **args,
                 )
                 dq[:, hs, rs].add_(dq_b)  # add_ on the view: `+=` on an index would copy the rows back
                 gk[:, :, ks].add_(dk_b)
@@ -375,32 +370,30 @@ def document_tile(documents: Documents, seq_len: int, dilated: bool) -> int:
     return min(side, DILATED_DOCUMENT_TILE if dilated else DOCUMENT_TILE)
 
 
-def run(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], *, seq_len: int, layout: str, causal: bool,
-        window: Optional[int], pattern: Optional[DilatedPattern], scale: float, key_mask: Optional[Tensor],
-        documents: Optional[Documents] = None, softcap: Optional[float] = None,
-        sinks: Optional[Tensor] = None, message_rows: Optional[int] = None, head_base: int = 0) -> Tensor:
-    """The ring over validated, agreed arguments.
+def _tile(spec: AttentionSpec) -> Optional[int]:
+    """Rows per side of the ring's blocks (None: whole blocks, cut only along a window)."""
+    tile = min(default_tile(spec.window), PADDED_TILE) if spec.key_mask is not None else None
+    if spec.documents is not None:
+        tile = min(tile or default_tile(spec.window),
+                   document_tile(spec.documents, spec.seq_len, spec.dilated_in_documents))
+    if spec.softcap is not None:
+        tile = min(tile or default_tile(spec.window), SOFTCAP_TILE)
+    return tile
 
-    ``key_mask`` only when some rank has padded keys; ``documents`` the global
-    document starts (None: one sequence per row); ``head_base`` the global
-    index of the first query head ``q`` holds (head parallelism gives each
-    rank a slice of the heads; dilation offsets count from the global index).
+
+def run(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], spec: AttentionSpec) -> Tensor:
+    """The ring over a checked spec the ranks agreed on (``spec.seq_len`` set; see :func:`hf_ring.checks.agreed_spec`).
+
+    ``spec.key_mask`` only when some rank has padded keys.
     """
     rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
-    budget = message_budget(seq_len, world, k.shape[1]) if message_rows is None else message_rows * k.shape[1]
-    branches, dilated = branches_of(pattern), None
-    tile = min(default_tile(window), PADDED_TILE) if key_mask is not None else None
-    if documents is not None:
-        if pattern is not None:  # dilation counts from each document's start: a dense plan with per-tile bias
-            dilated, branches = pattern.branches, DENSE
-        tile = min(tile or default_tile(window), document_tile(documents, seq_len, dilated is not None))
-    if softcap is not None:
-        tile = min(tile or default_tile(window), SOFTCAP_TILE)
-    plan = rank_plan(seq_len, rank, world, layout if world > 1 else "contiguous", causal, window,
-                     branches, q.shape[1], k.shape[1], budget, tile, documents, head_base)
-    rctx = _Ctx(comm, plan, scale, causal, window, key_mask, documents=documents, dilated=dilated,
-                softcap=softcap, backward_tile=min(BACKWARD_TILE, tile or BACKWARD_TILE), head_base=head_base)
-    return RingAttentionFunction.apply(q, k, v, sinks, rctx)
+    hkv = k.shape[1]
+    budget = message_budget(spec.seq_len, world, hkv) if spec.message_rows is None else spec.message_rows * hkv
+    tile = _tile(spec)
+    geo = Geometry(spec.seq_len, world, spec.layout if world > 1 else "contiguous", spec.causal, spec.window,
+                   spec.planned_branches, q.shape[1], hkv, tile, spec.documents, spec.head_base)
+    rctx = _Ctx(comm, rank_plan(geo, rank, budget), spec, backward_tile=min(BACKWARD_TILE, tile or BACKWARD_TILE))
+    return RingAttentionFunction.apply(q, k, v, spec.sinks, rctx)
 
 
 def ring_attention(
@@ -409,61 +402,43 @@ def ring_attention(
     v: Tensor,
     *,
     group: Optional[dist.ProcessGroup] = None,
-    layout: str = "zigzag",
-    seq_len: Optional[int] = None,
-    causal: bool = True,
-    window: Optional[int] = None,
-    pattern: Union[DilatedPattern, dict, None] = None,
-    scale: Optional[float] = None,
     key_mask: Optional[Tensor] = None,
     position_ids: Optional[Tensor] = None,
-    softcap: Optional[float] = None,
     sinks: Optional[Tensor] = None,
-    documents: Optional[Documents] = None,
-    message_rows: Optional[int] = None,
+    **options: Any,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     ``q`` is ``(B, Hq, S_local, D)``, ``k``/``v`` are ``(B, Hkv, S_local, D)``
     holding this rank's rows in ``local_positions`` order; returns this rank's
-    rows of the output, ``(B, Hq, S_local, D)``. ``window=W`` lets query t see
-    keys ``t-W < k <= t``. ``pattern`` selects dilated attention
-    (:class:`hf_ring.DilatedPattern`); ``None`` is exact dense attention.
+    rows of the output, ``(B, Hq, S_local, D)``.
     ``key_mask`` ``(B, S_local)`` bool marks the keys that may be attended
     (False for padding); it travels with the K/V rows it describes.
     ``position_ids`` ``(B, S_local)``: this rank's rows' position ids; a row
     then holds several documents (each maximal run of ids increasing by one),
     and a query sees only its own document, with causality, window and
-    dilation counted from the document's start. ``softcap`` caps the scores,
-    ``softcap·tanh(s/softcap)``; ``sinks`` ``(Hq,)`` adds one logit per query
-    head to the softmax denominator with a zero value (its gradient is this
-    rank's rows' share: sum it over the ranks like any parameter's).
+    dilation counted from the document's start. ``sinks`` ``(Hq,)`` adds one
+    logit per query head to the softmax denominator with a zero value (its
+    gradient is this rank's rows' share: sum it over the ranks like any
+    parameter's).
+
+    ``options`` (keywords, see :class:`hf_ring.spec.AttentionSpec`):
+    ``layout="zigzag"``; ``seq_len`` (checked against the shards; inferred when
+    None); ``causal=True``; ``window=W`` lets query t see keys ``t-W < k <= t``;
+    ``pattern`` selects dilated attention (:class:`hf_ring.DilatedPattern` or
+    its dict; None is exact dense attention); ``scale`` (default
+    ``1/sqrt(D)``); ``softcap`` caps the scores, ``softcap·tanh(s/softcap)``;
     ``documents`` gives the same as ``position_ids`` for a caller that knows
     the global document starts already (per batch row, the ascending rows
     where a document starts, beginning with 0; see
-    :func:`hf_ring.documents.document_starts`): no exchange is then needed.
+    :func:`hf_ring.documents.document_starts`): no exchange is then needed;
     ``message_rows`` sets the K/V rows per message on the ring (default: an
     eighth of a shard, at least 512): smaller messages bound the ring's
     buffers further, at some speed.
+
     Without a group and without torch.distributed it runs as one process.
     Every argument is validated and the ranks agree on all of them (one small
     all-gather) before any K/V moves: a mismatch raises the same error on every rank.
     """
     comm = resolve_group(group)
-    opts, codes = None, ()
-    with caught() as check:  # a bad argument on one rank fails every rank at once: its error rides in the agreement
-        opts = check_call(q, k, v, layout=layout, causal=causal, window=window, pattern=pattern, scale=scale,
-                          key_mask=key_mask)
-        softcap, sinks = check_softcap(softcap), check_sinks(sinks, q.shape[1])
-        position_ids = check_position_ids(position_ids, q)
-        if position_ids is not None and documents is not None:
-            raise ValueError("pass either position_ids (the ranks then learn the documents) or documents, not both")
-        message_rows = check_message_rows(message_rows)
-        codes = option_codes(softcap, sinks, position_ids, documents, message_rows)
-    n, padded = agree(comm, q, k, seq_len, opts, codes, check.error)
-    if position_ids is not None:
-        documents = gather_documents(comm, position_ids, n, opts.layout, k.device)
-    documents = check_documents(documents, q.shape[0], n)
-    return run(q, k, v, comm, seq_len=n, layout=opts.layout, causal=opts.causal, window=opts.window,
-               pattern=opts.pattern, scale=opts.scale, key_mask=full_key_mask(opts.key_mask, k, padded),
-               documents=documents, softcap=softcap, sinks=sinks, message_rows=message_rows)
+    return run(q, k, v, comm, agreed_spec(comm, q, k, v, options, key_mask, position_ids, sinks))

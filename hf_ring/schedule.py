@@ -110,6 +110,33 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Geometry:
+    """What a rank's plan depends on, the same on every rank: the sequence, the ring and the attention's shape.
+
+    ``tile``: most rows per side of a block (None is :func:`default_tile`:
+    whole blocks, cut only along a window); ``documents``: global start rows
+    of the documents in each batch row, which drops tiles whose rows share no
+    document (it needs the one dense branch, since dilation inside documents
+    is counted from each document's start, not from row 0); ``head_base``:
+    the global index of local query head 0 (head and tensor parallelism hand
+    a rank a slice of the heads; a head's dilation offset is its global index
+    mod the rate, so each branch reads the rows it reads in one process).
+    """
+
+    seq_len: int
+    world_size: int
+    layout: str
+    causal: bool
+    window: Optional[int]
+    branches: Branches
+    hq: int
+    hkv: int
+    tile: Optional[int] = None
+    documents: Optional[Documents] = None
+    head_base: int = 0
+
+
+@dataclass(frozen=True)
 class RankPlan:
     rank: int
     world_size: int
@@ -161,21 +188,10 @@ def _document_tiles(q_progs: List[Rows], kp: Rows, tile: int, documents: Documen
 
 
 @lru_cache(maxsize=4096)
-def pair_plan(
-    seq_len: int, dst: int, src: int, world_size: int, layout: str, causal: bool,
-    window: Optional[int], branches: Branches, hq: int, hkv: int, tile: Optional[int] = None,
-    documents: Optional[Documents] = None, head_base: int = 0,
-) -> PairPlan:
-    """What rank ``dst`` computes with the K/V rows of rank ``src``; blocks of at most ``tile`` rows a side.
-
-    ``tile=None`` is :func:`default_tile`: whole blocks, cut only along a window.
-    ``documents`` (global start rows per batch row) drops tiles whose rows
-    share no document; it needs the one dense branch, since dilation inside
-    documents is counted from each document's start, not from row 0.
-    ``head_base``: the global index of local query head 0 (head parallelism
-    hands a rank a slice of the heads); a head's dilation offset is its
-    global index mod the rate, so each branch reads the rows it reads in one process.
-    """
+def pair_plan(geo: Geometry, dst: int, src: int) -> PairPlan:
+    """What rank ``dst`` computes with the K/V rows of rank ``src``; blocks of at most ``geo.tile`` rows a side."""
+    seq_len, world_size, layout, causal, window = geo.seq_len, geo.world_size, geo.layout, geo.causal, geo.window
+    branches, documents, tile = geo.branches, geo.documents, geo.tile
     if documents is not None and (len(branches) != 1 or branches[0][1] != 1 or branches[0][0] < seq_len):
         raise ValueError(f"a plan over documents takes the one dense branch (seq_len, 1), got {branches}")
     q_runs = runs_to_local(local_runs(seq_len, dst, world_size, layout))
@@ -189,7 +205,7 @@ def pair_plan(
     for w, rate in branches:
         wt = min(w, seq_len)
         for offset in range(rate):
-            groups = head_groups(hq, hkv, rate, (offset - head_base) % rate)
+            groups = head_groups(geo.hq, geo.hkv, rate, (offset - geo.head_base) % rate)
             if not groups:
                 continue
             for seg in _segments(q_runs, wt):
@@ -308,11 +324,7 @@ def _size(plan: PairPlan) -> int:
 
 
 @lru_cache(maxsize=512)
-def messages_per_transfer(
-    seq_len: int, shift: int, world_size: int, layout: str, causal: bool, window: Optional[int],
-    branches: Branches, hq: int, hkv: int, budget: int, tile: Optional[int] = None,
-    documents: Optional[Documents] = None, head_base: int = 0,
-) -> int:
+def messages_per_transfer(geo: Geometry, shift: int, budget: int) -> int:
     """How many messages every transfer of ring step ``shift`` is cut into: enough for the largest.
 
     All transfers of a step are cut into the same number of messages, so the
@@ -321,32 +333,27 @@ def messages_per_transfer(
     queries against each) gets messages of twice the size rather than twice
     as many, which would leave its peer idle for the extra rounds.
     """
-    largest = max(_size(pair_plan(seq_len, r, (r - shift) % world_size, world_size, layout, causal, window,
-                                  branches, hq, hkv, tile, documents, head_base)) for r in range(world_size))
+    world = geo.world_size
+    largest = max(_size(pair_plan(geo, r, (r - shift) % world)) for r in range(world))
     return max(1, -(-largest // budget))
 
 
 @lru_cache(maxsize=512)
-def rank_plan(
-    seq_len: int, rank: int, world_size: int, layout: str, causal: bool,
-    window: Optional[int], branches: Branches, hq: int, hkv: int, budget: Optional[int] = None,
-    tile: Optional[int] = None, documents: Optional[Documents] = None, head_base: int = 0,
-) -> RankPlan:
+def rank_plan(geo: Geometry, rank: int, budget: Optional[int] = None) -> RankPlan:
     """Every step rank ``rank`` takes part in; step 0 (its own K/V) comes first.
 
     Each shift's transfers are cut into :func:`messages_per_transfer` messages
     of at most ``budget`` rows x heads (default :func:`message_budget`), each a
-    step of its own. ``documents``, ``head_base``: see :func:`pair_plan`.
+    step of its own.
     """
+    world, causal, window = geo.world_size, geo.causal, geo.window
     if budget is None:
-        budget = message_budget(seq_len, world_size, hkv)
-    args = (world_size, layout, causal, window, branches, hq, hkv, tile, documents, head_base)
-    steps = [Step(0, rank, rank, pair_plan(seq_len, rank, rank, *args), ())]
-    for s in range(1, world_size):
-        src, dst = (rank - s) % world_size, (rank + s) % world_size
-        count = messages_per_transfer(seq_len, s, world_size, layout, causal, window, branches, hq, hkv, budget,
-                                      tile, documents, head_base)
-        recv_plan, send_plan = pair_plan(seq_len, rank, src, *args), pair_plan(seq_len, dst, rank, *args)
+        budget = message_budget(geo.seq_len, world, geo.hkv)
+    steps = [Step(0, rank, rank, pair_plan(geo, rank, rank), ())]
+    for s in range(1, world):
+        src, dst = (rank - s) % world, (rank + s) % world
+        count = messages_per_transfer(geo, s, budget)
+        recv_plan, send_plan = pair_plan(geo, rank, src), pair_plan(geo, dst, rank)
         recv = chunk_pair(recv_plan, -(-_size(recv_plan) // count), causal, window)
         send = chunk_pair(send_plan, -(-_size(send_plan) // count), causal, window)
         for i in range(max(len(recv), len(send))):
@@ -354,4 +361,4 @@ def rank_plan(
             snd = send[i].pieces if i < len(send) else ()
             if r.pieces or snd:
                 steps.append(Step(s, src, dst, r, snd))
-    return RankPlan(rank, world_size, seq_len, tuple(steps))
+    return RankPlan(rank, world, geo.seq_len, tuple(steps))

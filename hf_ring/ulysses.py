@@ -25,10 +25,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .comm import RingComm
-from .documents import Documents
 from .layout import HeadSplit
-from .pattern import DilatedPattern
 from .ring import run
+from .spec import AttentionSpec
 
 Tensor = torch.Tensor
 
@@ -106,30 +105,25 @@ def group_rows(comm: RingComm, rows: Tensor, sizes: Sequence[int]) -> Tensor:
     return torch.cat([parts[i, :, :n] for i, n in enumerate(sizes)], dim=1)
 
 
-def head_parallel(q: Tensor, k: Tensor, v: Tensor, heads_comm: RingComm, ring_comm: Optional[RingComm], *,
-                  split: HeadSplit, sizes: Sequence[int], seq_len: int, layout: str, causal: bool,
-                  window: Optional[int], pattern: Optional[DilatedPattern], scale: float,
-                  key_mask: Optional[Tensor], documents: Optional[Documents] = None,
-                  softcap: Optional[float] = None, sinks: Optional[Tensor] = None) -> Tensor:
+def head_parallel(q: Tensor, k: Tensor, v: Tensor, head_comm: RingComm, ring_comm: Optional[RingComm],
+                  split: HeadSplit, sizes: Sequence[int], spec: AttentionSpec) -> Tensor:
     """Attention of this rank's rows ``(B, Hq, S_mine, D)`` by head parallelism (and the ring over the groups).
 
     ``sizes``: the rows each member of the head-parallel group holds;
-    ``key_mask`` ``(B, S_group)``: the group's rows (see :func:`group_rows`),
-    None when no rank is padded; ``ring_comm``: the ring over the groups, None
-    when one group holds the whole sequence. Arguments are validated and agreed.
+    ``spec.key_mask`` ``(B, S_group)``: the group's rows (see
+    :func:`group_rows`), None when no rank is padded; ``ring_comm``: the ring
+    over the groups, None when one group holds the whole sequence. The spec
+    is checked and agreed.
     """
     sizes = tuple(int(s) for s in sizes)
     index = split.kv_index()
     if index is not None:
         index = index.to(k.device)
         k, v = k.index_select(1, index), v.index_select(1, index)
-    qh, kh, vh = _HeadExchange.apply(heads_comm, sizes, True, q, k, v)
-    heads = split.q_heads(heads_comm.rank)
-    if sinks is not None:
-        sinks = sinks[heads.start:heads.stop]
+    qh, kh, vh = _HeadExchange.apply(head_comm, sizes, True, q, k, v)
+    heads = split.q_heads(head_comm.rank)
+    sinks = None if spec.sinks is None else spec.sinks[heads.start:heads.stop]
     ring = ring_comm if ring_comm is not None and ring_comm.world_size > 1 else None
-    out = run(qh, kh, vh, ring, seq_len=seq_len, layout=layout if ring is not None else "contiguous",
-              causal=causal, window=window, pattern=pattern, scale=scale, key_mask=key_mask, documents=documents,
-              softcap=softcap, sinks=sinks, head_base=heads.start)
-    (back,) = _HeadExchange.apply(heads_comm, sizes, False, out)
+    out = run(qh, kh, vh, ring, spec.at(sinks=sinks, head_base=spec.head_base + heads.start))
+    (back,) = _HeadExchange.apply(head_comm, sizes, False, out)
     return back

@@ -680,7 +680,7 @@ def head_parallel_case(seed, b, hq, hkv, n, d, *, ulysses, layout="zigzag", dtyp
     ``(B, n)``) packs documents; ``sinks`` ``(Hq,)`` adds attention sinks (their
     gradient is summed over the ranks, as ``sync_gradients`` does).
     """
-    from hf_ring.kernels import default_scale
+    from hf_ring.checks import check_options
     from hf_ring.layout import head_split
     from hf_ring.ulysses import group_rows, head_parallel
 
@@ -698,11 +698,11 @@ def head_parallel_case(seed, b, hq, hkv, n, d, *, ulysses, layout="zigzag", dtyp
             key_mask = group_rows(sp.head_comm, full[:, pos], sizes[first:first + ulysses])
         ql, kl, vl = (t[:, :, pos].clone().requires_grad_(True) for t in (q, k, v))
         s = None if sinks is None else sinks.clone().requires_grad_(True)
-        out = head_parallel(ql, kl, vl, sp.head_comm, sp.ring_comm, split=head_split(hq, hkv, ulysses),
-                            sizes=sizes[first:first + ulysses], seq_len=n, layout=layout, causal=causal,
-                            window=window, pattern=pattern, scale=default_scale(d), key_mask=key_mask,
-                            documents=None if position_ids is None else document_starts(position_ids),
-                            softcap=softcap, sinks=s)
+        spec = check_options(causal, window, pattern, None, d, layout).at(
+            seq_len=n, key_mask=key_mask, documents=None if position_ids is None else document_starts(position_ids),
+            softcap=softcap, sinks=s)
+        out = head_parallel(ql, kl, vl, sp.head_comm, sp.ring_comm, head_split(hq, hkv, ulysses),
+                            sizes[first:first + ulysses], spec)
         out.backward(dout[:, :, pos])
         res = {"pos": pos, "out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
         if s is not None:

@@ -12,6 +12,7 @@ rows padded to 32), and asserting the kernels' argument contracts on real tensor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -147,19 +148,20 @@ class _Aten:
 def emulated(route: str):
     """Blocks of CPU tensors take ``route`` ("flash": flash wherever there is no mask, fp32 too; "efficient":
     memory-efficient attention for every block) through :mod:`hf_ring.cuda_kernels` and the stand-ins."""
-    saved = kernels.backend, cuda_kernels.aten, cuda_kernels.flash_supports
+    saved = kernels.KERNELS, cuda_kernels.aten
+    table = {kn.name: kn for kn in kernels.KERNELS}
 
-    def backend(q, mask=None, softcap=None):
-        if softcap is not None or q.dtype == torch.float64:
-            return "math"
-        return "cuda_flash" if route == "flash" and mask is None else "cuda_efficient"
+    def fused(q, softcap):
+        return softcap is None and q.dtype != torch.float64
 
-    kernels.backend, cuda_kernels.aten = backend, _Aten()
-    cuda_kernels.flash_supports = lambda q: True
+    flash = dataclasses.replace(table["cuda_flash"],
+                                supports=lambda q, masked, cap: route == "flash" and fused(q, cap) and not masked)
+    efficient = dataclasses.replace(table["cuda_efficient"], supports=lambda q, masked, cap: fused(q, cap))
+    kernels.KERNELS, cuda_kernels.aten = (flash, efficient, table["math"]), _Aten()
     try:
         yield
     finally:
-        kernels.backend, cuda_kernels.aten, cuda_kernels.flash_supports = saved
+        kernels.KERNELS, cuda_kernels.aten = saved
 
 
 def emulated_case(route: str, fn, *args, **kwargs):

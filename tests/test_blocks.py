@@ -9,7 +9,11 @@ from hypothesis import strategies as st
 import reference as R
 from hf_ring import local_positions
 from hf_ring.blocks import Rows, tiles
-from hf_ring.schedule import contains, pair_plan, rank_plan, sent
+from hf_ring.schedule import Geometry, contains, pair_plan, rank_plan, sent
+
+
+def _plan(n, rank, world, layout, causal, window, branches, hq, hkv, budget=None):
+    return rank_plan(Geometry(n, world, layout, causal, window, branches, hq, hkv), rank, budget)
 
 
 def coverage(n, world, layout, causal, window, branches, hq, hkv, bwd_tile=None, budget=None):
@@ -18,7 +22,7 @@ def coverage(n, world, layout, causal, window, branches, hq, hkv, bwd_tile=None,
     g = hq // hkv
     for rank in range(world):
         qpos = local_positions(n, rank, world, layout)
-        plan = rank_plan(n, rank, world, layout, causal, window, branches, hq, hkv, budget)
+        plan = _plan(n, rank, world, layout, causal, window, branches, hq, hkv, budget)
         for step in plan.steps:
             kpos_src = local_positions(n, step.src, world, layout)
             for blk in step.recv.blocks:
@@ -79,14 +83,14 @@ def test_dilated_multiplicity(branches, world, layout, causal):
 def test_rows_shared_by_branches_travel_once():
     n, world, hq = 1024, 2, 8
     travelling = lambda plan: sum(len(p.heads) * p.rows.count for s in plan.steps[1:] for p in sent(s.recv.pieces))  # noqa: E731
-    two = rank_plan(n, 1, world, "contiguous", False, None, ((n, 2),), hq, hq)
+    two = _plan(n, 1, world, "contiguous", False, None, ((n, 2),), hq, hq)
     # the offset-o rows of rate 4 (heads o, o+4) are among the offset-o rows of rate 2 (heads o, o+2, ...)
-    both = rank_plan(n, 1, world, "contiguous", False, None, ((n, 2), (n, 4)), hq, hq)
+    both = _plan(n, 1, world, "contiguous", False, None, ((n, 2), (n, 4)), hq, hq)
     assert travelling(both) == travelling(two)
     views = [p for s in both.steps[1:] for p in s.recv.pieces if p.within is not None]
     assert views and sum(len(p.heads) * p.rows.count for p in views) * 4 == n // world * hq
     for budget in (64, 100):  # cut into messages, each view still travels inside its parent's message
-        cut = rank_plan(n, 1, world, "contiguous", False, None, ((n, 2), (n, 4)), hq, hq, budget)
+        cut = _plan(n, 1, world, "contiguous", False, None, ((n, 2), (n, 4)), hq, hq, budget)
         assert travelling(cut) == travelling(two)
 
 
@@ -110,11 +114,11 @@ def test_dilated_tiles_cover_the_pattern(n, world, layout, branches, heads, tile
 
 def test_future_rows_are_never_sent():
     # Contiguous causal: rank 0 needs nothing from anyone, so only the ranks after it receive.
-    plan0 = rank_plan(64, 0, 4, "contiguous", True, None, ((64, 1),), 2, 2)
+    plan0 = _plan(64, 0, 4, "contiguous", True, None, ((64, 1),), 2, 2)
     assert all(not s.recv.pieces for s in plan0.steps if s.shift)
     # Zigzag: at every step a rank computes half of (its rows x the visiting rows), and
     # when the visitor is an earlier rank only the half it can use travels.
-    plan = rank_plan(64, 2, 4, "zigzag", True, None, ((64, 1),), 2, 2)
+    plan = _plan(64, 2, 4, "zigzag", True, None, ((64, 1),), 2, 2)
     for step in plan.steps[1:]:
         assert sum(b.q.count * b.nk for b in step.recv.blocks) == 16 * 16 // 2
         rows = sum(p.rows.count for p in step.recv.pieces)
@@ -122,26 +126,26 @@ def test_future_rows_are_never_sent():
 
 
 def test_window_limits_steps_and_masks():
-    plan = rank_plan(4096, 3, 4, "contiguous", True, 100, ((4096, 1),), 2, 2)
+    plan = _plan(4096, 3, 4, "contiguous", True, 100, ((4096, 1),), 2, 2)
     assert [s.shift for s in plan.steps] == [0, 1]  # only the previous shard is within reach
     assert sum(p.rows.count for p in plan.steps[1].recv.pieces) == 99  # and only its last 99 rows
-    big = pair_plan(1 << 16, 0, 0, 1, "contiguous", True, 512, ((1 << 16, 1),), 2, 2)
+    big = pair_plan(Geometry(1 << 16, 1, "contiguous", True, 512, ((1 << 16, 1),), 2, 2), 0, 0)
     masked = [b for b in big.blocks if b.kind == "mask"]
     assert masked and max(b.q.count * b.nk for b in masked) <= 512 * 512
 
 
 def test_segments_inside_a_rank_need_no_traffic():
-    plan = rank_plan(1024, 1, 4, "contiguous", True, None, ((64, 1), (256, 4)), 8, 8)
+    plan = _plan(1024, 1, 4, "contiguous", True, None, ((64, 1), (256, 4)), 8, 8)
     assert [s.shift for s in plan.steps] == [0]
-    zig = rank_plan(1024, 1, 4, "zigzag", True, None, ((128, 1), (64, 2)), 8, 8)
+    zig = _plan(1024, 1, 4, "zigzag", True, None, ((128, 1), (64, 2)), 8, 8)
     assert [s.shift for s in zig.steps] == [0]
 
 
 def test_dilated_branch_sends_one_rth_of_the_rows():
     n, world, hq = 1024, 2, 8
-    dense = rank_plan(n, 1, world, "contiguous", False, None, ((n, 1),), hq, hq)
+    dense = _plan(n, 1, world, "contiguous", False, None, ((n, 1),), hq, hq)
     for r in (2, 4, 8):
-        dil = rank_plan(n, 1, world, "contiguous", False, None, ((n, r),), hq, hq)
+        dil = _plan(n, 1, world, "contiguous", False, None, ((n, r),), hq, hq)
         count = lambda plan: sum(len(p.heads) * p.rows.count for s in plan.steps[1:] for p in s.recv.pieces)  # noqa: E731
         assert count(dil) * r == count(dense)
 
@@ -157,7 +161,7 @@ def test_messages_split_by_budget_cover_the_same_pairs(n, world, layout, window,
     got = coverage(n, world, layout, True, window, br, 4, 2, budget=budget)
     assert torch.equal(got, expected(n, True, window, None if branches is None else br, 4))
     for rank in range(world):
-        plan = rank_plan(n, rank, world, layout, True, window, br, 4, 2, budget)
+        plan = _plan(n, rank, world, layout, True, window, br, 4, 2, budget)
         for step in plan.steps[1:]:
             for pieces in (step.recv.pieces, step.send):
                 assert sum(len(p.heads) * p.rows.count for p in sent(pieces)) <= max(budget, 2)

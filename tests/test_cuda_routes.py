@@ -38,7 +38,7 @@ def test_block_kind_runs_its_kernel(case):
 
 @pytest.mark.parametrize("case", FUSED_CASES, ids=[c.name for c in FUSED_CASES])
 def test_check_fails_when_the_route_is_forced_to_the_math_path(case, monkeypatch):
-    monkeypatch.setattr(kernels, "backend", lambda *args, **kw: "math")
+    monkeypatch.setattr(kernels, "KERNELS", tuple(kn for kn in kernels.KERNELS if kn.name == "math"))
     with routes.fake_cuda():
         got = routes.run(case)
     with pytest.raises(AssertionError, match="did not run"):
@@ -133,10 +133,9 @@ def test_whole_ring_runs_fused_kernels(kw, dtype):
     with routes.fake_cuda():
         q, k, v, dout = (t.transpose(1, 2) for t in (torch.randn(1, n, h, d, dtype=dtype, device="cuda")
                                                       for h in (hq, hkv, hkv, hq)))
-        opts = check_options(True, kw.get("window"), kw.get("pattern"), None, d)
-        rctx = ring._Ctx(None, ring.rank_plan(n, 0, 1, "contiguous", True, opts.window,
-                                              ring.branches_of(opts.pattern), hq, hkv, 1 << 30, None, None),
-                         opts.scale, True, opts.window, backward_tile=1024)
+        spec = check_options(True, kw.get("window"), kw.get("pattern"), None, d, "contiguous").at(seq_len=n)
+        geo = ring.Geometry(n, 1, "contiguous", True, spec.window, spec.branches, hq, hkv)
+        rctx = ring._Ctx(None, ring.rank_plan(geo, 0, 1 << 30), spec, backward_tile=1024)
         with routes.OpSpy() as fwd:
             out, lse = ring.ring_forward(q, k, v, rctx)
         with routes.OpSpy() as bwd:

@@ -219,7 +219,7 @@ def test_plan_covers_each_same_document_pair_once(world, layout, mode, budget):
     """Pure index math: the blocks of every rank, restricted to what the reference allows, cover each pair once."""
     from hf_ring import local_positions
     from hf_ring.ring import document_tile
-    from hf_ring.schedule import rank_plan
+    from hf_ring.schedule import Geometry, rank_plan
 
     n, hq, hkv = N, 4, 2
     pos = packed(SPLITS["two-rows"], n)
@@ -230,8 +230,8 @@ def test_plan_covers_each_same_document_pair_once(world, layout, mode, budget):
     cover = torch.zeros(pos.shape[0], hq, n, n, dtype=torch.long)
     for rank in range(world):
         qpos = local_positions(n, rank, world, layout)
-        plan = rank_plan(n, rank, world, layout if world > 1 else "contiguous", causal, window, ((n, 1),),
-                         hq, hkv, budget, tile, docs)
+        geo = Geometry(n, world, layout if world > 1 else "contiguous", causal, window, ((n, 1),), hq, hkv, tile, docs)
+        plan = rank_plan(geo, rank, budget)
         for step in plan.steps:
             kpos = local_positions(n, step.src, world, layout)
             for blk in step.recv.blocks:

@@ -72,9 +72,9 @@ def test_dilated_model_matches_reference_attention():
     attn = model.model.layers[0].self_attn
     original = hf_ring.backend.run
 
-    def spy(q, k, v, comm, **kw):
-        captured.update(q=q.detach(), k=k.detach(), v=v.detach(), scale=kw["scale"])
-        out = original(q, k, v, comm, **kw)
+    def spy(q, k, v, comm, spec):
+        captured.update(q=q.detach(), k=k.detach(), v=v.detach(), scale=spec.scale)
+        out = original(q, k, v, comm, spec)
         captured["out"] = out.detach()
         return out
 

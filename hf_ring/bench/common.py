@@ -80,12 +80,12 @@ def planned_ring_mb(n: int, world: int, layout: str, branches, hq: int, hkv: int
     ``elem``: bytes per number; ``shared=False``: as if every branch sent its own rows, including rows
     another branch already sends.
     """
-    from ..schedule import rank_plan, sent
+    from ..schedule import Geometry, rank_plan, sent
 
     pick = sent if shared else list
     most = 0.0
     for rank in range(world):
-        plan = rank_plan(n, rank, world, layout, True, None, tuple(branches), hq, hkv)
+        plan = rank_plan(Geometry(n, world, layout, True, None, tuple(branches), hq, hkv), rank)
         kv = sum(len(p.heads) * p.rows.count for s in plan.steps for p in pick(s.send)) * b * d
         back = sum(len(p.heads) * p.rows.count for s in plan.steps[1:] for p in pick(s.recv.pieces)) * b * d
         # K and V in the forward and again in the backward, then dK and dV back.
@@ -139,7 +139,7 @@ def measure_attention(impl: str, n: int, layout: str, b: int, h: int, d: int, re
     import torch.nn.functional as F
 
     import hf_ring
-    from ..kernels import default_scale
+    from ..checks import check_options
     from ..layout import head_split
     from ..ulysses import head_parallel
 
@@ -160,10 +160,8 @@ def measure_attention(impl: str, n: int, layout: str, b: int, h: int, d: int, re
         if ulysses > 1:
             first = rank // ulysses * ulysses
             sizes = hf_ring.shard_sizes(length, world, layout, ulysses)[first:first + ulysses]
-            return head_parallel(q, k, v, sp.head_comm, sp.ring_comm, split=head_split(h, h, ulysses), sizes=sizes,
-                                 seq_len=length, layout=layout, causal=True, window=None,
-                                 pattern=None if pattern is None else hf_ring.DilatedPattern.from_dict(pattern),
-                                 scale=default_scale(d), key_mask=None)
+            spec = check_options(True, None, pattern, None, d, layout).at(seq_len=length)
+            return head_parallel(q, k, v, sp.head_comm, sp.ring_comm, head_split(h, h, ulysses), sizes, spec)
         return hf_ring.ring_attention(q, k, v, layout=layout, seq_len=length, pattern=pattern)
 
     # Load kernels, threads and the allocator on a small problem so the memory
@@ -283,6 +281,14 @@ def format_table(rows: List[Dict], columns: List[str]) -> str:
     line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"  # noqa: E731
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(columns), sep] + [line(r) for r in cells])
+
+
+def finish_figure(fig, path: str, title: Optional[str] = None) -> None:
+    """Title a figure, lay it out and write it to ``path`` at the resolution every benchmark's figures share."""
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def save(out_dir: str, name: str, payload: Dict, plot: Optional[Callable[[str], None]] = None) -> None:

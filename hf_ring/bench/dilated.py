@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Dict, List, Optional
 
-from .common import format_table, measure_attention, planned_ring_mb, run_ranks, save, spread, summary
+from .common import finish_figure, format_table, measure_attention, planned_ring_mb, run_ranks, save, spread, summary
 
 SEGMENTS = [2048, 4096, 8192, 16384, 32768, 65536]
 RATES = [1, 2, 4, 8, 16, 32]
@@ -73,8 +73,7 @@ def _plot(rows: List[Dict]):
         ax.set_ylabel("forward+backward seconds")
         ax.set_title("dilated vs dense, causal (B=1, H=8, D=64, fp32)")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        finish_figure(fig, path)
 
     return draw
 

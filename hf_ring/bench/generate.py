@@ -20,7 +20,7 @@ from typing import Dict, List
 import torch
 
 from ..cache import cache_nbytes
-from .common import clock, format_table, peak_rss_mb, rss_mb, run_ranks, save, spread, summary
+from .common import clock, finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks, save, spread, summary
 
 MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1 << 20, attention_dropout=0.0,
@@ -244,9 +244,7 @@ def _plot(rows: List[Dict]):
             ax.set_xlabel("prompt length")
             ax.set_title(title)
             ax.legend()
-        fig.suptitle("generation, 2-layer Llama (H=4, Hkv=2, D=64, fp32), greedy")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        finish_figure(fig, path, "generation, 2-layer Llama (H=4, Hkv=2, D=64, fp32), greedy")
 
     return draw
 

@@ -23,7 +23,7 @@ import argparse
 from collections import defaultdict
 from typing import Dict, List, Optional
 
-from .common import HEAD_PARALLEL, clock, format_table, measure_attention, planned_mode_mb, run_ranks, save, spread, summary
+from .common import HEAD_PARALLEL, clock, finish_figure, format_table, measure_attention, planned_mode_mb, run_ranks, save, spread, summary
 
 BASE_N = 512
 BASELINES = (("sdpa", 1, "-"), ("ring", 1, "-"))
@@ -176,9 +176,7 @@ def _plot(rows: List[Dict]):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("sequence length")
             ax.legend()
-        fig.suptitle("exact causal attention by mode (B=1, H=8, D=64, fp32, one thread per rank)")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        finish_figure(fig, path, "exact causal attention by mode (B=1, H=8, D=64, fp32, one thread per rank)")
 
     return draw
 

@@ -25,7 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .common import format_table, peak_rss_mb, rss_mb, run_ranks, save
+from .common import finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks, save
 
 MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1 << 22, attention_dropout=0.0,
@@ -267,9 +267,7 @@ def _plot(rows: List[Dict], fits: Dict[str, Dict]):
         ax_t.set_ylabel("training step seconds")
         ax_m.set_ylabel("peak resident GiB per rank (dotted: a + b·n/p)")
         ax_m.legend(fontsize=7)
-        fig.suptitle("one training step, gradient checkpointing, fp32 (2 CPU cores shared)")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        finish_figure(fig, path, "one training step, gradient checkpointing, fp32 (2 CPU cores shared)")
 
     return draw
 
