@@ -134,11 +134,6 @@ def last_reader(position: int, *, window: Optional[int], branches: Sequence[Tupl
     return last
 
 
-def rows_still_visible(positions: Tensor, t_next: int, rule: RowRule, row_set: int = 0) -> Tensor:
-    """Keep-mask of rows at ``positions``: True where some query at ``t_next`` or later may read the row."""
-    return rule.last_readers(positions, row_set) >= t_next
-
-
 def layer_windows(config: Any) -> List[Optional[int]]:
     """The sliding window of each layer, as the model passes it to its attention.
 

@@ -306,10 +306,13 @@ def chunk_pair(plan: PairPlan, budget: int, causal: bool, window: Optional[int])
 
 MESSAGES_PER_SHARD = 8
 MIN_MESSAGE_ROWS = 512
-"""Rows of the largest message of a step (a zigzag step's smaller transfer gets half this). A message's rows are
-held in receive buffers while the previous ones are computed on, so larger messages raise the peak per rank;
-the kernels run blocks of a few hundred keys as fast as larger ones, and smaller messages add rounds, each with
-its wait."""
+"""Fewest rows of the largest message of a step (a zigzag step's smaller transfer gets half this).
+
+Messages bound memory: a message's rows sit in receive buffers while the
+previous one is computed on, so the peak per rank grows with the message.
+They also cost time: each adds a round with its own wait, and a block of a
+few hundred keys already runs the kernels at full speed, so messages smaller
+than this buy little memory for their rounds."""
 
 
 def message_budget(seq_len: int, world_size: int, hkv: int) -> int:

@@ -17,7 +17,7 @@ from hf_ring.cache import EMPTY_SLOT, RowSet, ShardedCache, growth_rows
 from hf_ring.decode import cached_blocks
 from hf_ring.layout import local_positions
 from hf_ring.pattern import DENSE
-from hf_ring.rows import KEEP_ALL, last_reader, last_readers, layer_rules, rows_still_visible, rule_for
+from hf_ring.rows import KEEP_ALL, last_reader, last_readers, layer_rules, rule_for
 from eviction_cases import evict_case
 from helpers import dilated_sdpa_mask, rel_err
 from models import load, saved_model_dir
@@ -73,7 +73,8 @@ def test_kept_rows_are_exactly_those_a_later_query_reads(hkv, g, window, branche
     ref = reference_reads(t_next, hq, hkv, window, branches)
     assert torch.equal(ref, decoder_reads(t_next, hq, hkv, window, branches))
     for u in range(hkv):
-        got = rows_still_visible(torch.arange(t_next), t_next, rule, u if rule.sets > 1 else 0)
+        # A row stays in the cache while its last reader (what the cache's eviction reads) is still to come.
+        got = rule.last_readers(torch.arange(t_next), u if rule.sets > 1 else 0) >= t_next
         want = ref[u] if rule.sets > 1 else ref.any(0)
         assert torch.equal(got, want), (u, got, want)
     for u in range(rule.sets):  # the integer version a decoding step uses gives the same
