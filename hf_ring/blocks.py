@@ -84,6 +84,17 @@ def band_mask(sq: int, sk: int, lo: Optional[int], hi: int, device=None) -> torc
     return allowed if lo is None else allowed & (j >= i + lo)
 
 
+def block_mask(q: Rows, k_pos: int, nk: int, kind: str, causal: bool, window: Optional[int],
+               device=None) -> torch.Tensor:
+    """Bool ``(q.count, nk)`` of the block of ``q`` against ``nk`` keys from ``k_pos`` (stride ``q.stride``):
+    its kind (:func:`classify`) as a mask, for a kernel call that also needs padding or documents."""
+    if kind == "full":
+        return torch.ones(q.count, nk, dtype=torch.bool, device=device)
+    if kind == "causal":
+        return torch.ones(q.count, nk, dtype=torch.bool, device=device).tril()
+    return band_mask(q.count, nk, *band_of(q, k_pos, causal, window), device=device)
+
+
 def classify(q: Rows, k: Rows, causal: bool, window: Optional[int]) -> Optional[str]:
     """Kind of the block ``q x k``, or None when no pair in it is allowed."""
     if q.count <= 0 or k.count <= 0:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .blocks import Rows, band_mask, band_of, default_tile, tiles
+from .blocks import Rows, band_of, block_mask, default_tile, tiles
 from .checks import agreed_spec, resolve_group
 from .comm import Pending, RingComm
 from .documents import Documents, dilated_multiplicity, longest, same_document, within_one
@@ -205,12 +205,7 @@ def _kernel_args(ctx: _Ctx, q: Rows, k_pos: int, nk: int, kind: str, device,
     if key_valid is None and doc_mask is None:
         band = band_of(q, k_pos, spec.causal, spec.window) if kind == "mask" else None
         return {"causal": kind == "causal", "mask": None, "softcap": spec.softcap, "band": band}
-    if kind == "full":
-        mask = torch.ones(q.count, nk, dtype=torch.bool, device=device)
-    elif kind == "causal":
-        mask = torch.ones(q.count, nk, dtype=torch.bool, device=device).tril()
-    else:
-        mask = band_mask(q.count, nk, *band_of(q, k_pos, spec.causal, spec.window), device=device)
+    mask = block_mask(q, k_pos, nk, kind, spec.causal, spec.window, device)
     if key_valid is not None:
         mask = mask[None, None] & key_valid[:, None, None, :]
     if doc_mask is not None:
