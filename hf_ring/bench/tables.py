@@ -90,6 +90,11 @@ COLUMNS: Dict[str, Sequence[Column]] = {
     "quality_convert": (("n", "n"), ("dense_accuracy_converted", "dense checkpoint under the pattern"),
                         ("after_10_steps", "after 10 steps"), ("after_20_steps", "after 20 steps"),
                         ("after_40_steps", "after 40 steps"), ("by_depth_at_end", "by depth after 40 steps")),
+    "plan": (("engine", "engine"), ("mesh", "mesh (8 GPUs)"), ("weights_gb", "weights GB"), ("grads_gb", "gradients GB"),
+             ("optimizer_gb", "optimizer GB"), ("buffers_gb", "buffers GB"), ("checkpoints_gb", "checkpoints GB"),
+             ("recompute_gb", "recomputed layer GB"), ("total_gb", "total GB"),
+             ("total_offloaded_gb", "total, checkpoints offloaded GB"), ("fits", "fits 80 GB"),
+             ("kind", "measured or estimate")),
     "scale": (("n", "n"), ("world", "ranks"), ("attention", "attention"), ("tiling", "tiled"), ("step_s", "step s"),
               ("peak_mb", "peak MB per rank"), ("fit_mb", "fit MB"), ("fit_off", "fit off by")),
 }
