@@ -20,6 +20,7 @@ from .parallel import clear_sequence_parallel, setup_sequence_parallel, shutdown
 from .patches.tiling import configure as configure_tiling
 from .pattern import DilatedPattern
 from .ring import ring_attention
+from .tp import tensor_parallel
 from .trainer import SequenceParallelTrainerMixin, prepare_trainer
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "shard_sizes",
     "shutdown",
     "sync_gradients",
+    "tensor_parallel",
     "tiled_causal_lm_loss",
     "tiled_rows",
 ]

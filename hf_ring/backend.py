@@ -25,7 +25,7 @@ from . import config as ring_config
 from . import patches
 from .checks import check_options, check_qkv, check_sinks, check_softcap, full_key_mask, option_codes
 from .documents import Documents, check_documents, document_starts
-from .context import CONTEXT_KEY, DecodeStep, ShardedForward, refuse_unsharded
+from .context import CONTEXT_KEY, DecodeStep, ShardedForward, layer_head_base, refuse_unsharded
 from .decode import CachedBlock, cached_attention, cached_blocks, merge_ranks
 from .groups import current
 from .layout import head_split
@@ -130,6 +130,8 @@ def ring_dilated_attention(
         # transformers' own backends let an explicit is_causal win over the module's attribute.
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         spec = _layer_spec(module, query, causal, scaling, sliding_window, kwargs)
+        # Under tensor parallelism this rank holds a slice of the heads; dilation offsets count from global heads.
+        spec = spec.at(head_base=layer_head_base(ctx, sp, query.shape[1], key.shape[1], module.config))
         _refuse_unsupported(dropout, module.training, kwargs, sharded, module.config)
         query, key, value = _autocast_alike(query, key, value)
         if not query.dtype == key.dtype == value.dtype:
@@ -283,7 +285,7 @@ def _over_cache(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, 
             )
         k_pos = torch.arange(kv_len)
         blocks = cached_blocks(k_pos[kv_len - q_len:], k_pos, hq=query.shape[1], hkv=key.shape[1], causal=spec.causal,
-                               window=spec.window, branches=spec.branches)
+                               window=spec.window, branches=spec.branches, head_offset=spec.head_base)
     out, lse = cached_attention(query, key, value, blocks, scale=spec.scale, pair_mask=mask, softcap=spec.softcap)
     return merge_ranks(out, lse, None, spec.sinks).to(query.dtype)
 

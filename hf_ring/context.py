@@ -19,6 +19,7 @@ import torch
 from .cache import ShardedCache
 from .checks import agree_table, facts, global_length, unsharded_message
 from .comm import RingComm
+from .config import model_heads
 from .decode import CachedBlock, cached_blocks
 from .documents import Documents
 from .groups import SequenceParallel
@@ -49,7 +50,9 @@ class ShardedForward:
     rows and the model runs on one placeholder row, which the ring leaves out;
     ``ulysses``: ranks per head-parallel group, whose all-to-all runs over
     ``head_comm`` while the ring runs over ``ring_comm`` (see
-    :func:`hf_ring.setup_sequence_parallel`).
+    :func:`hf_ring.setup_sequence_parallel`); ``tp_rank``/``tp_size``: this
+    rank's place in its tensor-parallel group, which decides the global index
+    of its first head (:meth:`head_base`).
     """
 
     seq_len: int
@@ -62,6 +65,8 @@ class ShardedForward:
     ulysses: int = 1
     head_comm: Optional[RingComm] = None
     ring_comm: Optional[RingComm] = None
+    tp_rank: int = 0
+    tp_size: int = 1
     _agreed: Dict[Tuple, bool] = field(default_factory=dict, repr=False)
     _group_masks: List[Tuple[Tensor, Tensor]] = field(default_factory=list, repr=False)
 
@@ -73,14 +78,19 @@ class ShardedForward:
         taken from a setup; ``facts`` are this forward's own (``padded``,
         ``contents``, ``documents``, ``placeholder``).
         """
+        tp = {} if sp is None else {"tp_rank": sp.tp_rank, "tp_size": sp.tp_size}
         if sp is None or sp.comm is None:
-            return cls(seq_len, None, layout, **facts)
+            return cls(seq_len, None, layout, **tp, **facts)
         return cls(seq_len, sp.comm, layout, ulysses=sp.ulysses_size, head_comm=sp.head_comm,
-                   ring_comm=sp.ring_comm, **facts)
+                   ring_comm=sp.ring_comm, **tp, **facts)
 
     @property
     def world_size(self) -> int:
         return 1 if self.comm is None else self.comm.world_size
+
+    def head_base(self, hq_local: int, hkv_local: int, config: Any) -> int:
+        """The global index of this rank's first query head (see :func:`tensor_parallel_head_base`)."""
+        return tensor_parallel_head_base(self.tp_rank, self.tp_size, hq_local, hkv_local, config)
 
     def group_sizes(self) -> List[int]:
         """Rows each member of this rank's head-parallel group holds."""
@@ -135,6 +145,41 @@ class ShardedForward:
     def collectives(self) -> int:
         """Agreement collectives this forward has issued (one per kind of layer on several ranks)."""
         return 0 if self.world_size == 1 else len(self._agreed)
+
+
+def tensor_parallel_head_base(tp_rank: int, tp_size: int, hq_local: int, hkv_local: int, config: Any) -> int:
+    """The global index of the first of this rank's ``hq_local`` query heads: ``tp_rank·hq_local`` (0 without tp).
+
+    transformers' tensor-parallel plan gives tp rank r the r-th contiguous
+    slice of the heads; a dilated head's offset counts from its global index,
+    so the ring must know where the slice starts. A layer whose local head
+    counts are not the model's (``config``) split over ``tp_size`` ranks was
+    sharded over another group, or not at all, and is refused.
+    """
+    if tp_size == 1:
+        return 0
+    heads = model_heads(config)
+    if heads is not None and (hq_local * tp_size, hkv_local * tp_size) != heads:
+        raise ValueError(
+            f"tp_size={tp_size}: this rank's attention runs {hq_local} query and {hkv_local} key/value heads, but "
+            f"the model's {heads[0]} query and {heads[1]} key/value heads over {tp_size} tensor-parallel ranks are "
+            f"{heads[0] / tp_size:g} and {heads[1] / tp_size:g} each: the model is not sharded over this setup's "
+            "tensor-parallel groups. Shard it with hf_ring.tensor_parallel(model) after "
+            "hf_ring.setup_sequence_parallel(..., tp_size=...) (from_pretrained(tp_plan=...) shards over every "
+            "process, whatever device_mesh it is given), or load it with distributed_config=DistributedConfig("
+            "tp_size=..., fsdp_size=...) whose tp_size is the setup's"
+        )
+    return tp_rank * hq_local
+
+
+def layer_head_base(ctx: Any, sp: Optional[SequenceParallel], hq_local: int, hkv_local: int, config: Any) -> int:
+    """:func:`tensor_parallel_head_base` of a layer call: the forward's own group decides (a ShardedForward),
+    else the active setup ``sp`` (whole sequences, or a one-process cache, under tensor parallelism)."""
+    if isinstance(ctx, ShardedForward):
+        return ctx.head_base(hq_local, hkv_local, config)
+    if sp is None:
+        return 0
+    return tensor_parallel_head_base(sp.tp_rank, sp.tp_size, hq_local, hkv_local, config)
 
 
 def refuse_unsharded(comm: RingComm, q: Tensor, k: Tensor, opts: AttentionSpec) -> None:

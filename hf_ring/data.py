@@ -11,7 +11,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from .comm import all_gather
+from .comm import all_gather, device_for
 from .checks import fail_together
 from .context import CONTEXT_KEY, ShardedForward
 from .documents import Documents, check_documents, document_starts
@@ -141,6 +141,35 @@ def _check_batch(batch: Any) -> None:
             )
 
 
+def _tp_mismatch(group: Optional[SequenceParallel], batch: Any) -> Optional[ValueError]:
+    """The error to raise when the ranks of this rank's tensor-parallel group were given different batches.
+
+    Tensor parallelism splits one batch's computation over those ranks, so a
+    different batch on one of them gives wrong results with nothing raised.
+    The fingerprints travel over the tp group before any check can raise (a
+    malformed batch counts as -1), so its ranks always meet; the error is
+    raised inside the sp group's batch check, so every rank of both groups raises.
+    """
+    if group is None or group.tp_size == 1:
+        return None
+    try:
+        ids = batch.get("input_ids")
+        batch_shape(batch)
+        mine = fingerprint(ids) if ids is not None else _token_fingerprint(batch["inputs_embeds"])
+    except (AttributeError, TypeError, ValueError):  # refused by the batch check right after
+        mine = -1
+    device = device_for(group.tp_group)
+    seen = all_gather(torch.tensor([mine], dtype=torch.long, device=device), group.tp_group,
+                           "the batch check over the tensor-parallel group").reshape(-1).tolist()
+    if len(set(seen)) == 1:
+        return None
+    return ValueError(
+        f"the ranks of a tensor-parallel group passed different batches to hf_ring.shard_batch (fingerprints {seen} "
+        "by tp rank); they split one batch's computation, so every rank of a data-parallel replica (its sp and tp "
+        "ranks) must pass the same global batch, only dp ranks differ"
+    )
+
+
 def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None) -> Dict[str, Any]:
     """This rank's part of ``batch``: ``input_ids`` or ``inputs_embeds`` and every per-token input (:data:`PER_TOKEN`).
 
@@ -158,9 +187,12 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
     """
     group = _sp(sp)
     documents = shifted = None
+    tp_mismatch = _tp_mismatch(group, batch)
     # One small exchange after the checks, so a bad batch on one rank fails every rank of the group.
     with fail_together(None if group is None else group.comm, "the batch check of shard_batch"):
         _check_batch(batch)
+        if tp_mismatch is not None:
+            raise tp_mismatch
         b, n = batch_shape(batch)
         documents = _documents(batch, batch.get("position_ids"), b, n)
         if batch.get("labels") is not None:

@@ -216,6 +216,12 @@ def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, 
     each step instead, for ranks that may round differently.
     """
     sp = current()
+    if sp is not None and sp.tp_size > 1:  # the same on every rank: the setup is
+        raise NotImplementedError(
+            f"hf_ring.generate does not support tensor parallelism (tp_size={sp.tp_size}): the sharded cache and its "
+            "eviction count heads from 0 on every rank. Generate under a setup with tp_size=1, from the model loaded "
+            "whole"
+        )
     comm = sp.comm if sp is not None and sp.sp_size > 1 else None
     with fail_together(comm, "the argument check before generation"):
         model, cache = _prepare(model, input_ids, attention_mask, sp, comm, allow_beyond_max_positions, generate_kwargs)

@@ -28,21 +28,32 @@ class SequenceParallel:
     comm: Optional[RingComm] = None
     """Ring neighbours and bounded collectives over ``sp_group`` (None when the sequence is not split)."""
     mesh: Any = None
-    """The ``("dp", "sp")`` device mesh the groups come from (handed to accelerate's data loaders)."""
+    """The ``("dp", "sp")`` device mesh the groups come from, ``("dp", "sp", "tp")`` under tensor parallelism
+    (handed to accelerate's data loaders)."""
     ulysses_size: int = 1
     """Ranks per head-parallel group (1: the ring alone; ``sp_size``: head parallelism alone; between: both)."""
     head_comm: Optional[RingComm] = None
     """The all-to-all of this rank's head-parallel group (None when ``ulysses_size`` is 1)."""
     ring_comm: Optional[RingComm] = None
     """The ring over the head-parallel groups, between ranks at the same place in their group (None: one group)."""
+    tp_size: int = 1
+    """Ranks per tensor-parallel group: consecutive ranks that share one batch and split the model's heads."""
+    tp_rank: int = 0
+    """This rank's place in its tensor-parallel group: it holds query heads ``tp_rank·Hq/tp_size`` onward."""
+    tp_group: Any = None
+    """The tensor-parallel process group (None when ``tp_size`` is 1)."""
+    tp_mesh: Any = None
+    """The 1-D ``"tp"`` device mesh of ``tp_group``, the one to shard the model over (None when ``tp_size`` is 1)."""
 
     @property
     def loss_scale(self) -> float:
-        """Multiply the local loss by this before ``backward`` when DDP averages over all ranks.
+        """Multiply the local loss by this before ``backward`` when DDP or DeepSpeed averages over all ranks.
 
         Each rank's loss is its shard's share of the sequence loss, so shard
-        gradients must be *summed* over the sp group; DDP averages over the
-        whole world (dp x sp), which divides that sum by ``sp_size`` too many.
+        gradients must be *summed* over the sp group; DDP and DeepSpeed's engine
+        (every ZeRO stage) average over the whole world (dp x sp), which divides
+        that sum by ``sp_size`` too many. Under tensor parallelism FSDP2
+        averages over the dp x sp ranks of each tp rank: the same scale.
         """
         return float(self.sp_size)
 

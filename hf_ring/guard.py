@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 
 from .config import ATTN_IMPLEMENTATION, attn_implementations, runs_ring
 from .context import CONTEXT_KEY, DecodeStep, ShardedForward
+from .tp import sharding_error
 
 _MARK = "_hf_ring_guarded_call"
 
@@ -43,6 +44,17 @@ def refuse_other_attention(model: Any, kwargs: Mapping[str, Any]) -> None:
     raise error
 
 
+def refuse_other_sharding(model: Any, kwargs: Mapping[str, Any]) -> None:
+    """Raise ValueError on every rank when sharded inputs reach a model not sharded over the forward's tp group
+    (transformers' own layers would otherwise fail on half-heads, or run every head on every tp rank)."""
+    ctx = kwargs.get(CONTEXT_KEY)
+    if not isinstance(ctx, ShardedForward):
+        return
+    message = sharding_error(model, ctx.tp_rank, ctx.tp_size)
+    if message is not None:
+        ctx.fail(ValueError(message))
+
+
 def install() -> None:
     """Guard every transformers model's call (idempotent)."""
     original = PreTrainedModel.__call__
@@ -52,6 +64,7 @@ def install() -> None:
     def __call__(self, *args, **kwargs):
         if kwargs:
             refuse_other_attention(self, kwargs)
+            refuse_other_sharding(self, kwargs)
         return original(self, *args, **kwargs)
 
     setattr(__call__, _MARK, True)

@@ -9,6 +9,7 @@ all rows whenever the module treats rows independently.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -21,6 +22,16 @@ ROW_CHUNK_ROWS = 8192
 
 def _rng_devices(x: torch.Tensor) -> List[int]:
     return [x.device.index if x.device.index is not None else torch.cuda.current_device()] if x.is_cuda else []
+
+
+@contextmanager
+def _replayed_rng(ctx, x: torch.Tensor):
+    """The random state of the forward, restored for the recomputation and dropped after it."""
+    with torch.random.fork_rng(devices=_rng_devices(x)):
+        torch.set_rng_state(ctx.rng[0])
+        if ctx.rng[1] is not None:
+            torch.cuda.set_rng_state(ctx.rng[1], x.device)
+        yield
 
 
 class _TiledRows(torch.autograd.Function):
@@ -50,10 +61,7 @@ class _TiledRows(torch.autograd.Function):
         grad_flat = grad_out.reshape((flat.shape[0],) + ctx.out_tail)
         grad_x = torch.empty_like(flat) if ctx.needs_input_grad[2] else None
         grads: List[Optional[torch.Tensor]] = [None] * len(params)
-        with torch.random.fork_rng(devices=_rng_devices(x)):
-            torch.set_rng_state(ctx.rng[0])
-            if ctx.rng[1] is not None:
-                torch.cuda.set_rng_state(ctx.rng[1], x.device)
+        with _replayed_rng(ctx, x):
             for s in range(0, flat.shape[0], ctx.chunk):
                 xc = flat[s:s + ctx.chunk].detach().requires_grad_(grad_x is not None)
                 with torch.enable_grad():
@@ -72,6 +80,44 @@ class _TiledRows(torch.autograd.Function):
         return (None, None, None if grad_x is None else grad_x.view_as(x), *param_grads)
 
 
+class _TiledRowsZero3(torch.autograd.Function):
+    """:class:`_TiledRows` for parameters DeepSpeed ZeRO-3 partitions (see :func:`tiled_rows`)."""
+
+    @staticmethod
+    def forward(ctx, fn, chunk, x, params):
+        return _TiledRows.forward(ctx, fn, chunk, x, *params)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        params = [p for p in ctx.params if p.requires_grad]
+        flat = x.reshape(-1, x.shape[-1])
+        grad_flat = grad_out.reshape((flat.shape[0],) + ctx.out_tail)
+        grad_x = torch.empty_like(flat) if ctx.needs_input_grad[2] else None
+        starts = range(0, flat.shape[0], ctx.chunk)
+        try:
+            with _replayed_rng(ctx, x):
+                for s in starts:
+                    for p in params:  # ZeRO-3 reduces a parameter's gradient once, after the last chunk added to it
+                        p.ds_grad_is_ready = s == starts[-1]
+                    xc = flat[s:s + ctx.chunk].detach().requires_grad_(grad_x is not None)
+                    with torch.enable_grad():
+                        y = ctx.fn(xc)
+                    if y.requires_grad:
+                        torch.autograd.backward(y, grad_flat[s:s + ctx.chunk])
+                    if grad_x is not None:
+                        grad_x[s:s + ctx.chunk] = 0 if xc.grad is None else xc.grad
+        finally:
+            for p in params:
+                p.ds_grad_is_ready = True
+        return None, None, None if grad_x is None else grad_x.view_as(x), None
+
+
+def _zero3_partitioned(params: Sequence[torch.Tensor]) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions these parameters (it marks each with a ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in params)
+
+
 def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor],
                chunk_rows: Optional[int] = None) -> torch.Tensor:
     """``fn(x)`` computed ``chunk_rows`` rows of ``x`` at a time (all leading dims flattened into rows).
@@ -84,4 +130,9 @@ def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, para
     positive_int(chunk, "chunk_rows")
     if x.dim() < 2 or x[..., 0].numel() <= chunk:
         return fn(x)
+    if _zero3_partitioned(params):
+        # ZeRO-3 gathers a module's parameters only around its calls and checks their gradients against the
+        # partitioned shapes, so they cannot be inputs whose gradients the backward returns: the backward adds
+        # them up in place, chunk by chunk, as DeepSpeed's own tiled MLP does.
+        return _TiledRowsZero3.apply(fn, chunk, x, list(params))
     return _TiledRows.apply(fn, chunk, x, *params)

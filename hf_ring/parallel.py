@@ -14,9 +14,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from . import comm
 from . import patches
+from .arguments import positive_int
 from .comm import RingComm
 from .groups import SequenceParallel, current, set_current
 from .layout import check_layout, check_ulysses, check_ulysses_size
@@ -68,35 +70,40 @@ def clear_sequence_parallel() -> None:
 
 
 def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = None,
-                            layout: str = "zigzag", ulysses_size: int = 1) -> SequenceParallel:
+                            layout: str = "zigzag", ulysses_size: int = 1, tp_size: int = 1) -> SequenceParallel:
     """Split every sequence across ``sp_size`` ranks; the remaining factor of the world is data parallel.
 
     ``accelerator`` is an ``accelerate.Accelerator`` (its process group is used;
     ``None`` uses an already initialised ``torch.distributed``). ``sp_size``
-    defaults to the whole world. ``ulysses_size`` chooses how attention is
+    defaults to the whole world (divided by ``tp_size``). ``ulysses_size`` chooses how attention is
     split: 1 runs the ring over the ``sp_size`` ranks; ``sp_size`` runs head
     parallelism (Ulysses: one all-to-all turns sequence shards into head
     shards); a divisor in between runs head parallelism inside groups of
     ``ulysses_size`` consecutive ranks and the ring across the groups (USP).
     The model's query heads must be a multiple of ``ulysses_size``, and its
     K/V heads a multiple or a divisor of it (checked at the first forward).
+    ``tp_size`` > 1 adds tensor parallelism: the world becomes a
+    ``(dp, sp, tp)`` mesh whose tp groups are ``tp_size`` consecutive ranks
+    sharing one batch, each attending ``1/tp_size`` of the heads (shard the
+    model over ``sp.tp_mesh`` with :func:`hf_ring.tensor_parallel`).
     Returns the setup and makes it the one ``ring_dilated`` attention and
     :func:`hf_ring.shard_batch` use.
     """
     check_layout(layout)
     check_ulysses_size(ulysses_size)
+    check_tp_size(tp_size)
     comm.comm_timeout()  # an unusable HF_RING_TIMEOUT is refused now, before any wait
     if accelerator is not None:
         # accelerate initialises torch.distributed (gloo on CPU, NCCL on GPU) for multi-process runs.
         _ = accelerator.state
     if not (dist.is_available() and dist.is_initialized()):
-        if sp_size not in (None, 1) or ulysses_size != 1:
+        if sp_size not in (None, 1) or ulysses_size != 1 or tp_size != 1:
             raise ValueError(
-                f"sp_size={sp_size}, ulysses_size={ulysses_size} needs several processes, and torch.distributed is not "
-                "initialised in this one; launch N processes (N a multiple of sp_size): `torchrun --nproc_per_node N "
-                "script.py`, or `accelerate launch --num_processes N script.py` (on CPUs add `--multi_gpu` and "
-                "ACCELERATE_USE_CPU=true, else accelerate starts one process); under a launcher, pass the Accelerator "
-                "or call torch.distributed.init_process_group first"
+                f"sp_size={sp_size}, ulysses_size={ulysses_size}{'' if tp_size == 1 else f', tp_size={tp_size}'} "
+                "needs several processes, and torch.distributed is not initialised in this one; launch N processes "
+                "(N a multiple of sp_size·tp_size): `torchrun --nproc_per_node N script.py`, or `accelerate launch --num_processes N "
+                "script.py` (on CPUs add `--multi_gpu` and ACCELERATE_USE_CPU=true, else accelerate starts one "
+                "process); under a launcher, pass the Accelerator or call torch.distributed.init_process_group first"
             )
         set_current(None)
         return SequenceParallel(None, None, 0, 1, 0, 1, layout)
@@ -108,39 +115,80 @@ def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = No
     if seen != world:
         # accelerate without GPUs builds a one-process state unless told to use the CPU, while torchrun's group
         # spans every process: nothing would average the gradients or split the data over the replicas.
-        raise ValueError(
-            f"the accelerator sees {seen} process(es) but torch.distributed runs {world}: on a machine without GPUs "
-            "accelerate joins the processes only when told to use the CPU; pass TrainingArguments(use_cpu=True) or "
-            "Accelerator(cpu=True), or launch with ACCELERATE_USE_CPU=true"
-        )
-    sp_size = world if sp_size is None else sp_size
-    if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1:
-        raise ValueError(f"sp_size must be a positive int, got {sp_size!r}")
-    if world % sp_size:
-        raise ValueError(
-            f"sp_size={sp_size} does not divide the {world} processes; choose a divisor of {world} "
-            "(the remaining factor becomes data parallelism)"
-        )
+        raise ValueError(f"the accelerator sees {seen} process(es) but torch.distributed runs {world}: "
+                         + _one_process_fix(accelerator))
+    sp_size = _check_sizes(world, sp_size, tp_size)
     check_ulysses(sp_size, ulysses_size)
-    dp_size = world // sp_size
     # The mesh lives where the ring's tensors do: on the GPU when NCCL carries them, also beside gloo.
     device_type = "cuda" if comm.carriers(None).get("cuda") == "nccl" and torch.cuda.is_available() else "cpu"
-    mesh = _mesh(device_type, (dp_size, sp_size), ("dp", "sp"))
+    sp = _groups(device_type, world // (sp_size * tp_size), sp_size, tp_size, ulysses_size, layout)
+    patches.apply_all()
+    set_current(sp)
+    return sp
+
+
+def check_tp_size(tp_size: Any) -> int:
+    """``tp_size``, ranks per tensor-parallel group, as a positive int."""
+    return positive_int(tp_size, "tp_size", "ranks per tensor-parallel group")
+
+
+def _check_sizes(world: int, sp_size: Optional[int], tp_size: int) -> int:
+    """``sp_size`` (default: what ``tp_size`` leaves of the world), refused unless ``sp_size·tp_size`` divides it."""
+    if world % tp_size:
+        raise ValueError(
+            f"tp_size={tp_size} does not divide the {world} processes; choose a divisor of {world} (the world is "
+            "split into dp x sp x tp)"
+        )
+    sp_size = world // tp_size if sp_size is None else sp_size
+    positive_int(sp_size, "sp_size")
+    if world % (sp_size * tp_size):
+        if tp_size == 1:
+            raise ValueError(
+                f"sp_size={sp_size} does not divide the {world} processes; choose a divisor of {world} "
+                "(the remaining factor becomes data parallelism)"
+            )
+        raise ValueError(
+            f"sp_size={sp_size} x tp_size={tp_size} = {sp_size * tp_size} does not divide the {world} processes; "
+            f"choose sizes whose product divides {world} (the world is split into dp x sp x tp, the remaining "
+            "factor becoming data parallelism)"
+        )
+    return sp_size
+
+
+def _groups(device_type: str, dp_size: int, sp_size: int, tp_size: int, ulysses_size: int,
+            layout: str) -> SequenceParallel:
+    """The process groups of a ``(dp, sp[, tp])`` mesh, tp innermost: a tp group is ``tp_size`` consecutive ranks."""
+    tp_dims, tp_names = ((tp_size,), ("tp",)) if tp_size > 1 else ((), ())
+    mesh = _mesh(device_type, (dp_size, sp_size) + tp_dims, ("dp", "sp") + tp_names)
     sp_group, dp_group = mesh.get_group("sp"), mesh.get_group("dp")
     sp_comm = RingComm(sp_group) if sp_size > 1 else None
     head_comm, ring_comm = None, sp_comm
     if ulysses_size == sp_size:
         head_comm, ring_comm = sp_comm, None
     elif ulysses_size > 1:  # sp rank g·u + j: member j of head-parallel group g
-        split = _mesh(device_type, (dp_size, sp_size // ulysses_size, ulysses_size), ("dp", "ring", "ulysses"))
+        split = _mesh(device_type, (dp_size, sp_size // ulysses_size, ulysses_size) + tp_dims,
+                      ("dp", "ring", "ulysses") + tp_names)
         head_comm, ring_comm = RingComm(split.get_group("ulysses")), RingComm(split.get_group("ring"))
-    patches.apply_all()
-    sp = SequenceParallel(
+    tp_group = mesh.get_group("tp") if tp_size > 1 else None
+    return SequenceParallel(
         sp_group, dp_group, dist.get_rank(sp_group), sp_size, dist.get_rank(dp_group), dp_size, layout,
-        sp_comm, mesh, ulysses_size, head_comm, ring_comm,
+        sp_comm, mesh, ulysses_size, head_comm, ring_comm, tp_size=tp_size,
+        tp_rank=0 if tp_group is None else dist.get_rank(tp_group), tp_group=tp_group,
+        tp_mesh=None if tp_group is None else mesh["tp"],
     )
-    set_current(sp)
-    return sp
+
+
+def _one_process_fix(accelerator: Any) -> str:
+    """Why accelerate counted one process on a machine without GPUs, and what makes it count them all."""
+    if getattr(accelerator, "distributed_type", None) == "DEEPSPEED":
+        # accelerate's CPU mode turns DeepSpeed off, and without it accelerate's state gets no backend on CPUs.
+        return ("under DeepSpeed on a machine without GPUs accelerate's state has no process-group backend (its CPU "
+                "mode, use_cpu/ACCELERATE_USE_CPU, would turn DeepSpeed off); name gloo before the state is built: "
+                "Accelerator(deepspeed_plugin=..., kwargs_handlers=[InitProcessGroupKwargs(backend='gloo')]), or for "
+                "a Trainer, with ACCELERATE_USE_DEEPSPEED=true in the environment, PartialState(backend='gloo') before "
+                "the TrainingArguments and TrainingArguments(accelerator_config={'use_configured_state': True})")
+    return ("on a machine without GPUs accelerate joins the processes only when told to use the CPU; pass "
+            "TrainingArguments(use_cpu=True) or Accelerator(cpu=True), or launch with ACCELERATE_USE_CPU=true")
 
 
 def _mesh(device_type: str, shape: tuple, names: tuple):
@@ -159,7 +207,8 @@ def sync_gradients(model: torch.nn.Module, sp: Optional[SequenceParallel] = None
                    bucket_bytes: int = BUCKET_BYTES) -> None:
     """Sum parameter gradients over the sp group and average them over the dp group.
 
-    For training without DDP. Under DDP use ``loss * sp.loss_scale`` instead.
+    For training without DDP. Under DDP or DeepSpeed use ``loss * sp.loss_scale`` instead (a model whose
+    parameters DeepSpeed manages is refused).
     Every rank must pass the same model (same parameters, in the same order).
     A parameter with ``requires_grad`` whose gradient is ``None`` on some ranks
     counts as zeros there, so it ends up with the same gradient on every rank;
@@ -167,14 +216,26 @@ def sync_gradients(model: torch.nn.Module, sp: Optional[SequenceParallel] = None
     reduction of flags decides, so no rank waits for a collective another rank
     skipped). Gradients travel in flat buckets of about ``bucket_bytes``, one
     per dtype and device, each reduced once over sp and once over dp.
+    Under tensor parallelism a DTensor gradient is reduced on this rank's
+    shard (the ranks of an sp or dp group hold the same shard); its mesh must
+    be the setup's ``tp_mesh``: an FSDP2-sharded model reduces its own
+    gradients and is refused here.
     """
     sp = sp or current()
     if sp is None or sp.sp_group is None or sp.sp_size * sp.dp_size == 1:
         return
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    if any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in params):  # ZeRO-3 / ZeRO-1, -2 markers
+        raise ValueError(
+            "sync_gradients was given a model whose parameters DeepSpeed manages: its engine reduces the gradients "
+            "itself, averaging them over every rank, so reducing them here as well would scale them wrongly; call "
+            "accelerator.backward(loss * sp.loss_scale) (or engine.backward) instead of sync_gradients"
+        )
     for p in params:
         if p.grad is not None and p.grad.is_sparse:
             raise TypeError("sync_gradients needs dense gradients; a parameter has a sparse one (use sparse=False)")
+    _check_shards(named, sp)
     device = comm.device_for(sp.sp_group)
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=device)
     for group, size in ((sp.sp_group, sp.sp_size), (sp.dp_group, sp.dp_size)):
@@ -185,7 +246,7 @@ def sync_gradients(model: torch.nn.Module, sp: Optional[SequenceParallel] = None
         if present:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
+            grads.append(_local_grad(p))
     for bucket in _buckets(grads, bucket_bytes):
         flat = torch.cat([g.reshape(-1) for g in bucket])
         if sp.sp_size > 1:
@@ -195,6 +256,37 @@ def sync_gradients(model: torch.nn.Module, sp: Optional[SequenceParallel] = None
             flat /= sp.dp_size
         for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
             g.copy_(part.view_as(g))
+
+
+def _local_grad(p: torch.nn.Parameter) -> torch.Tensor:
+    """The gradient of ``p`` as this rank holds it: a DTensor's local shard (a view, so writes reach it)."""
+    if not isinstance(p.grad, DTensor):
+        return p.grad
+    if p.grad.placements != p.placements:  # e.g. a partial sum left for later: settle it as the parameter lies
+        p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
+    return p.grad.to_local()
+
+
+def _check_shards(named, sp: SequenceParallel) -> None:
+    """Refuse DTensor parameters sharded other than over the setup's tensor-parallel group (FSDP2, another TP group):
+    summing their local pieces over sp and dp would mix different slices."""
+    tp_ranks = sorted(dist.get_process_group_ranks(sp.tp_group)) if sp.tp_group is not None else None
+    seen: dict = {}
+    for name, p in named:
+        if not isinstance(p, DTensor):
+            continue
+        mesh = p.device_mesh
+        if id(mesh) not in seen:
+            seen[id(mesh)] = mesh.ndim == 1 and sorted(mesh.mesh.flatten().tolist()) == tp_ranks
+        if not seen[id(mesh)]:
+            raise ValueError(
+                f"sync_gradients: parameter {name!r} is a DTensor over ranks {mesh.mesh.flatten().tolist()} (mesh "
+                f"dims {mesh.mesh_dim_names}), but this setup's tensor-parallel group is {tp_ranks or 'none'} "
+                f"(tp_size={sp.tp_size}); only tensor-parallel shards over sp.tp_mesh can be reduced here. A model "
+                "sharded with FSDP2 reduces its gradients itself: multiply the loss by sp.loss_scale before backward "
+                "and do not call sync_gradients. A tensor-parallel model must be sharded over sp.tp_mesh "
+                "(hf_ring.tensor_parallel(model) after setup_sequence_parallel(..., tp_size=...))"
+            )
 
 
 def _buckets(tensors, limit: int):

@@ -18,7 +18,10 @@ and a launch with ``accelerate launch`` or ``torchrun``. What the call arranges:
   global one and DDP / FSDP, which average over every rank, leave the shard
   gradients summed over sp and averaged over dp;
 - evaluation: logits come back in global order and metrics are gathered over
-  the data-parallel replicas only.
+  the data-parallel replicas only;
+- DeepSpeed (ZeRO 1-3): the engine averages over every rank as DDP does, so the
+  same loss scaling holds; its config is told the sp size so that its
+  ``train_batch_size`` counts each sequence once (:mod:`hf_ring.zero`).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from contextlib import contextmanager
 from typing import Any, Dict, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 from accelerate.data_loader import DataLoaderDispatcher
 from accelerate.utils import recursively_apply
 from torch.distributed.device_mesh import DeviceMesh
@@ -35,8 +39,10 @@ from .context import CONTEXT_KEY
 from .data import batch_shape, gather_sequence, model_rows, shard_batch
 from .groups import SequenceParallel, current
 from . import config as ring_config
-from .parallel import setup_sequence_parallel
-from .layout import check_ulysses_size, head_split
+from . import zero
+from .parallel import check_tp_size, setup_sequence_parallel
+from .tp import check_heads, check_trainer_model, loaded_tp_size
+from .layout import check_ulysses_size
 
 _HOOK_ATTR = "_hf_ring_shard_hook"
 _PREPARED_ATTR = "_hf_ring_prepared"
@@ -75,11 +81,17 @@ def attach_shard_hook(model: torch.nn.Module) -> None:
         setattr(model, _HOOK_ATTR, model.register_forward_pre_hook(_shard_hook, with_kwargs=True))
 
 
-def data_mesh(sp: SequenceParallel):
-    """The sp setup as a device mesh accelerate's data loaders read: ``("dp_replicate", "cp")`` over the same groups."""
-    return DeviceMesh.from_group(
-        [sp.dp_group, sp.sp_group], sp.mesh.device_type, mesh=sp.mesh.mesh, mesh_dim_names=("dp_replicate", "cp")
-    )
+def data_mesh(sp: SequenceParallel, deepspeed: bool = False):
+    """The sp setup as a device mesh accelerate's data loaders read, over the same groups.
+
+    Its dims are ``("dp_replicate", "cp")``, or ``("dp", "tp")`` under DeepSpeed, whose branch of accelerate's
+    loader preparation reads only a ``"tp"`` dim: either way the ranks of one sp group load the same batches.
+    """
+    names = ("dp", "tp") if deepspeed else ("dp_replicate", "cp")
+    groups = [sp.dp_group, sp.sp_group]
+    if sp.tp_size > 1:  # a tp group (sp.mesh's innermost dim) shares one batch too: accelerate's own "tp" dim
+        groups, names = groups + [sp.tp_group], names + ("tp",)
+    return DeviceMesh.from_group(groups, sp.mesh.device_type, mesh=sp.mesh.mesh, mesh_dim_names=names)
 
 
 @contextmanager
@@ -141,7 +153,7 @@ class SequenceParallelTrainerMixin:
         sp = current()
         if sp is None:
             return build()
-        with _mesh_for_data(self.accelerator, data_mesh(sp)):
+        with _mesh_for_data(self.accelerator, data_mesh(sp, self.is_deepspeed_enabled)):
             loader = build()
         _refuse_dispatch(loader)
         return loader
@@ -177,8 +189,10 @@ class SequenceParallelTrainerMixin:
         return out
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
         sp = current()
+        if sp is not None and self.is_deepspeed_enabled:
+            zero.check_engine(model, sp)  # compute_loss scales the loss for an average over every rank
+        loss = super().training_step(model, inputs, num_items_in_batch)
         # The trainer logs the mean over all ranks (unchanged by this) but reports its last unlogged steps from
         # rank-local values: make those the sp group's, as a run without the split would have.
         return loss if sp is None else _sp_mean(loss, sp)
@@ -277,8 +291,13 @@ def _describe(sp_size: Optional[int], layout: str, ulysses_size: Optional[int]) 
     return f"sp_size={sp_size}, layout={layout!r}, ulysses_size={ulysses_size}"
 
 
+def _deepspeed_config(trainer: Any) -> Optional[dict]:
+    """The trainer's DeepSpeed config (the dict its engine will be built from), None without DeepSpeed."""
+    return trainer.accelerator.state.deepspeed_plugin.deepspeed_config if trainer.is_deepspeed_enabled else None
+
+
 def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: str = "zigzag",
-                    ulysses_size: Optional[int] = None) -> Any:
+                    ulysses_size: Optional[int] = None, tp_size: Optional[int] = None) -> Any:
     """Make a built ``transformers.Trainer`` (or subclass, e.g. TRL's ``SFTTrainer``) split every sequence over ``sp_size`` ranks.
 
     Call it once, after the trainer is built and before ``train``/``evaluate``/``predict``;
@@ -289,7 +308,11 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: str = "
     ``ulysses_size`` picks the ring (1), head parallelism (``sp_size``) or both
     (see :func:`hf_ring.setup_sequence_parallel`); by default the model
     config's ``ring_dilated.ulysses_size`` (:func:`hf_ring.configure`), else 1.
-    In one process it only switches the attention.
+    ``tp_size``: the tensor-parallel size of a model sharded at load time
+    (``DistributedConfig(tp_size=..., fsdp_size=...)``), by default the model's own.
+    Under DeepSpeed (ZeRO 1-3) it refuses DeepSpeed's own sequence or tensor
+    parallelism and sizes its ``train_batch_size`` over the data-parallel
+    replicas (:mod:`hf_ring.zero`). In one process it only switches the attention.
     """
     from transformers import Trainer  # here, not at the top: importing it costs seconds that `import hf_ring` need not pay
 
@@ -298,18 +321,27 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: str = "
     _refuse_misuse(trainer, sp_size, layout, ulysses_size)
     if getattr(trainer, "model_init", None) is not None:
         raise ValueError("prepare_trainer needs a trainer built with model=..., not model_init")
-    if trainer.is_deepspeed_enabled:
-        raise ValueError("prepare_trainer does not support DeepSpeed; use DDP or FSDP2")
     pc = getattr(trainer.accelerator, "parallelism_config", None)
-    if pc is not None and (pc.cp_enabled or pc.sp_enabled or pc.tp_enabled):
+    if tp_size is None:
+        tp_size = loaded_tp_size(trainer.model)
+    # The Trainer itself sets accelerate's tp_size from a model sharded at load time: that one is the model's.
+    if pc is not None and (pc.cp_enabled or pc.sp_enabled or (pc.tp_enabled and pc.tp_size != tp_size)):
         raise ValueError("prepare_trainer splits sequences itself; remove cp_size/sp_size/tp_size from parallelism_config")
     base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model  # PEFT
     if ulysses_size is None:
         ulysses_size = ring_config.parse(getattr(base.config, ring_config.CONFIG_KEY, None)).ulysses_size or 1
     heads = ring_config.model_heads(base.config)
     if heads is not None:
-        head_split(*heads, check_ulysses_size(ulysses_size))  # refused now, not at the first step
-    sp = setup_sequence_parallel(trainer.accelerator, sp_size, layout=layout, ulysses_size=ulysses_size)
+        check_heads(heads, check_tp_size(tp_size), check_ulysses_size(ulysses_size))  # now, not at the first step
+    check_trainer_model(trainer.model, tp_size, trainer.is_deepspeed_enabled)
+    ds_config = _deepspeed_config(trainer)
+    if ds_config is not None:  # refused before the setup, which is a collective
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        zero.check_config(ds_config, world if sp_size is None else sp_size)
+    sp = setup_sequence_parallel(trainer.accelerator, sp_size, layout=layout, ulysses_size=ulysses_size,
+                                 tp_size=tp_size)
+    if ds_config is not None:
+        zero.count_sequences_once(ds_config, sp)
     _use_ring_attention(trainer.model)
     trainer.__class__ = _sequence_parallel_class(type(trainer))
     attach_shard_hook(trainer.model)

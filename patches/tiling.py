@@ -25,7 +25,9 @@ import re
 from typing import Any, Dict, Optional, Tuple
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from hf_ring.arguments import positive_int
 from hf_ring.config import runs_ring
 from hf_ring.groups import current
 from hf_ring.loss import tiled_causal_lm_loss
@@ -102,8 +104,8 @@ def configure(model: nn.Module, *, loss: Optional[bool] = None, mlp: Optional[bo
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name} must be True, False or None, got {value!r}")
     for name, value in (("loss_chunk_rows", loss_chunk_rows), ("row_chunk_rows", row_chunk_rows)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if value is not None:
+            positive_int(value, name, "or None")
     apply(model)
     model.config.ring_tiling = {"loss": loss, "mlp": mlp, "norm": norm, "loss_chunk_rows": loss_chunk_rows,
                                 "row_chunk_rows": row_chunk_rows}
@@ -125,11 +127,39 @@ def _on(setting: Optional[bool], config: Any) -> bool:
     return sp is not None and sp.sp_size > 1 and config is not None and runs_ring(config)
 
 
+def _output_hooks(module: nn.Module) -> list:
+    """The forward hooks of ``module`` that may change what it computes (the tiled loss would bypass them).
+
+    DeepSpeed ZeRO-3 hooks every module to gather its parameters and release them: those change nothing, and the
+    engine gathers a weight the tiled loss reads directly as an external parameter of the calling module.
+    """
+    hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
+    if any(hasattr(p, "ds_id") for p in module.parameters()):  # partitioned by ZeRO-3
+        hooks = [h for h in hooks if not getattr(h, "__module__", "").startswith("deepspeed.")]
+    return hooks
+
+
 def _loss_is_standard(model: nn.Module) -> bool:
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    return (type(getattr(model, "lm_head", None)) is nn.Linear and not model.lm_head._forward_hooks
-            and not model.lm_head._forward_pre_hooks and model.loss_function is ForCausalLMLoss)
+    head = getattr(model, "lm_head", None)
+    return (type(head) is nn.Linear and not _output_hooks(head)
+            and ("forward" not in vars(head) or _tensor_parallel(head))
+            and model.loss_function is ForCausalLMLoss)
+
+
+def _tensor_parallel(head: nn.Module) -> bool:
+    """Whether tensor parallelism split the head (it replaces the instance's forward): the tiled loss then reads
+    the weight whole (:func:`_whole`) instead of its ``rows x vocab`` logits, which the head would gather."""
+    return isinstance(head.weight, DTensor) and "tp" in (head.weight.device_mesh.mesh_dim_names or ())
+
+
+def _whole(t: Any) -> Any:
+    """A tensor-parallel weight gathered whole (its gradient goes back to this rank's shard), else as it is.
+
+    Every rank of a tp group computes the loss of the same rows, so the gathered weight's gradients agree and
+    the shard keeps its slice of them."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _tiled_causal_lm_forward(original):
@@ -146,7 +176,7 @@ def _tiled_causal_lm_forward(original):
                              **kwargs)
         opts = settings(self.config)
         loss = tiled_causal_lm_loss(
-            outputs.last_hidden_state, self.lm_head.weight, self.lm_head.bias, labels=labels,
+            outputs.last_hidden_state, _whole(self.lm_head.weight), _whole(self.lm_head.bias), labels=labels,
             shift_labels=kwargs.get("shift_labels"), num_items_in_batch=kwargs.get("num_items_in_batch"),
             ignore_index=kwargs.get("ignore_index", -100),
             softcap=getattr(self.config, "final_logit_softcapping", None), chunk_rows=opts["loss_chunk_rows"])
