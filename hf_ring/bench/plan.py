@@ -10,6 +10,10 @@ Every row is an estimate, and says what it counts:
   fp32 master weights and two Adam states), sharded as the engine shards them;
 - buffers: what an engine keeps whole besides (FSDP2's gathered layers, two
   in flight; ZeRO-3's live-parameter budget; the tiled loss's logits chunk);
+- logits: where the sequence-tiled loss cannot run, the whole shard's logits
+  (bf16, their fp32 copy and its gradient, 10 bytes per row and vocabulary
+  entry). Under FSDP2 the head is a sharded module whose forward gathers its
+  weight, so the tiled loss, which reads the weight directly, stays off;
 - activations: per token and rank, the checkpointed layer inputs (one
   row-sized tensor per layer) plus the row-sized tensors of the layer being
   recomputed, whose count comes from the scale benchmark's measured fit
@@ -39,6 +43,9 @@ LLAMA_8B = {"layers": 32, "hidden": 4096, "params": 8.03e9, "layer_params": 0.21
 RECOMPUTED_ROWS = 8.4
 """Row-sized tensors of the layer being recomputed, per token, when ``docs/bench/scale.json`` is not at hand."""
 
+LOGIT_BYTES = 10
+"""Bytes per row and vocabulary entry of an untiled loss: bf16 logits, their fp32 copy, and its gradient."""
+
 LOSS_CHUNK_GB = (1 << 25) * 4 / GB
 """The tiled loss's fp32 logits chunk (``hf_ring.loss.LOSS_CHUNK_ELEMENTS``) and its gradient."""
 
@@ -59,6 +66,7 @@ class Engine:
     optim_over: int
     buffers_gb: float
     buffers: str
+    tiled_loss: bool = True
 
 
 def engines(gpus: int, shape: Dict) -> List[Engine]:
@@ -66,13 +74,13 @@ def engines(gpus: int, shape: Dict) -> List[Engine]:
     return [
         Engine("DDP", f"dp 1 x sp {gpus}", gpus, 1, 4, 1, 4, 1, 8, 1, LOSS_CHUNK_GB, "loss chunk"),
         Engine("FSDP2", f"dp 1 x sp {gpus}", gpus, 1, 4, gpus, 4, gpus, 8, gpus,
-               2 * layer_bf16 + LOSS_CHUNK_GB, "2 gathered bf16 layers, loss chunk"),
+               2 * layer_bf16, "2 gathered bf16 layers", tiled_loss=False),
         Engine("DeepSpeed ZeRO-2", f"dp 1 x sp {gpus}", gpus, 1, 2, 1, 2, gpus, 12, gpus,
                LOSS_CHUNK_GB, "loss chunk"),
         Engine("DeepSpeed ZeRO-3", f"dp 1 x sp {gpus}", gpus, 1, 2, gpus, 2, gpus, 12, gpus,
                1e9 * 2 / GB + LOSS_CHUNK_GB, "1e9 live bf16 parameters (stage3_max_live_parameters), loss chunk"),
         Engine("TP x SP + FSDP2", f"sp {gpus // 2} x tp 2", gpus // 2, 2, 4, gpus, 4, gpus, 8, gpus,
-               2 * layer_bf16 / 2 + LOSS_CHUNK_GB, "2 gathered bf16 layer shards, loss chunk"),
+               2 * layer_bf16 / 2, "2 gathered bf16 layer shards", tiled_loss=False),
     ]
 
 
@@ -96,6 +104,7 @@ def plan(engine: Engine, shape: Dict, tokens: int, gpu_gb: float, extra_rows: fl
         "grads_gb": engine.grads_b * p / engine.grads_over / GB,
         "optimizer_gb": engine.optim_b * p / engine.optim_over / GB,
         "buffers_gb": engine.buffers_gb,
+        "logits_gb": 0.0 if engine.tiled_loss else per_rank * shape["vocab"] * LOGIT_BYTES / GB,
         "checkpoints_gb": shape["layers"] * row_gb * per_rank,
         "recompute_gb": extra_rows * row_gb * per_rank,
     }
