@@ -17,6 +17,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from . import race
 from .common import format_table, run_ranks, save
 from .scale import MODEL
 
@@ -82,8 +83,20 @@ def main(argv=None) -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per implementation, after one warm-up each")
     ap.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on")
-    ap.add_argument("--out", default="bench_results")
+    ap.add_argument("--peers", action="store_true",
+                    help="race a whole training step on 2 ranks against DeepSpeed's Ulysses (ALST) instead "
+                         "(needs the bench extra's deepspeed; see hf_ring.bench.race); off by default")
+    ap.add_argument("--batches", nargs="+", choices=race.BATCHES, default=list(race.BATCHES),
+                    help="with --peers: the batch forms raced (default: all four)")
+    ap.add_argument("--sides", nargs="+", choices=race.SIDES, default=list(race.SIDES),
+                    help="with --peers: alst, ring and/or head (head parallelism) (default: all three)")
+    ap.add_argument("--out", default="bench_results", help="where the JSON goes (default bench_results)")
     args = ap.parse_args(argv)
+    if args.peers:
+        rows = race.run(args.sizes, args.batches, args.sides, args.repeats)
+        print("\n" + format_table(rows, list(rows[0])))
+        save(args.out, "race", {"config": vars(args), "model": race.RACE_MODEL, "rows": rows})
+        return
     rows = run(args.sizes, args.repeats, args.checkpointing)
     print("\n" + format_table(rows, list(rows[0])))
     save(args.out, "model", {"config": vars(args), "model": MODEL, "rows": rows})

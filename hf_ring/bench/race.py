@@ -1,0 +1,200 @@
+"""``python -m hf_ring.bench model --peers``: a whole training step on 2 ranks against DeepSpeed's Ulysses (ALST).
+
+The peer Hugging Face users get by default for sequence parallelism is
+DeepSpeed's Ulysses (Arctic Long Sequence Training,
+``deepspeed.runtime.sequence_parallel.ulysses_sp``, behind accelerate's
+``sp_backend="deepspeed"``). It runs here as its authors document it:
+``UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, ...)``
+wraps the model's ``sdpa`` attention, the DeepSpeed engine (ZeRO stage 0,
+given the returned ``mpu``) steps the optimizer, each rank holds a
+contiguous ``1/sp`` of the sequence with its ``position_ids`` and
+``shift_labels``, and the ranks' losses are averaged weighted by their label
+tokens. hf_ring runs the same model through :func:`hf_ring.shard_batch`, in
+the ring (``ulysses_size=1``) and in head parallelism (``ulysses_size=sp``),
+with :func:`hf_ring.sync_gradients` and the same optimizer.
+
+The race: one sequence, a small Llama (4 layers, hidden 256, 8 heads, 4
+K/V heads, vocabulary 1024, fp32), torch SGD, no tiling, one thread per
+rank, each side in its own fresh processes. Reported per side: the median
+step (forward, backward, optimizer step), the extra resident memory of the
+step over what the process held before it, and the first step's loss
+against one process running transformers' ``sdpa`` on the whole batch, for
+four batches: dense; left-padded (an eighth of the row is padding); packed
+documents (``position_ids`` restarting at four document starts); and a
+sliding-window model (Mistral, window ``n/4``).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from .common import format_table, peak_rss_mb, rss_mb, run_ranks
+
+RACE_MODEL = dict(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1 << 20,
+                  attention_dropout=0.0, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
+                  pad_token_id=0)
+BATCHES = ("dense", "padded", "packed", "window")
+SIDES = ("alst", "ring", "head")
+LR = 1e-3
+
+
+def make_model(kind: str, attn: str):
+    """The race's model with seeded weights (Mistral with a window of ``n/4`` for the sliding-window batch)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+
+    torch.manual_seed(0)
+    if kind.startswith("window"):
+        config = MistralConfig(**RACE_MODEL, sliding_window=int(kind.split(":")[1]))
+    else:
+        config = LlamaConfig(**RACE_MODEL)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).train()
+
+
+def make_batch(batch: str, n: int) -> Dict[str, torch.Tensor]:
+    """One sequence of ``n`` tokens in the form ``batch`` names (the same on every rank and side)."""
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randint(1, RACE_MODEL["vocab_size"], (1, n), generator=g)
+    out = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(n)[None]}
+    if batch == "padded":
+        pad = n // 8
+        out["input_ids"][:, :pad] = 0
+        out["labels"][:, :pad] = -100
+        out["attention_mask"] = torch.ones(1, n, dtype=torch.long)
+        out["attention_mask"][:, :pad] = 0
+    elif batch == "packed":
+        starts = [0, n // 5, n // 2, (4 * n) // 5]
+        pos = torch.cat([torch.arange(b - a) for a, b in zip(starts, starts[1:] + [n])])
+        out["position_ids"] = pos[None]
+        out["labels"][:, starts] = -100  # no document predicts the next one's first token (as collators pack rows)
+    return out
+
+
+def model_kind(batch: str, n: int) -> str:
+    return f"window:{n // 4}" if batch == "window" else "llama"
+
+
+def reference_loss(batch: str, n: int) -> float:
+    """One process, transformers' ``sdpa`` on the whole batch (packed documents kept apart by their position ids)."""
+    model = make_model(model_kind(batch, n), "sdpa")
+    inputs = make_batch(batch, n)
+    if batch == "packed":
+        inputs = dict(inputs, attention_mask=_packed_mask(inputs["position_ids"]))
+    with torch.no_grad():
+        return float(model(**inputs).loss)
+
+
+def _packed_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """A 4-D boolean mask keeping each packed document causal and to itself (the reference's, not a peer's)."""
+    doc = torch.cumsum((position_ids[0] == 0).long(), 0)
+    n = doc.numel()
+    allowed = (doc[:, None] == doc[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+    return allowed[None, None]
+
+
+def _alst(batch: str, n: int, repeats: int) -> Dict:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # what a launcher would set; the ranks share one machine
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    deepspeed.init_distributed("gloo")
+    rank, sp = dist.get_rank(), dist.get_world_size()
+    model = make_model(model_kind(batch, n), "sdpa")
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, seq_length=n,
+                                                          seq_length_is_variable=False)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 0}, "steps_per_print": 1 << 30}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+                                      config=config, mpu=mpu)
+    whole = make_batch(batch, n)
+    shift = torch.nn.functional.pad(whole.pop("labels"), (0, 1), value=-100)[:, 1:]
+    chunk = n // sp
+    mine = {k: v[:, chunk * rank:chunk * (rank + 1)] for k, v in dict(whole, shift_labels=shift).items()}
+    mine.pop("attention_mask", None)  # ALST discards masks and masks causally by position
+
+    def step() -> float:
+        labels = mine["shift_labels"]
+        logits = engine(input_ids=mine["input_ids"], position_ids=mine["position_ids"]).logits
+        local = model.loss_function(logits=logits, labels=None, shift_labels=labels,
+                                    vocab_size=model.config.vocab_size)
+        tokens = (labels != -100).sum()
+        losses = torch.distributed.nn.functional.all_gather(local * tokens)
+        counts = torch.distributed.nn.functional.all_gather(tokens)
+        loss = sum(losses) / sum(counts)
+        engine.backward(loss)
+        engine.step()
+        return float(loss)
+
+    return _timed(step, repeats)
+
+
+def _hf_ring(batch: str, n: int, repeats: int, ulysses: int) -> Dict:
+    import hf_ring
+
+    sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses)
+    model = make_model(model_kind(batch, n), "ring_dilated")
+    hf_ring.configure_tiling(model, loss=False, mlp=False, norm=False)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    whole = make_batch(batch, n)
+    if batch != "packed":
+        whole.pop("position_ids")  # positions follow from the sharding; packed rows need theirs
+    mine = hf_ring.shard_batch(whole)
+
+    def step() -> float:
+        out = model(**mine)
+        out.loss.backward()
+        hf_ring.sync_gradients(model)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss, group=sp.sp_group)  # each rank's loss is its share of the sequence's
+        return float(loss)
+
+    return _timed(step, repeats)
+
+
+def _timed(step, repeats: int) -> Dict:
+    base = rss_mb()
+    first = step()  # warm-up; its loss is the first step's
+    times: List[float] = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return {"first_loss": first, "step_s": statistics.median(times), "times": times,
+            "extra_mb": peak_rss_mb() - base}
+
+
+def side(name: str, batch: str, n: int, repeats: int) -> Dict:
+    """One side of the race in this rank's process (``alst``, ``ring`` or ``head``)."""
+    if name == "alst":
+        return _alst(batch, n, repeats)
+    return _hf_ring(batch, n, repeats, ulysses=1 if name == "ring" else dist.get_world_size())
+
+
+def run(sizes: List[int], batches: List[str], sides: List[str], repeats: int, ranks: int = 2) -> List[Dict]:
+    rows = []
+    for n in sizes:
+        for batch in batches:
+            ref = run_ranks(1, reference_loss, batch, n)[0]
+            row: Dict = {"n": n, "batch": batch, "ranks": ranks, "repeats": repeats}
+            for name in sides:
+                got = run_ranks(ranks, side, name, batch, n, repeats)
+                row[f"{name}_step_s"] = round(max(g["step_s"] for g in got), 3)
+                row[f"{name}_extra_mb"] = round(max(g["extra_mb"] for g in got))
+                row[f"{name}_loss_rel_err"] = float(f"{abs(got[0]['first_loss'] - ref) / abs(ref):.2e}")
+            for name in sides:
+                if name != "alst" and "alst" in sides:
+                    row[f"{name}_over_alst"] = round(row[f"{name}_step_s"] / row["alst_step_s"], 3)
+                    row[f"{name}_mb_over_alst"] = round(row[f"{name}_extra_mb"] / max(row["alst_extra_mb"], 1), 2)
+            rows.append(row)
+            print(format_table(rows[-1:], list(rows[-1])), flush=True)
+    return rows
