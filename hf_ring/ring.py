@@ -38,8 +38,11 @@ from .spec import AttentionSpec
 
 Tensor = torch.Tensor
 
-BACKWARD_TILE = 1024
-"""Rows per side of the tiles the backward works on; bounds its temporaries."""
+BACKWARD_TILE = 4096
+"""Rows per side of the tiles the backward works on; bounds its temporaries (each tile's dQ, dK, dV).
+
+The fused kernels tile internally, so smaller tiles only add calls and accumulations into dQ, dK
+and dV; the math path cuts its own tiles of ``kernels.MATH_TILE``."""
 
 PADDED_TILE = 2048
 """Rows per side of forward blocks when keys are padded: each block then needs a built mask, and
@@ -82,13 +85,17 @@ def _piece_view(x: Tensor, piece: Piece) -> Tensor:
     return x[:, head_slice(piece.heads), piece.rows.slice]
 
 
-def _whole(pieces: Sequence[Piece], x: Tensor) -> bool:
-    """One piece that is the entire tensor: it is sent as it is, without packing."""
+def _covers(pieces: Sequence[Piece], x: Tensor) -> bool:
+    """One piece holding every head and row of ``x``."""
     if len(pieces) != 1 or pieces[0].within is not None:
         return False
     p = pieces[0]
-    return (p.heads == range(x.shape[1]) and p.rows.stride == 1 and p.rows.local == 0
-            and p.rows.count == x.shape[2] and x.is_contiguous())
+    return p.heads == range(x.shape[1]) and p.rows.stride == 1 and p.rows.local == 0 and p.rows.count == x.shape[2]
+
+
+def _whole(pieces: Sequence[Piece], x: Tensor) -> bool:
+    """One piece that is the entire tensor, in its storage order: it is sent as it is, without packing."""
+    return _covers(pieces, x) and x.is_contiguous()
 
 
 def _numels(pieces: Sequence[Piece], b: int, d: int) -> List[int]:
@@ -221,7 +228,8 @@ def _single_block(plan: RankPlan, q: Tensor, k: Tensor) -> Optional[Block]:
         return None
     blk = plan.steps[0].recv.blocks[0]
     whole_q = blk.q.stride == 1 and blk.q.count == q.shape[2] and blk.q_heads == range(q.shape[1])
-    return blk if whole_q and _whole(plan.steps[0].recv.pieces, k) and blk.nk == k.shape[2] else None
+    # A rank's own K/V are read in place, whatever their strides (the model's are (B, S, H, D) storage).
+    return blk if whole_q and _covers(plan.steps[0].recv.pieces, k) and blk.nk == k.shape[2] else None
 
 
 def _visits(ctx: _Ctx, k: Tensor, v: Tensor) -> Iterator[Tuple[Step, list]]:

@@ -305,14 +305,15 @@ def chunk_pair(plan: PairPlan, budget: int, causal: bool, window: Optional[int])
 
 
 MESSAGES_PER_SHARD = 8
-MIN_MESSAGE_ROWS = 512
+MIN_MESSAGE_ROWS = 2048
 """Fewest rows of the largest message of a step (a zigzag step's smaller transfer gets half this).
 
 Messages bound memory: a message's rows sit in receive buffers while the
 previous one is computed on, so the peak per rank grows with the message.
-They also cost time: each adds a round with its own wait, and a block of a
-few hundred keys already runs the kernels at full speed, so messages smaller
-than this buy little memory for their rounds."""
+They also cost time: each adds a round with its own wait, which on a short
+shard is a visible share of the step. Below this size a few MB of buffers
+cost less than the rounds they save; a long shard still travels in eighths,
+so the memory bound per token is unchanged."""
 
 
 def message_budget(seq_len: int, world_size: int, hkv: int) -> int:
