@@ -41,6 +41,8 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 Column = Tuple[str, str]  # (JSON key, header)
 
+_RACE_SIDES = (("alst", "ALST"), ("ring", "ring"), ("head", "head-parallel"))
+
 COLUMNS: Dict[str, Sequence[Column]] = {
     "ring": (("n", "n"), ("impl", "impl"), ("world", "ranks"), ("layout", "layout"),
              ("fwd_bwd_s", "fwd+bwd s (median)"), ("fwd_bwd_spread", "spread"),
@@ -90,12 +92,12 @@ COLUMNS: Dict[str, Sequence[Column]] = {
     "quality_convert": (("n", "n"), ("dense_accuracy_converted", "dense checkpoint under the pattern"),
                         ("after_10_steps", "after 10 steps"), ("after_20_steps", "after 20 steps"),
                         ("after_40_steps", "after 40 steps"), ("by_depth_at_end", "by depth after 40 steps")),
-    "race": (("n", "n"), ("batch", "batch"), ("alst_step_s", "ALST step s"), ("ring_step_s", "ring step s"),
-             ("head_step_s", "head-parallel step s"), ("ring_over_alst", "ring / ALST"),
-             ("head_over_alst", "head-parallel / ALST"), ("alst_extra_mb", "ALST extra MB"),
-             ("ring_mb_over_alst", "ring extra MB / ALST"), ("head_mb_over_alst", "head extra MB / ALST"),
-             ("alst_loss_rel_err", "ALST loss error"), ("ring_loss_rel_err", "ring loss error"),
-             ("head_loss_rel_err", "head-parallel loss error")),
+    "race": (("n", "n"), ("batch", "batch"))
+    + tuple((f"{s}_step_s", f"{name} step s") for s, name in _RACE_SIDES)
+    + tuple((f"{s}_over_alst", f"{name} / ALST") for s, name in _RACE_SIDES[1:])
+    + (("alst_extra_mb", "ALST extra MB"),)
+    + tuple((f"{s}_mb_over_alst", f"{name} extra MB / ALST") for s, name in _RACE_SIDES[1:])
+    + tuple((f"{s}_loss_rel_err", f"{name} loss error") for s, name in _RACE_SIDES),
     "plan": (("engine", "engine"), ("mesh", "mesh (8 GPUs)"), ("weights_gb", "weights GB"), ("grads_gb", "gradients GB"),
              ("optimizer_gb", "optimizer GB"), ("buffers_gb", "buffers GB"), ("logits_gb", "untiled logits GB"),
              ("checkpoints_gb", "checkpoints GB"),
