@@ -13,7 +13,7 @@ A partially visible causal block can instead come as a ``band`` ``(lo, hi)``
 of allowed item offsets (key item j for query item i iff ``lo <= j - i <= hi``),
 which the CUDA flash kernel takes without a mask.
 
-Backends, chosen per block by :func:`backend`:
+Kernels, the first of :data:`KERNELS` that supports a block running it:
 
 - CPU: the fused aten flash kernels (a band or mask as an additive bias).
 - CUDA (:mod:`hf_ring.cuda_kernels`): flash for fp16/bf16 blocks without a
@@ -313,11 +313,6 @@ KERNELS: Tuple[Kernel, ...] = (
 """The kernels a block may run on, in order of preference: the first that supports it runs it."""
 
 
-def backend(q: Tensor, mask: Optional[Tensor] = None, softcap: Optional[float] = None) -> str:
-    """The kernel that runs a block of ``q``'s device and dtype: ``cpu_flash``, ``cuda_flash``, ``cuda_efficient`` or ``math``."""
-    return next(kn.name for kn in KERNELS if kn.supports(q, mask is not None, softcap))
-
-
 def _cut(kernel: Kernel, q: Tensor, k: Tensor, mask: Optional[Tensor], band: Optional[Band]) -> bool:
     """Whether ``kernel`` runs this block in tiles."""
     masked = True if kernel.tiles == "always" else (kernel.tiles == "masked" and (band is not None or mask is not None))
@@ -339,12 +334,12 @@ def _each_kernel(q: Tensor, mask: Optional[Tensor], softcap: Optional[float], at
     for kernel in KERNELS:
         if not kernel.supports(q, mask is not None, softcap):
             continue
-        if not kernel.fallible:
-            return attempt(kernel)
         try:
             return attempt(kernel)
-        except RuntimeError as err:  # a GPU the kernel does not support
-            _warn_fallback(err)
+        except RuntimeError as err:
+            if not kernel.fallible:
+                raise
+            _warn_fallback(err)  # a GPU the kernel does not support
     raise AssertionError("the math kernel supports every block")
 
 
