@@ -129,7 +129,8 @@ def ring_dilated_attention(
     try:  # under sequence parallelism a rank whose arguments fail makes every rank raise, at once
         # transformers' own backends let an explicit is_causal win over the module's attribute.
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        spec = _layer_spec(module, query, causal, scaling, sliding_window, kwargs)
+        cfg = ring_config.parse(getattr(module.config, ring_config.CONFIG_KEY, None))
+        spec = _layer_spec(module, cfg, query, causal, scaling, sliding_window, kwargs)
         # Under tensor parallelism this rank holds a slice of the heads; dilation offsets count from global heads.
         spec = spec.at(head_base=layer_head_base(ctx, sp, query.shape[1], key.shape[1], module.config))
         _refuse_unsupported(dropout, module.training, kwargs, sharded, module.config)
@@ -137,7 +138,7 @@ def ring_dilated_attention(
         if not query.dtype == key.dtype == value.dtype:
             raise TypeError(f"q, k, v must share one dtype; got q={query.dtype}, k={key.dtype}, v={value.dtype}")
         if isinstance(ctx, ShardedForward) and query.shape[2] == key.shape[2]:
-            spec = _sharded_spec(module, query, key, value, attention_mask, spec, ctx)
+            spec = _sharded_spec(query, key, value, attention_mask, spec, ctx, cfg.ulysses_size)
     except (TypeError, ValueError, NotImplementedError) as err:
         if isinstance(ctx, ShardedForward):
             ctx.fail(err)
@@ -160,33 +161,35 @@ def ring_dilated_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _layer_spec(module, query: Tensor, causal: Any, scaling: Any, sliding_window: Any, kwargs: dict) -> AttentionSpec:
-    """What this layer's attention computes, from the model's config and the call's keywords (checked)."""
-    cfg = ring_config.parse(getattr(module.config, ring_config.CONFIG_KEY, None))
+def _layer_spec(module, cfg: ring_config.RingConfig, query: Tensor, causal: Any, scaling: Any, sliding_window: Any,
+                kwargs: dict) -> AttentionSpec:
+    """What this layer's attention computes, from the model's parsed ``config.ring_dilated`` and the call's
+    keywords (checked)."""
     ring_config.warn_coverage(cfg.pattern, module.config)  # a saved pattern may leave positions unread
     spec = check_options(causal, sliding_window, cfg.pattern, scaling, query.shape[-1], cfg.layout)
     return spec.at(softcap=check_softcap(kwargs.get("softcap")), sinks=check_sinks(kwargs.get("s_aux"), query.shape[1]))
 
 
-def _sharded_spec(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, spec: AttentionSpec,
-                  ctx: ShardedForward) -> AttentionSpec:
-    """The spec of a forward over shards: the forward's layout, length, documents and this rank's key padding."""
+def _sharded_spec(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, spec: AttentionSpec,
+                  ctx: ShardedForward, saved_ulysses: Optional[int]) -> AttentionSpec:
+    """The spec of a forward over shards: the forward's layout, length, documents and this rank's key padding.
+
+    ``saved_ulysses``: the model config's ``ulysses_size`` (None: whatever the setup has)."""
     check_qkv(query, key, value)
-    cfg = ring_config.parse(getattr(module.config, ring_config.CONFIG_KEY, None))
     if ctx.world_size > 1 and spec.layout != ctx.layout:
         raise ValueError(
             f"config.ring_dilated layout {spec.layout!r} differs from the sequence-parallel layout "
             f"{ctx.layout!r}; use one layout for both (hf_ring.configure and hf_ring.setup_sequence_parallel)"
         )
-    if ctx.world_size > 1 and cfg.ulysses_size not in (None, ctx.ulysses):
+    if ctx.world_size > 1 and saved_ulysses not in (None, ctx.ulysses):
         raise ValueError(
-            f"config.ring_dilated ulysses_size={cfg.ulysses_size} differs from the sequence-parallel setup's "
+            f"config.ring_dilated ulysses_size={saved_ulysses} differs from the sequence-parallel setup's "
             f"ulysses_size={ctx.ulysses}; pass the same to hf_ring.setup_sequence_parallel (prepare_trainer "
             "takes it from the config) or change it with hf_ring.configure"
         )
     head_split(query.shape[1], key.shape[1], ctx.ulysses)  # the heads must serve the head-parallel groups
-    return spec.at(layout=ctx.layout if ctx.world_size > 1 else "contiguous", seq_len=ctx.seq_len,
-                   documents=ctx.documents, key_mask=_key_mask_2d(attention_mask))
+    return spec.at(layout=ctx.layout, seq_len=ctx.seq_len, documents=ctx.documents,
+                   key_mask=_key_mask_2d(attention_mask))
 
 
 def _whole(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, spec: AttentionSpec,
@@ -195,7 +198,7 @@ def _whole(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, spec:
     check_qkv(query, key, value)
     key_valid = _key_mask_2d(attention_mask)
     key_mask = full_key_mask(key_valid, key, key_valid is not None and not bool(key_valid.all()))
-    return run(query, key, value, None, spec.at(layout="contiguous", seq_len=query.shape[2], key_mask=key_mask,
+    return run(query, key, value, None, spec.at(seq_len=query.shape[2], key_mask=key_mask,
                                                 documents=_local_documents(query, attention_mask, kwargs)))
 
 
