@@ -200,19 +200,23 @@ class HeadSplit:
         return torch.tensor([self.kv_heads(m).start for m in range(self.ulysses)], dtype=torch.long)
 
 
-def head_split(hq: int, hkv: int, ulysses: int) -> HeadSplit:
-    """The heads each member of a group of ``ulysses`` ranks holds; refuses splits that cannot be exact and even."""
+def head_split(hq: int, hkv: int, ulysses: int, holder: str = "the model's", other_fix: str = "") -> HeadSplit:
+    """The heads each member of a group of ``ulysses`` ranks holds; refuses splits that cannot be exact and even.
+
+    ``holder`` names whose heads these are in the errors (tensor parallelism hands a rank a slice of the
+    model's); ``other_fix`` is appended to the fix they name."""
     if ulysses == 1:
         return HeadSplit(1, hq, hkv)
     if hq % ulysses:
         raise ValueError(
-            f"ulysses_size={ulysses} does not divide the model's {hq} query heads: head parallelism gives each "
-            f"rank of a group the same number of heads. Choose a ulysses_size that divides {hq} (1 runs the ring alone)"
+            f"ulysses_size={ulysses} does not divide {holder} {hq} query heads: head parallelism gives each "
+            f"rank of a group the same number of heads. Choose a ulysses_size that divides {hq} (1 runs the ring "
+            f"alone){other_fix}"
         )
     if hkv % ulysses and ulysses % hkv:
         raise ValueError(
-            f"ulysses_size={ulysses} and the model's {hkv} key/value heads neither divide the other, so some rank's "
+            f"ulysses_size={ulysses} and {holder} {hkv} key/value heads neither divide the other, so some rank's "
             f"query heads would use parts of several K/V heads. Choose a ulysses_size that divides {hkv} or is a "
-            f"multiple of it (1 runs the ring alone)"
+            f"multiple of it (1 runs the ring alone){other_fix}"
         )
     return HeadSplit(ulysses, hq, hkv)

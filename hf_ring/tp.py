@@ -36,9 +36,6 @@ def check_heads(heads: Optional[Tuple[int, int]], tp_size: int, ulysses_size: in
     if heads is None:
         return
     hq, hkv = heads
-    if tp_size == 1:
-        head_split(hq, hkv, ulysses_size)
-        return
     if hq % tp_size:
         raise ValueError(
             f"tp_size={tp_size} does not divide the model's {hq} query heads: tensor parallelism gives each rank of "
@@ -50,24 +47,9 @@ def check_heads(heads: Optional[Tuple[int, int]], tp_size: int, ulysses_size: in
             f"k_proj and v_proj into tp_size blocks of rows, so a rank would hold part of a key/value head. Choose a "
             f"tp_size that divides {hkv} (1: no tensor parallelism)"
         )
-    _check_local_heads(hq // tp_size, hkv // tp_size, tp_size, ulysses_size)
-
-
-def _check_local_heads(hq: int, hkv: int, tp_size: int, ulysses_size: int) -> None:
-    """Head parallelism over the heads one tensor-parallel rank holds."""
-    held = f"the {hq} query and {hkv} key/value heads each of the tp_size={tp_size} tensor-parallel ranks holds"
-    if hq % ulysses_size:
-        raise ValueError(
-            f"ulysses_size={ulysses_size} does not divide {held}: head parallelism gives each rank of a group the "
-            f"same number of heads. Choose a ulysses_size that divides {hq} (1 runs the ring alone), or a smaller "
-            "tp_size"
-        )
-    if hkv % ulysses_size and ulysses_size % hkv:
-        raise ValueError(
-            f"ulysses_size={ulysses_size} and {held} neither divide the other, so some rank's query heads would use "
-            f"parts of several key/value heads. Choose a ulysses_size that divides {hkv} or is a multiple of it "
-            "(1 runs the ring alone), or another tp_size"
-        )
+    # Head parallelism splits the heads one tensor-parallel rank holds.
+    holder = "the model's" if tp_size == 1 else f"each of the tp_size={tp_size} tensor-parallel ranks'"
+    head_split(hq // tp_size, hkv // tp_size, ulysses_size, holder, "" if tp_size == 1 else ", or another tp_size")
 
 
 KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")

@@ -147,7 +147,7 @@ def test_refusals(pools):
         ((path, None, 3), "tp_size=3 does not divide the 4 processes"),
         ((path, 3, 2), "sp_size=3 x tp_size=2 = 6 does not divide the 4 processes"),
         ((kv1, 2, 2), "tp_size=2 does not divide the model's 1 key/value heads"),
-        ((hq6, 2, 2, 2), "ulysses_size=2 does not divide the 3 query and 1 key/value heads each of the tp_size=2"),
+        ((hq6, 2, 2, 2), "ulysses_size=2 does not divide each of the tp_size=2 tensor-parallel ranks' 3 query heads"),
         ((path, 2, 2, 1, "none"), "tp_size=2, but the model is not tensor-parallel"),
         # transformers 5 shards over the whole world whatever device_mesh it is given
         ((path, 2, 2, 1, "transformers"), "the model is tensor-parallel over ranks [0, 1, 2, 3], but this setup's"),
