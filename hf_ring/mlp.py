@@ -15,6 +15,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from .arguments import positive_int
+from .zero import zero3_partitioned
 
 ROW_CHUNK_ROWS = 8192
 """Default rows per chunk."""
@@ -113,11 +114,6 @@ class _TiledRowsZero3(torch.autograd.Function):
         return None, None, None if grad_x is None else grad_x.view_as(x), None
 
 
-def _zero3_partitioned(params: Sequence[torch.Tensor]) -> bool:
-    """Whether DeepSpeed ZeRO-3 partitions these parameters (it marks each with a ``ds_id``)."""
-    return any(hasattr(p, "ds_id") for p in params)
-
-
 def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor],
                chunk_rows: Optional[int] = None) -> torch.Tensor:
     """``fn(x)`` computed ``chunk_rows`` rows of ``x`` at a time (all leading dims flattened into rows).
@@ -130,7 +126,7 @@ def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, para
     positive_int(chunk, "chunk_rows")
     if x.dim() < 2 or x[..., 0].numel() <= chunk:
         return fn(x)
-    if _zero3_partitioned(params):
+    if zero3_partitioned(params):
         # ZeRO-3 gathers a module's parameters only around its calls and checks their gradients against the
         # partitioned shapes, so they cannot be inputs whose gradients the backward returns: the backward adds
         # them up in place, chunk by chunk, as DeepSpeed's own tiled MLP does.

@@ -22,6 +22,7 @@ from .arguments import positive_int
 from .comm import RingComm
 from .groups import SequenceParallel, current, set_current
 from .layout import check_layout, check_ulysses, check_ulysses_size
+from .zero import managed_by_deepspeed
 
 
 _MESHES: dict = {}
@@ -226,7 +227,7 @@ def sync_gradients(model: torch.nn.Module, sp: Optional[SequenceParallel] = None
         return
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
-    if any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in params):  # ZeRO-3 / ZeRO-1, -2 markers
+    if managed_by_deepspeed(params):
         raise ValueError(
             "sync_gradients was given a model whose parameters DeepSpeed manages: its engine reduces the gradients "
             "itself, averaging them over every rank, so reducing them here as well would scale them wrongly; call "

@@ -191,7 +191,8 @@ class SequenceParallelTrainerMixin:
     def training_step(self, model, inputs, num_items_in_batch=None):
         sp = current()
         if sp is not None and self.is_deepspeed_enabled:
-            zero.check_engine(model, sp)  # compute_loss scales the loss for an average over every rank
+            # compute_loss scales the loss for an average over every rank
+            zero.check_engine(model, sp.sp_size, sp.dp_size, sp.tp_size)
         loss = super().training_step(model, inputs, num_items_in_batch)
         # The trainer logs the mean over all ranks (unchanged by this) but reports its last unlogged steps from
         # rank-local values: make those the sp group's, as a run without the split would have.
@@ -341,7 +342,7 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: str = "
     sp = setup_sequence_parallel(trainer.accelerator, sp_size, layout=layout, ulysses_size=ulysses_size,
                                  tp_size=tp_size)
     if ds_config is not None:
-        zero.count_sequences_once(ds_config, sp)
+        zero.count_sequences_once(ds_config, sp.sp_size, sp.dp_size)
     _use_ring_attention(trainer.model)
     trainer.__class__ = _sequence_parallel_class(type(trainer))
     attach_shard_hook(trainer.model)

@@ -18,9 +18,17 @@ Nothing here imports deepspeed: only its config (a dict) and engine attributes a
 """
 from __future__ import annotations
 
-from typing import Any, MutableMapping
+from typing import Any, Iterable, MutableMapping
 
-from .groups import SequenceParallel
+def zero3_partitioned(params: Iterable[Any]) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions any of these parameters (it marks each with a ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in params)
+
+
+def managed_by_deepspeed(params: Iterable[Any]) -> bool:
+    """Whether a DeepSpeed engine reduces these parameters' gradients (ZeRO-3's ``ds_id``, ZeRO-1/2's ``_hp_mapping``)."""
+    return any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in params)
+
 
 SP_KEY = "sequence_parallel_size"
 """The DeepSpeed config key that divides the world for DeepSpeed's batch arithmetic."""
@@ -63,27 +71,26 @@ def check_config(config: MutableMapping[str, Any], sp_size: int) -> None:
         )
 
 
-def count_sequences_once(config: MutableMapping[str, Any], sp: SequenceParallel) -> None:
+def count_sequences_once(config: MutableMapping[str, Any], sp_size: int, dp_size: int) -> None:
     """Make DeepSpeed's ``train_batch_size`` the dp replicas' batch: each sequence counted once, not once per rank.
 
     Call it after :func:`check_config` accepted ``config``.
     """
     micro, accum = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
-    config[SP_KEY] = sp.sp_size
-    config["train_batch_size"] = micro * accum * sp.dp_size
+    config[SP_KEY] = sp_size
+    config["train_batch_size"] = micro * accum * dp_size
 
 
-def check_engine(engine: Any, sp: SequenceParallel) -> None:
+def check_engine(engine: Any, sp_size: int, dp_size: int, tp_size: int = 1) -> None:
     """Refuse a DeepSpeed engine that does not average gradients over the whole world.
 
     The loss scaling is made for that average; an engine given sequence parallelism of its own (an ``mpu``, a
     ``data_parallel_size`` mesh) sums over sp itself on some reduction paths and not on others.
     """
-    tp_size = getattr(sp, "tp_size", 1)
     if tp_size != 1:  # DeepSpeed would average the tensor-parallel ranks' different shards as replicas
         raise ValueError(f"hf_ring's tensor parallelism (tp_size={tp_size}) does not compose with DeepSpeed: set up "
                          "sequence parallelism without tp_size, or train without DeepSpeed")
-    world = sp.sp_size * sp.dp_size
+    world = sp_size * dp_size
     reduced = getattr(engine, "seq_dp_world_size", world)
     own_sp = getattr(engine, "sequence_parallel_size", 1)
     if reduced != world or own_sp != 1:

@@ -32,6 +32,7 @@ from hf_ring.config import runs_ring
 from hf_ring.groups import current
 from hf_ring.loss import tiled_causal_lm_loss
 from hf_ring.mlp import tiled_rows
+from hf_ring.zero import zero3_partitioned
 
 from .families import FAMILIES
 
@@ -134,7 +135,7 @@ def _output_hooks(module: nn.Module) -> list:
     engine gathers a weight the tiled loss reads directly as an external parameter of the calling module.
     """
     hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
-    if any(hasattr(p, "ds_id") for p in module.parameters()):  # partitioned by ZeRO-3
+    if zero3_partitioned(module.parameters()):
         hooks = [h for h in hooks if not getattr(h, "__module__", "").startswith("deepspeed.")]
     return hooks
 

@@ -159,12 +159,11 @@ def test_an_engine_with_sequence_parallelism_of_its_own_is_refused():
     size of its own (an mpu, a data_parallel_size mesh), is refused at the training step."""
     from types import SimpleNamespace
 
-    from hf_ring.groups import SequenceParallel
     from hf_ring.zero import check_engine
 
-    sp = SequenceParallel(None, None, 0, 2, 0, 2, "zigzag")  # dp 2 x sp 2
-    check_engine(SimpleNamespace(seq_dp_world_size=4, sequence_parallel_size=1), sp)
+    sp = (2, 2)  # sp 2 x dp 2
+    check_engine(SimpleNamespace(seq_dp_world_size=4, sequence_parallel_size=1), *sp)
     for engine in (SimpleNamespace(seq_dp_world_size=2, sequence_parallel_size=1),
                    SimpleNamespace(seq_dp_world_size=4, sequence_parallel_size=2)):
         with pytest.raises(ValueError, match="average over all ranks with none of its own"):
-            check_engine(engine, sp)
+            check_engine(engine, *sp)
