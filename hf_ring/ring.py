@@ -31,7 +31,7 @@ from .blocks import Rows, band_of, block_mask, default_tile, tiles
 from .checks import agreed_spec, resolve_group
 from .comm import Pending, RingComm
 from .documents import Documents, dilated_multiplicity, longest, same_document, within_one
-from .kernels import accumulator_dtype, add_sinks, block_backward, block_forward, merge_into, sinks_backward
+from .kernels import accumulator_dtype, add_sinks, block_backward, block_forward, kv_storage, merge_into, sinks_backward
 from .pattern import head_slice
 from .schedule import Block, Geometry, Piece, RankPlan, Step, message_budget, rank_plan, sent, view_within
 from .spec import AttentionSpec
@@ -249,6 +249,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx, sinks: Optional[Ten
     """This rank's rows of the output (``q.dtype``) and their LSE, with the sinks (if any) joined once per row."""
     plan, spec = ctx.plan, ctx.spec
     b, hq, s, d = q.shape
+    k, v = kv_storage(k), kv_storage(v)
     only = _single_block(plan, q, k)
     if only is not None and spec.key_mask is None and spec.documents is None:
         out, lse = block_forward(q, k, v, scale=spec.scale,
@@ -288,6 +289,7 @@ def _scatter_grads(dk: Tensor, dv: Tensor, step: Step, got: List[Tensor]) -> Non
 def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, Tensor]:
     plan, comm, spec = ctx.plan, ctx.comm, ctx.spec
     b, hq, s, d = q.shape
+    k, v = kv_storage(k), kv_storage(v)  # the saved K/V stay as given: a copy is made again rather than kept
     only = _single_block(plan, q, k)
     if only is not None and spec.key_mask is None and spec.documents is None:
         return block_backward(dout, q, k, v, out, lse, scale=spec.scale,
