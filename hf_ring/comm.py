@@ -284,6 +284,14 @@ class RingComm:
         """See :func:`all_to_all`: piece ``i`` of ``tensor`` to rank ``i``, piece ``i`` of ``output`` from it."""
         return all_to_all(output, tensor, output_splits, input_splits, self.group, what, timeout=self.timeout)
 
+    def post_all_to_all(self, output: Tensor, tensor: Tensor, output_splits: Sequence[int],
+                        input_splits: Sequence[int], what: str) -> Pending:
+        """:meth:`all_to_all` left in flight: ``wait()`` on the result returns ``[output]``."""
+        tensor = tensor.contiguous()
+        work = _post(what, self.timeout, lambda: dist.all_to_all_single(
+            output, tensor, list(output_splits), list(input_splits), group=self.group, async_op=True))
+        return Pending([work], [tensor], [output], what, self.timeout, carrier(self.group, output.device))
+
     def broadcast(self, tensor: Tensor, src: int, what: str) -> Tensor:
         """``tensor`` of group rank ``src`` on every rank (in place; other ranks pass a buffer of its shape)."""
         return broadcast(tensor, src, self.group, what, timeout=self.timeout)

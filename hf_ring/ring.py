@@ -63,7 +63,9 @@ DILATED_DOCUMENT_TILE = 512
 
 
 @dataclass
-class _Ctx:
+class RingContext:
+    """One rank's plan of a ring call with the spec and the group it runs over (see :func:`plan`)."""
+
     comm: Optional[RingComm]
     plan: RankPlan
     spec: AttentionSpec
@@ -190,7 +192,7 @@ def _kv_views(step: Step, k: Tensor, v: Tensor, key_mask: Optional[Tensor], got:
     return [(kk, vv, m, m is None or bool(m.all())) for kk, vv, m in zip(ks, vs, ms)]
 
 
-def _kernel_args(ctx: _Ctx, q: Rows, k_pos: int, nk: int, kind: str, device,
+def _kernel_args(ctx: RingContext, q: Rows, k_pos: int, nk: int, kind: str, device,
                  key_valid: Optional[Tensor] = None, heads: Optional[range] = None) -> Optional[dict]:
     """Kernel arguments of one block (``heads``: its query heads); ``key_valid`` ``(B, nk)`` adds key padding.
 
@@ -232,7 +234,7 @@ def _single_block(plan: RankPlan, q: Tensor, k: Tensor) -> Optional[Block]:
     return blk if whole_q and _covers(plan.steps[0].recv.pieces, k) and blk.nk == k.shape[2] else None
 
 
-def _visits(ctx: _Ctx, k: Tensor, v: Tensor) -> Iterator[Tuple[Step, list]]:
+def _visits(ctx: RingContext, k: Tensor, v: Tensor) -> Iterator[Tuple[Step, list]]:
     """Each step with its K/V pieces; the next step's transfer is posted before a step is handed out."""
     steps, incoming = ctx.plan.steps, None
     for i, step in enumerate(steps):
@@ -245,7 +247,7 @@ def _visits(ctx: _Ctx, k: Tensor, v: Tensor) -> Iterator[Tuple[Step, list]]:
         del got  # the visiting rows are done with; only the next step's stay in memory
 
 
-def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: _Ctx, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: RingContext, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """This rank's rows of the output (``q.dtype``) and their LSE, with the sinks (if any) joined once per row."""
     plan, spec = ctx.plan, ctx.spec
     b, hq, s, d = q.shape
@@ -286,7 +288,7 @@ def _scatter_grads(dk: Tensor, dv: Tensor, step: Step, got: List[Tensor]) -> Non
         _piece_view(dv, piece).add_(gv)
 
 
-def ring_backward(dout, q, k, v, out, lse, ctx: _Ctx) -> Tuple[Tensor, Tensor, Tensor]:
+def ring_backward(dout, q, k, v, out, lse, ctx: RingContext) -> Tuple[Tensor, Tensor, Tensor]:
     plan, comm, spec = ctx.plan, ctx.comm, ctx.spec
     b, hq, s, d = q.shape
     k, v = kv_storage(k), kv_storage(v)  # the saved K/V stay as given: a copy is made again rather than kept
@@ -348,7 +350,7 @@ class RingAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, rctx: _Ctx):
+    def forward(ctx, q, k, v, sinks, rctx: RingContext):
         out, lse = ring_forward(q, k, v, rctx, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.rctx = rctx
@@ -386,19 +388,22 @@ def _tile(spec: AttentionSpec) -> Optional[int]:
     return tile
 
 
+def plan(hq: int, hkv: int, comm: Optional[RingComm], spec: AttentionSpec) -> RingContext:
+    """What this rank's ring computes and sends for ``hq`` query and ``hkv`` K/V heads under a checked spec."""
+    rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
+    budget = message_budget(spec.seq_len, world, hkv) if spec.message_rows is None else spec.message_rows * hkv
+    tile = _tile(spec)
+    geo = Geometry(spec.seq_len, world, spec.layout if world > 1 else "contiguous", spec.causal, spec.window,
+                   spec.planned_branches, hq, hkv, tile, spec.documents, spec.head_base)
+    return RingContext(comm, rank_plan(geo, rank, budget), spec, backward_tile=min(BACKWARD_TILE, tile or BACKWARD_TILE))
+
+
 def run(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], spec: AttentionSpec) -> Tensor:
     """The ring over a checked spec the ranks agreed on (``spec.seq_len`` set; see :func:`hf_ring.checks.agreed_spec`).
 
     ``spec.key_mask`` only when some rank has padded keys.
     """
-    rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
-    hkv = k.shape[1]
-    budget = message_budget(spec.seq_len, world, hkv) if spec.message_rows is None else spec.message_rows * hkv
-    tile = _tile(spec)
-    geo = Geometry(spec.seq_len, world, spec.layout if world > 1 else "contiguous", spec.causal, spec.window,
-                   spec.planned_branches, q.shape[1], hkv, tile, spec.documents, spec.head_base)
-    rctx = _Ctx(comm, rank_plan(geo, rank, budget), spec, backward_tile=min(BACKWARD_TILE, tile or BACKWARD_TILE))
-    return RingAttentionFunction.apply(q, k, v, spec.sinks, rctx)
+    return RingAttentionFunction.apply(q, k, v, spec.sinks, plan(q.shape[1], k.shape[1], comm, spec))
 
 
 def ring_attention(

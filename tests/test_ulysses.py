@@ -11,6 +11,7 @@ from helpers import cancelling_scale, rel_err
 from models import load, saved_model_dir
 from hf_ring.layout import head_split, local_positions, owner, shard_sizes
 from hf_ring.pattern import DilatedPattern
+from hf_ring.ulysses import MAX_CHUNKS, chunks
 
 FP32_TOL = 1e-5
 NAMES = ("out", "dq", "dk", "dv")
@@ -153,6 +154,26 @@ def test_head_split_gives_each_rank_the_kv_heads_of_its_query_heads(hq, hkv, u):
     assert (index is None) == (hkv >= u)
     if index is not None:  # K/V repeated only as far as the group needs: one head per rank
         assert index.numel() == u
+
+
+@pytest.mark.parametrize("hq,hkv,u", [(8, 8, 2), (8, 4, 2), (8, 2, 4), (8, 1, 4), (12, 4, 2), (6, 3, 3), (32, 8, 2),
+                                      (24, 24, 2)])
+def test_chunks_cut_each_members_heads_into_whole_kv_heads(hq, hkv, u):
+    split = head_split(hq, hkv, u)
+    parts = chunks(split)
+    g = hq // hkv
+    assert 1 <= len(parts) <= MAX_CHUNKS
+    for m in range(u):
+        q_heads = [h for c in parts for h in c.q[m]]
+        kv_heads = [h for c in parts for h in c.kv[m]]
+        assert q_heads == list(split.q_heads(m))  # every query head once, in order
+        if hkv >= u:
+            assert kv_heads == list(split.kv_heads(m))
+        for c in parts:  # a chunk's query heads read only its own K/V heads
+            assert {h // g for h in c.q[m]} == set(c.kv[m])
+            assert len(c.q[m]) == len(parts[0].q[0]) and len(c.kv[m]) == len(parts[0].kv[0])
+    if hkv >= u and (hkv // u) % 2 == 0:
+        assert len(parts) > 1  # heads that can be cut are, so exchanges overlap attention
 
 
 @pytest.mark.parametrize("hq,hkv,u,match", [

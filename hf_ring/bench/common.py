@@ -98,7 +98,7 @@ def planned_mode_mb(n: int, world: int, ulysses: int, layout: str, hq: int, hkv:
     """MiB the busiest rank sends in one causal forward+backward of one layer, in any mode, without running it.
 
     Head parallelism: the all-to-all pieces that leave a rank (Q, K, V to heads and the output back
-    in the forward; dO to heads and dQ, dK, dV back in the backward), plus the ring over the
+    in the forward; Q, K, V, the output and dO to heads and dQ, dK, dV back in the backward), plus the ring over the
     ``world // ulysses`` groups for its share of the heads (:func:`planned_ring_mb`).
     """
     from ..layout import head_split, shard_sizes
@@ -115,7 +115,7 @@ def planned_mode_mb(n: int, world: int, ulysses: int, layout: str, hq: int, hkv:
         first = rank // ulysses * ulysses
         others = sum(sizes[first:first + ulysses]) - mine  # the group's rows held by other members
         out_heads = (ulysses - 1) * mine * (m + 2 * mk) + others * m  # forward: Q, K, V out, the output back
-        back = (ulysses - 1) * mine * m + others * (m + 2 * mk)  # backward: dO out, dQ, dK, dV back
+        back = (ulysses - 1) * mine * (3 * m + 2 * mk) + others * (m + 2 * mk)  # backward: Q, K, V, O, dO out; grads back
         most = max(most, (out_heads + back) * b * d * elem / 2**20)
     return most + ring
 
