@@ -86,7 +86,7 @@ def _cut_runs(runs: Sequence[Run], start: int, stop: int) -> List[Run]:
 
 
 def local_runs(seq_len: int, rank: int, world_size: int, layout: str = "zigzag", ulysses: int = 1) -> List[Run]:
-    """The runs of global positions ``rank`` holds, ascending; empty runs are dropped.
+    """The runs of global positions ``rank`` holds, ascending; empty runs are dropped, adjacent ones joined.
 
     ``zigzag`` gives rank r chunks r and 2p-1-r of 2p chunks, so causal work is
     equal on every rank; ``contiguous`` gives rank r chunk r of p. With
@@ -104,7 +104,15 @@ def local_runs(seq_len: int, rank: int, world_size: int, layout: str = "zigzag",
     if ulysses > 1:
         start, stop = chunk_bounds(sum(b - a for a, b in runs), ulysses)[member]
         runs = _cut_runs(runs, start, stop)
-    return [r for r in runs if r[1] > r[0]]
+    joined: List[Run] = []
+    for a, b in runs:
+        if b <= a:
+            continue
+        if joined and joined[-1][1] == a:  # the middle zigzag rank's two chunks are one run: one block, not three
+            joined[-1] = (joined[-1][0], b)
+        else:
+            joined.append((a, b))
+    return joined
 
 
 def shard_sizes(seq_len: int, world_size: int, layout: str = "zigzag", ulysses: int = 1) -> List[int]:

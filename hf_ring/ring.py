@@ -33,7 +33,7 @@ from .comm import Pending, RingComm
 from .documents import Documents, dilated_multiplicity, longest, same_document, within_one
 from .kernels import accumulator_dtype, add_sinks, block_backward, block_forward, kv_storage, merge_into, sinks_backward
 from .pattern import head_slice
-from .schedule import Block, Geometry, Piece, RankPlan, Step, message_budget, rank_plan, sent, view_within
+from .schedule import Block, Geometry, Piece, RankPlan, Step, local_causal, message_budget, rank_plan, sent, view_within
 from .spec import AttentionSpec
 
 Tensor = torch.Tensor
@@ -70,17 +70,19 @@ class RingContext:
     plan: RankPlan
     spec: AttentionSpec
     backward_tile: int = BACKWARD_TILE
+    own_causal: bool = False  # the own step is one causal call over all rows (see schedule.local_causal)
 
 
-def rows_major(b: int, h: int, s: int, d: int, dtype: torch.dtype, device) -> Tensor:
-    """Zeros of shape ``(B, H, S, D)`` stored as ``(B, S, H, D)``.
+def rows_major(b: int, h: int, s: int, d: int, dtype: torch.dtype, device, zero: bool = True) -> Tensor:
+    """Zeros (or, with ``zero=False``, uninitialised values) of shape ``(B, H, S, D)`` stored as ``(B, S, H, D)``.
 
     That is the order the model reads the attention output in (and the order
     its projections' gradients come in), so the ``transpose(1, 2)`` back to
     ``(B, S, H·D)`` is a view: no second copy of the output per layer, which
     would be saved for the backward beside this one.
     """
-    return torch.zeros(b, s, h, d, dtype=dtype, device=device).transpose(1, 2)
+    make = torch.zeros if zero else torch.empty
+    return make(b, s, h, d, dtype=dtype, device=device).transpose(1, 2)
 
 
 def _piece_view(x: Tensor, piece: Piece) -> Tensor:
@@ -257,9 +259,16 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: RingContext, sinks: Optio
         out, lse = block_forward(q, k, v, scale=spec.scale,
                                  **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
         return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
-    out = rows_major(b, hq, s, d, accumulator_dtype(q), q.device)
-    lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
+    acc = accumulator_dtype(q)
+    if not ctx.own_causal:
+        out = rows_major(b, hq, s, d, acc, q.device)
+        lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
     for step, kv in _visits(ctx, k, v):
+        if step.shift == 0 and ctx.own_causal:
+            # It sees every row's own key, so the accumulators start as its result: no zeros, no first merge.
+            out, lse = block_forward(q, k, v, scale=spec.scale, **_kernel_args(ctx, _local(s), 0, s, "causal", q.device))
+            out = out if out.dtype == acc else out.to(acc)
+            continue
         for blk in step.recv.blocks:
             hs, rs = head_slice(blk.q_heads), blk.q.slice
             ks = slice(blk.k_off, blk.k_off + blk.nk)
@@ -274,6 +283,40 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: RingContext, sinks: Optio
     if sinks is not None:
         out, lse = add_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
+
+
+def _local(rows: int) -> Rows:
+    """A rank's rows in local order, where only causality masks: its positions ascend, so local order is theirs."""
+    return Rows(0, 0, rows)
+
+
+def _own_backward(ctx: RingContext, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  acc: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
+    """dQ, dK, dV of the own step as one causal call over all rows, cut into tiles of at most ``backward_tile``.
+
+    The diagonal tiles touch every row, so each tile's gradients are written
+    where they come first and added after, and nothing starts from zeros.
+    """
+    s, scale = q.shape[2], ctx.spec.scale
+    parts = tiles(_local(s), _local(s), True, None, ctx.backward_tile)
+    if len(parts) == 1:
+        grads = block_backward(dout, q, k, v, out, lse, scale=scale, **_kernel_args(ctx, _local(s), 0, s, "causal", q.device))
+        return tuple(g if g.dtype == acc else g.to(acc) for g in grads)
+    dq, dk, dv = (rows_major(*x.shape, acc, x.device, zero=False) for x in (q, k, v))
+    written_q, written_k = set(), set()
+    for qt, kt, kind in parts:
+        rs, ks = qt.slice, kt.slice
+        g_q, g_k, g_v = block_backward(dout[:, :, rs], q[:, :, rs], k[:, :, ks], v[:, :, ks], out[:, :, rs],
+                                       lse[:, :, rs], scale=scale, **_kernel_args(ctx, qt, kt.pos, kt.count, kind, q.device))
+        for dest, g, written, first in ((dq[:, :, rs], g_q, written_q, qt.local), (dk[:, :, ks], g_k, written_k, kt.local),
+                                        (dv[:, :, ks], g_v, written_k, kt.local)):
+            if first in written:
+                dest.add_(g)
+            else:
+                dest.copy_(g)
+        written_q.add(qt.local)
+        written_k.add(kt.local)
+    return dq, dk, dv
 
 
 def _scatter_grads(dk: Tensor, dv: Tensor, step: Step, got: List[Tensor]) -> None:
@@ -297,11 +340,15 @@ def ring_backward(dout, q, k, v, out, lse, ctx: RingContext) -> Tuple[Tensor, Te
         return block_backward(dout, q, k, v, out, lse, scale=spec.scale,
                               **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
     acc = accumulator_dtype(q)
-    dq = rows_major(*q.shape, acc, q.device)
-    dk = rows_major(*k.shape, acc, q.device)
-    dv = rows_major(*k.shape, acc, q.device)
+    if not ctx.own_causal:
+        dq = rows_major(*q.shape, acc, q.device)
+        dk = rows_major(*k.shape, acc, q.device)
+        dv = rows_major(*k.shape, acc, q.device)
     returning: Optional[Tuple[Step, Pending]] = None
     for step, kv in _visits(ctx, k, v):
+        if step.shift == 0 and ctx.own_causal:
+            dq, dk, dv = _own_backward(ctx, dout, q, k, v, out, lse, acc)
+            continue
         if step.shift == 0:
             grads = [(_piece_view(dk, p), _piece_view(dv, p)) for p in step.recv.pieces]
             flat = None
@@ -395,7 +442,9 @@ def plan(hq: int, hkv: int, comm: Optional[RingComm], spec: AttentionSpec) -> Ri
     tile = _tile(spec)
     geo = Geometry(spec.seq_len, world, spec.layout if world > 1 else "contiguous", spec.causal, spec.window,
                    spec.planned_branches, hq, hkv, tile, spec.documents, spec.head_base)
-    return RingContext(comm, rank_plan(geo, rank, budget), spec, backward_tile=min(BACKWARD_TILE, tile or BACKWARD_TILE))
+    # A tile is set exactly where something besides causality masks (key padding, documents, softcap).
+    return RingContext(comm, rank_plan(geo, rank, budget), spec, backward_tile=min(BACKWARD_TILE, tile or BACKWARD_TILE),
+                       own_causal=tile is None and local_causal(geo, rank))
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], spec: AttentionSpec) -> Tensor:

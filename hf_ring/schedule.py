@@ -304,6 +304,40 @@ def chunk_pair(plan: PairPlan, budget: int, causal: bool, window: Optional[int])
     return out
 
 
+@lru_cache(maxsize=512)
+def local_causal(geo: Geometry, rank: int) -> bool:
+    """Whether ``rank``'s blocks on its own K/V are, together, exactly the causal mask over its rows in local order.
+
+    A rank's rows ascend in position, so where causality is all that masks
+    (no window, no dilation, no documents), key row ``j`` is visible to query
+    row ``i`` iff ``j <= i`` locally, and one causal kernel call over all its
+    rows replaces the blocks: a zigzag rank's two chunks make three blocks,
+    each with its own merge and accumulation, where that call makes none.
+    Checked from the blocks themselves, so it holds for whatever the planner
+    makes: each is causal on a square of local rows or full with every key
+    before its queries, all heads in one call, and together they cover the
+    local causal triangle's area.
+    """
+    rows = sum(b - a for a, b in local_runs(geo.seq_len, rank, geo.world_size, geo.layout))
+    own = pair_plan(geo, rank, rank)
+    if not geo.causal or rows == 0:
+        return False
+    area = 0
+    for blk in own.blocks:
+        piece = own.pieces[blk.piece]
+        if (blk.q.stride != 1 or piece.rows.stride != 1 or piece.within is not None
+                or blk.q_heads != range(geo.hq) or piece.heads != range(geo.hkv)):
+            return False
+        first_key = piece.rows.local + blk.k_off
+        if blk.kind == "causal" and (first_key, blk.nk) == (blk.q.local, blk.q.count):
+            area += blk.nk * (blk.nk + 1) // 2
+        elif blk.kind == "full" and first_key + blk.nk - 1 <= blk.q.local:
+            area += blk.q.count * blk.nk
+        else:
+            return False
+    return area == rows * (rows + 1) // 2
+
+
 MESSAGES_PER_SHARD = 8
 MIN_MESSAGE_ROWS = 2048
 """Fewest rows of the largest message of a step (a zigzag step's smaller transfer gets half this).

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import reference as R
 from hf_ring import local_positions
 from hf_ring.blocks import Rows, tiles
-from hf_ring.schedule import Geometry, contains, pair_plan, rank_plan, sent
+from hf_ring.schedule import Geometry, contains, local_causal, pair_plan, rank_plan, sent
 
 
 def _plan(n, rank, world, layout, causal, window, branches, hq, hkv, budget=None):
@@ -110,6 +110,44 @@ def test_dilated_tiles_cover_the_pattern(n, world, layout, branches, heads, tile
     branches = tuple(branches)
     got = coverage(n, world, layout, True, None, branches, heads[0], heads[1], bwd_tile=tile)
     assert torch.equal(got, expected(n, True, None, branches, heads[0]))
+
+
+def own_pairs(geo, rank):
+    """How often the blocks of ``rank`` on its own K/V pair local query row i with local key row j, per query head."""
+    plan = pair_plan(geo, rank, rank)
+    rows = len(local_positions(geo.seq_len, rank, geo.world_size, geo.layout))
+    cover = torch.zeros(geo.hq, rows, rows, dtype=torch.long)
+    for blk in plan.blocks:
+        piece = plan.pieces[blk.piece]
+        qi = torch.arange(blk.q.local, blk.q.local + blk.q.count * blk.q.stride, blk.q.stride)
+        kj = piece.rows.local + (blk.k_off + torch.arange(blk.nk)) * piece.rows.stride
+        ok = torch.ones(len(qi), len(kj), dtype=torch.long)
+        if blk.kind == "causal":
+            ok = ok.tril()
+        elif blk.kind != "full":
+            ok = ok * 0 - 1  # a masked block is never the triangle
+        for h in blk.q_heads:
+            cover[h][qi[:, None], kj[None, :]] += ok
+    return cover
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 90), world=st.integers(1, 4), layout=st.sampled_from(["zigzag", "contiguous"]),
+       causal=st.booleans(), window=st.one_of(st.none(), st.integers(1, 60)),
+       branches=st.one_of(st.none(), st.lists(st.tuples(st.integers(1, 70), st.integers(1, 4)), min_size=1, max_size=2)),
+       tile=st.one_of(st.none(), st.integers(1, 20)))
+def test_local_causal_only_where_the_own_blocks_are_the_local_triangle(n, world, layout, causal, window, branches, tile):
+    br = ((n, 1),) if branches is None else tuple(branches)
+    geo = Geometry(n, world, layout, causal, window, br, 4, 2, tile)
+    for rank in range(world):
+        rows = len(local_positions(n, rank, world, layout))
+        triangle = torch.ones(rows, rows, dtype=torch.long).tril().expand(4, rows, rows)
+        if local_causal(geo, rank):
+            assert torch.equal(own_pairs(geo, rank), triangle)
+        if causal and rows and (window is None or window >= n) and br == ((n, 1),):
+            assert local_causal(geo, rank), "a dense causal rank's own blocks are its local triangle"
+        if not causal or (window is not None and window < rows):
+            assert not local_causal(geo, rank)
 
 
 def test_future_rows_are_never_sent():
