@@ -223,7 +223,6 @@ class _HeadParallelAttention(torch.autograd.Function):
         sources = (q, k, v, out, dout)
         heads = lambda c: (c.q, c.kv, c.kv, c.q, c.q)  # noqa: E731
         incoming = _post_to_heads(comm, sources, heads(setup.chunks[0]), sizes)
-        returning: Optional[Tuple[Chunk, Pending]] = None
         dests, add = [dq, dk, dv], [False, setup.shared_kv, setup.shared_kv]
         for i, (chunk, ring, lse) in enumerate(zip(setup.chunks, setup.rings, lses)):
             if i:

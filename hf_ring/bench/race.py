@@ -180,17 +180,33 @@ def side(name: str, batch: str, n: int, repeats: int) -> Dict:
     return _hf_ring(batch, n, repeats, ulysses=1 if name == "ring" else dist.get_world_size())
 
 
-def run(sizes: List[int], batches: List[str], sides: List[str], repeats: int, ranks: int = 2) -> List[Dict]:
+def run(sizes: List[int], batches: List[str], sides: List[str], repeats: int, ranks: int = 2,
+        rounds: int = 1) -> List[Dict]:
+    """The race's rows: per size and batch, each side's median step, extra memory and first-step loss error.
+
+    Timing runs under glibc's default allocator settings, as a launched job
+    does, in ``rounds`` rounds that visit the sides in turn (alst, ring,
+    head, alst, ...), each side in fresh processes, so drift of the machine
+    falls on every side alike; a side's step is the median of all its
+    rounds' steps. The extra memory comes from one more run of each side
+    with an exact high-water mark (see :func:`run_ranks`), which slows large
+    allocations and so is not timed.
+    """
     rows = []
     for n in sizes:
         for batch in batches:
             ref = run_ranks(1, reference_loss, batch, n)[0]
-            row: Dict = {"n": n, "batch": batch, "ranks": ranks, "repeats": repeats}
+            row: Dict = {"n": n, "batch": batch, "ranks": ranks, "repeats": repeats, "rounds": rounds}
+            times: Dict[str, List[float]] = {name: [] for name in sides}
+            for _ in range(rounds):
+                for name in sides:
+                    got = run_ranks(ranks, side, name, batch, n, repeats, exact_peak=False)
+                    times[name] += [max(step) for step in zip(*(g["times"] for g in got))]  # a step ends on its last rank
+                    row.setdefault(f"{name}_loss_rel_err", float(f"{abs(got[0]['first_loss'] - ref) / abs(ref):.2e}"))
             for name in sides:
-                got = run_ranks(ranks, side, name, batch, n, repeats)
-                row[f"{name}_step_s"] = round(max(g["step_s"] for g in got), 3)
-                row[f"{name}_extra_mb"] = round(max(g["extra_mb"] for g in got))
-                row[f"{name}_loss_rel_err"] = float(f"{abs(got[0]['first_loss'] - ref) / abs(ref):.2e}")
+                row[f"{name}_step_s"] = round(statistics.median(times[name]), 3)
+                mem = run_ranks(ranks, side, name, batch, n, 1)
+                row[f"{name}_extra_mb"] = round(max(g["extra_mb"] for g in mem))
             for name in sides:
                 if name != "alst" and "alst" in sides:
                     row[f"{name}_over_alst"] = round(row[f"{name}_step_s"] / row["alst_step_s"], 3)
