@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -97,7 +97,7 @@ def _packed_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return allowed[None, None]
 
 
-def _alst(batch: str, n: int, repeats: int) -> Dict:
+def _alst(batch: str, n: int) -> Callable[[], float]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # what a launcher would set; the ranks share one machine
     import deepspeed
@@ -131,10 +131,10 @@ def _alst(batch: str, n: int, repeats: int) -> Dict:
         engine.step()
         return float(loss)
 
-    return _timed(step, repeats)
+    return step
 
 
-def _hf_ring(batch: str, n: int, repeats: int, ulysses: int) -> Dict:
+def _hf_ring(batch: str, n: int, ulysses: int) -> Callable[[], float]:
     import hf_ring
 
     sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses)
@@ -156,7 +156,7 @@ def _hf_ring(batch: str, n: int, repeats: int, ulysses: int) -> Dict:
         dist.all_reduce(loss, group=sp.sp_group)  # each rank's loss is its share of the sequence's
         return float(loss)
 
-    return _timed(step, repeats)
+    return step
 
 
 def _timed(step, repeats: int) -> Dict:
@@ -173,11 +173,80 @@ def _timed(step, repeats: int) -> Dict:
             "extra_mb": peak_rss_mb() - base}
 
 
-def side(name: str, batch: str, n: int, repeats: int) -> Dict:
-    """One side of the race in this rank's process (``alst``, ``ring`` or ``head``)."""
+def _step(name: str, batch: str, n: int) -> Callable[[], float]:
+    """One side's training step in this rank's process (``alst``, ``ring`` or ``head``), set up and ready."""
     if name == "alst":
-        return _alst(batch, n, repeats)
-    return _hf_ring(batch, n, repeats, ulysses=1 if name == "ring" else dist.get_world_size())
+        return _alst(batch, n)
+    return _hf_ring(batch, n, ulysses=1 if name == "ring" else dist.get_world_size())
+
+
+def side(name: str, batch: str, n: int, repeats: int) -> Dict:
+    """One side of the race in this rank's process: its first loss, step times and extra memory."""
+    return _timed(_step(name, batch, n), repeats)
+
+
+PROFILE_PARTS = ("attention kernels", "matmuls", "element-wise", "copies and fills", "communication and waits",
+                 "rest")
+"""The parts of a step's time in :func:`breakdown`, in the order the table shows them."""
+
+
+def profile_part(op: str) -> str:
+    """Which part of the step a profiled operator's own time belongs to.
+
+    An autograd function's own time (``RingAttentionFunction``, the
+    head-parallel exchange) is mostly waiting on its transfers, and DeepSpeed's
+    all-to-all blocks until its peer has sent: both count as communication.
+    """
+    if "scaled_dot_product" in op:
+        return "attention kernels"
+    if op in ("aten::mm", "aten::addmm", "aten::bmm"):
+        return "matmuls"
+    if op.startswith(("c10d::", "deepspeed::")) or any(w in op for w in ("all_to_all", "AllGather", "AlltoAll",
+                                                                        "RingAttention", "HeadParallel")):
+        return "communication and waits"
+    if op in ("aten::copy_", "aten::fill_", "aten::zero_", "aten::cat", "aten::clone", "aten::contiguous",
+              "aten::index_select", "aten::index"):
+        return "copies and fills"
+    if op.startswith("aten::") and not op.startswith(("aten::empty", "aten::view", "aten::as_strided",
+                                                      "aten::transpose", "aten::t", "aten::slice", "aten::expand",
+                                                      "aten::reshape", "aten::permute", "aten::select",
+                                                      "aten::unsqueeze", "aten::squeeze", "aten::detach",
+                                                      "aten::alias", "aten::_unsafe_view", "aten::resize_")):
+        return "element-wise"
+    return "rest"
+
+
+def profile_side(name: str, batch: str, n: int) -> Dict:
+    """This rank's own time per part of one step (after two warm-up steps), in ms per layer."""
+    step = _step(name, batch, n)
+    step()
+    step()
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    dist.barrier()
+    parts = dict.fromkeys(PROFILE_PARTS, 0.0)
+    for event in prof.key_averages():
+        parts[profile_part(event.key)] += event.self_cpu_time_total / 1e3 / RACE_MODEL["num_hidden_layers"]
+    return parts
+
+
+def breakdown(sizes: List[int], sides: List[str], ranks: int = 2) -> List[Dict]:
+    """Where a dense step's time goes, per side and layer: the mean over ranks of each part's own time.
+
+    Times are the profiler's, which adds a little to every operator; the
+    parts, not their sum, are what to compare with the timed race.
+    """
+    rows = []
+    for n in sizes:
+        for name in sides:
+            got = run_ranks(ranks, profile_side, name, "dense", n, exact_peak=False)
+            row: Dict = {"n": n, "side": name}
+            row.update({part: round(sum(g[part] for g in got) / len(got), 1) for part in PROFILE_PARTS})
+            row["total"] = round(sum(row[part] for part in PROFILE_PARTS), 1)
+            rows.append(row)
+            print(format_table(rows[-1:], list(rows[-1])), flush=True)
+    return rows
 
 
 def run(sizes: List[int], batches: List[str], sides: List[str], repeats: int, ranks: int = 2,

@@ -98,6 +98,10 @@ COLUMNS: Dict[str, Sequence[Column]] = {
     + (("alst_extra_mb", "ALST extra MB"),)
     + tuple((f"{s}_mb_over_alst", f"{name} extra MB / ALST") for s, name in _RACE_SIDES[1:])
     + tuple((f"{s}_loss_rel_err", f"{name} loss error") for s, name in _RACE_SIDES),
+    "race_profile": (("n", "n"), ("side", "side"), ("attention kernels", "attention kernels"), ("matmuls", "matmuls"),
+                     ("element-wise", "element-wise"), ("copies and fills", "copies and fills"),
+                     ("communication and waits", "communication and waits"), ("rest", "rest"),
+                     ("total", "total ms per layer")),
     "plan": (("engine", "engine"), ("mesh", "mesh (8 GPUs)"), ("weights_gb", "weights GB"), ("grads_gb", "gradients GB"),
              ("optimizer_gb", "optimizer GB"), ("buffers_gb", "buffers GB"), ("logits_gb", "untiled logits GB"),
              ("checkpoints_gb", "checkpoints GB"),
