@@ -135,7 +135,7 @@ def test_whole_ring_runs_fused_kernels(kw, dtype):
                                                       for h in (hq, hkv, hkv, hq)))
         spec = check_options(True, kw.get("window"), kw.get("pattern"), None, d, "contiguous").at(seq_len=n)
         geo = ring.Geometry(n, 1, "contiguous", True, spec.window, spec.branches, hq, hkv)
-        rctx = ring._Ctx(None, ring.rank_plan(geo, 0, 1 << 30), spec, backward_tile=1024)
+        rctx = ring.RingContext(None, ring.rank_plan(geo, 0, 1 << 30), spec, backward_tile=1024)
         with routes.OpSpy() as fwd:
             out, lse = ring.ring_forward(q, k, v, rctx)
         with routes.OpSpy() as bwd:
