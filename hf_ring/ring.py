@@ -73,16 +73,15 @@ class RingContext:
     own_causal: bool = False  # the own step is one causal call over all rows (see schedule.local_causal)
 
 
-def rows_major(b: int, h: int, s: int, d: int, dtype: torch.dtype, device, zero: bool = True) -> Tensor:
-    """Zeros (or, with ``zero=False``, uninitialised values) of shape ``(B, H, S, D)`` stored as ``(B, S, H, D)``.
+def rows_major(b: int, h: int, s: int, d: int, dtype: torch.dtype, device) -> Tensor:
+    """Zeros of shape ``(B, H, S, D)`` stored as ``(B, S, H, D)``.
 
     That is the order the model reads the attention output in (and the order
     its projections' gradients come in), so the ``transpose(1, 2)`` back to
     ``(B, S, H·D)`` is a view: no second copy of the output per layer, which
     would be saved for the backward beside this one.
     """
-    make = torch.zeros if zero else torch.empty
-    return make(b, s, h, d, dtype=dtype, device=device).transpose(1, 2)
+    return torch.zeros(b, s, h, d, dtype=dtype, device=device).transpose(1, 2)
 
 
 def _piece_view(x: Tensor, piece: Piece) -> Tensor:
@@ -267,7 +266,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: RingContext, sinks: Optio
         if step.shift == 0 and ctx.own_causal:
             # It sees every row's own key, so the accumulators start as its result: no zeros, no first merge.
             out, lse = block_forward(q, k, v, scale=spec.scale, **_kernel_args(ctx, _local(s), 0, s, "causal", q.device))
-            out = out if out.dtype == acc else out.to(acc)
+            out = out.to(acc)
             continue
         for blk in step.recv.blocks:
             hs, rs = head_slice(blk.q_heads), blk.q.slice
@@ -294,28 +293,22 @@ def _own_backward(ctx: RingContext, dout: Tensor, q: Tensor, k: Tensor, v: Tenso
                   acc: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
     """dQ, dK, dV of the own step as one causal call over all rows, cut into tiles of at most ``backward_tile``.
 
-    The diagonal tiles touch every row, so each tile's gradients are written
-    where they come first and added after, and nothing starts from zeros.
+    One tile (a shard of at most ``backward_tile`` rows) returns the kernel's
+    gradients as they are, with no accumulators at all.
     """
     s, scale = q.shape[2], ctx.spec.scale
     parts = tiles(_local(s), _local(s), True, None, ctx.backward_tile)
     if len(parts) == 1:
         grads = block_backward(dout, q, k, v, out, lse, scale=scale, **_kernel_args(ctx, _local(s), 0, s, "causal", q.device))
-        return tuple(g if g.dtype == acc else g.to(acc) for g in grads)
-    dq, dk, dv = (rows_major(*x.shape, acc, x.device, zero=False) for x in (q, k, v))
-    written_q, written_k = set(), set()
+        return tuple(g.to(acc) for g in grads)
+    dq, dk, dv = (rows_major(*x.shape, acc, x.device) for x in (q, k, v))
     for qt, kt, kind in parts:
         rs, ks = qt.slice, kt.slice
         g_q, g_k, g_v = block_backward(dout[:, :, rs], q[:, :, rs], k[:, :, ks], v[:, :, ks], out[:, :, rs],
                                        lse[:, :, rs], scale=scale, **_kernel_args(ctx, qt, kt.pos, kt.count, kind, q.device))
-        for dest, g, written, first in ((dq[:, :, rs], g_q, written_q, qt.local), (dk[:, :, ks], g_k, written_k, kt.local),
-                                        (dv[:, :, ks], g_v, written_k, kt.local)):
-            if first in written:
-                dest.add_(g)
-            else:
-                dest.copy_(g)
-        written_q.add(qt.local)
-        written_k.add(kt.local)
+        dq[:, :, rs].add_(g_q)
+        dk[:, :, ks].add_(g_k)
+        dv[:, :, ks].add_(g_v)
     return dq, dk, dv
 
 

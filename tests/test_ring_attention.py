@@ -175,7 +175,7 @@ def test_math_path_tiles_blocks_larger_than_its_tile(kw):
 
 @pytest.mark.parametrize("tile", [7, 16, 101])
 def test_own_step_backward_in_tiles(tile):
-    """A rank's own causal step runs its backward in tiles that write, then add, each row's gradients exactly once."""
+    """A rank's own causal step runs its backward in tiles whose gradients add up to the whole triangle's, exactly."""
     import dataclasses
 
     from hf_ring import ring
