@@ -2,7 +2,11 @@
 
 ``import hf_ring`` registers ``attn_implementation="ring_dilated"`` with transformers.
 """
-from . import patches
+from .versions import check_installed as _check_installed
+
+_check_installed()  # before anything imports transformers: an untested release is refused in one line
+
+from . import patches  # noqa: E402
 from .backend import register as _register
 from .cache import ShardedCache
 from .comm import CommTimeoutError
