@@ -16,16 +16,28 @@ loss step returns ``loss`` and ``logits=None``; the untiled forward (with
 logits) runs when no labels are given, when ``return_logits=True`` is passed,
 or when the call needs something the tiled loss does not reproduce
 (``logits_to_keep``, a wrapped ``lm_head``, a custom loss function).
+
+The tiled loss stands in for a forward's own loss only where it is measured to
+give the same numbers (:func:`reproduction_problem`: a tiny model of the class,
+its own forward against the tiled loss), never where the forward's source
+merely looks familiar; a class that fails keeps its own loss, with one warning
+naming the family, the transformers release and the cost.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
-import re
+import warnings
 from typing import Any, Dict, Optional, Tuple
 
+import torch
+import transformers
 from torch import nn
 from torch.distributed.tensor import DTensor
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils.generic import can_return_tuple
 
 from hf_ring.arguments import positive_int
 from hf_ring.config import runs_ring
@@ -49,40 +61,118 @@ TILED: Dict[str, Tuple[str, str, str, str]] = {
 """Families whose CausalLM forward, MLP and norm are known to fit the tiled versions (module, class names),
 from the one family table."""
 
-# The lines of a standard CausalLM forward that touch logits or the loss; a
-# forward with any other such line (a logit scale, say) is not tiled.
-_STANDARD_LINES = {
-    "logits_to_keep: int | torch.Tensor = 0,",
-    "hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)",
-    "logits = self.lm_head(hidden_states)",
-    "loss = None",
-    "loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)",
-    "loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)",
-    "loss=loss,",
-    "logits=logits,",
-    # Gemma-style final soft cap, reproduced by the tiled loss.
-    "if self.config.final_logit_softcapping is not None:",
-    "logits = logits / self.config.final_logit_softcapping",
-    "logits = torch.tanh(logits)",
-    "logits = logits * self.config.final_logit_softcapping",
-}
+_CHECK_SIZES = {"vocab_size": 61, "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 1,
+               "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}
+"""The tiny model the reproduction check builds from a config: every other setting kept as the config has it."""
+LOSS_SWITCHES: Dict[str, Any] = {"output_router_logits": True}
+"""Config switches that add a term to a CausalLM's loss: the check turns each one on, so a term the tiled loss
+leaves out shows."""
+CHECK_TOLERANCE = 1e-5
+"""Largest relative difference per tensor (loss, every parameter gradient) the check accepts; a logit scale or a
+loss term the reproduction lacks differs by orders of magnitude more."""
+_VERDICTS: Dict[Tuple[type, Any, str], Optional[str]] = {}
+"""Memo of :func:`reproduction_problem`: the check runs once per class, original forward and config."""
+_WARNED: set = set()
+"""(class, reason) pairs already warned about: a family that stands down says so once per process."""
 
 
-def _forward_lines(fn) -> set:
-    src = re.sub(r'[rbuRBU]?"""[\s\S]*?"""', "", inspect.getsource(inspect.unwrap(fn)))
-    return {line.strip() for line in src.splitlines() if re.search(r"logit|lm_head|loss", line)}
+def _tiny_model(cls: type, config: Any) -> nn.Module:
+    """A float32 ``cls`` of one small layer with ``config``'s other settings, eager attention and weights large
+    enough that every logit transformation (caps, scales) changes the loss."""
+    config = config if config is not None else cls.config_class()
+    values = config.to_dict()
+    values.update({k: v for k, v in _CHECK_SIZES.items()})
+    values.update({k: v for k, v in LOSS_SWITCHES.items() if k in values})
+    if isinstance(values.get("layer_types"), list):
+        values["layer_types"] = values["layer_types"][:1]
+    values.pop(CONFIG_KEY, None)
+    for key in [k for k in values if k.endswith("_token_id")]:
+        values[key] = None  # the released ids lie outside the tiny vocabulary
+    tiny = type(config).from_dict(values)
+    tiny._attn_implementation = "eager"
+    with torch.device("cpu"):
+        model = cls(tiny).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    return model
 
 
-def check_standard_forward(cls: type) -> None:
-    """Raise TypeError unless ``cls.forward`` is the standard decoder CausalLM forward the tiled loss reproduces."""
+def _loss_and_grads(model: nn.Module, loss_of) -> list:
+    ids = torch.randint(0, _CHECK_SIZES["vocab_size"], (2, 7))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss = loss_of(ids, labels)
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return [loss.detach()] + [g for g in grads if g is not None]
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.abs().max().item()
+    diff = (got - want).abs().max().item()
+    return diff / scale if scale else (0.0 if diff == 0 else float("inf"))
+
+
+def _check_reproduction(cls: type, config: Any, original) -> Optional[str]:
+    signature = inspect.signature(inspect.unwrap(original))
+    missing = [p for p in ("input_ids", "labels", "logits_to_keep") if p not in signature.parameters]
+    if missing:
+        return f"its forward takes no {missing}"
+    # Seeded and forked: the check must not move the caller's random stream. Autocast, no_grad and a default
+    # device would each change what the tiny model computes.
+    with torch.random.fork_rng(devices=[]), torch.autocast("cpu", enabled=False), torch.enable_grad():
+        torch.manual_seed(0)
+        try:
+            model = _tiny_model(cls, config)
+            torch.manual_seed(1)
+            want = _loss_and_grads(model, lambda ids, labels: original(model, input_ids=ids, labels=labels).loss)
+            torch.manual_seed(1)
+            got = _loss_and_grads(model, lambda ids, labels: _tiled_loss(model, signature, (),
+                                                                         {"input_ids": ids, "labels": labels})[0])
+        except Exception as e:  # the check could not run: the tiled loss is not known to be right
+            return f"the check on a tiny model could not run ({type(e).__name__}: {e})"
+    if len(got) != len(want):
+        return "its loss reaches parameters the tiled loss does not"
+    worst = max(_relative(g, w) for g, w in zip(got, want))
+    if worst > CHECK_TOLERANCE:
+        return (f"on a tiny model its loss or a gradient differs from the tiled loss by {worst:.1e} relative (a logit "
+                "scale, an extra loss term or another head)")
+    return None
+
+
+def _config_key(config: Any) -> str:
+    return "" if config is None else config.to_json_string(use_diff=False)
+
+
+def reproduction_problem(cls: type, config: Any = None) -> Optional[str]:
+    """Why the tiled loss does not reproduce ``cls.forward``'s loss and gradients, or None when it does.
+
+    Measured, not read from the source: a tiny model of ``cls`` with ``config``'s settings (the class's default
+    config when None) runs its own forward and the tiled loss on the same batch, with every optional loss term
+    of :data:`LOSS_SWITCHES` on. Memoised per class, original forward and config.
+    """
     original = cls.__dict__.get(_ORIGINAL, cls.forward)
-    params = inspect.signature(inspect.unwrap(original)).parameters
-    missing = [p for p in ("input_ids", "labels", "logits_to_keep", "inputs_embeds") if p not in params]
-    extra = sorted(_forward_lines(original) - _STANDARD_LINES)
-    if missing or extra or "self.model(" not in inspect.getsource(inspect.unwrap(original)):
-        why = f"missing arguments {missing}" if missing else f"it computes logits or loss differently: {extra}"
-        raise TypeError(f"{cls.__name__}.forward is not the standard CausalLM forward the tiled loss reproduces "
-                        f"({why}); train it with ring_tiling loss=False")
+    key = (cls, original, _config_key(config))
+    if key not in _VERDICTS:
+        _VERDICTS[key] = _check_reproduction(cls, config, original)
+    return _VERDICTS[key]
+
+
+def _family(cls: type, config: Any) -> str:
+    model_type = getattr(config, "model_type", None) or getattr(cls.config_class, "model_type", "?")
+    return f"{cls.__name__} (model type {model_type!r}, transformers {transformers.__version__})"
+
+
+def _stand_down_message(cls: type, config: Any, why: str) -> str:
+    return (f"hf_ring does not tile the loss of {_family(cls, config)}: {why}. That family trains with the untiled "
+            "loss, whose rows x vocab logits exist whole on each rank; attention, the MLP and norm tiling and every "
+            "other family are unaffected")
+
+
+def _refusal(cls: type, config: Any, why: str) -> TypeError:
+    return TypeError(f"ring_tiling loss=True cannot be honoured for {_family(cls, config)}: {why}; "
+                     "train it with ring_tiling loss=False (configure_tiling(model, loss=False))")
 
 
 def settings(config: Any) -> Dict[str, Any]:
@@ -107,7 +197,7 @@ def configure(model: nn.Module, *, loss: Optional[bool] = None, mlp: Optional[bo
     for name, value in (("loss_chunk_rows", loss_chunk_rows), ("row_chunk_rows", row_chunk_rows)):
         if value is not None:
             positive_int(value, name, "or None")
-    apply(model)
+    apply(model, loss=loss)
     model.config.ring_tiling = {"loss": loss, "mlp": mlp, "norm": norm, "loss_chunk_rows": loss_chunk_rows,
                                 "row_chunk_rows": row_chunk_rows}
     _point_rows_at_config(model)
@@ -141,8 +231,6 @@ def _output_hooks(module: nn.Module) -> list:
 
 
 def _loss_is_standard(model: nn.Module) -> bool:
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
     head = getattr(model, "lm_head", None)
     return (type(head) is nn.Linear and not _output_hooks(head)
             and ("forward" not in vars(head) or _tensor_parallel(head))
@@ -163,26 +251,42 @@ def _whole(t: Any) -> Any:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _tiled_causal_lm_forward(original):
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-    from transformers.utils.generic import can_return_tuple
+_OUTPUT_FIELDS = frozenset(f.name for f in dataclasses.fields(CausalLMOutputWithPast)) - {"loss", "logits"}
+_VERDICT = "_hf_ring_tiling_verdict"
+"""Set on a model by its first tiled-eligible forward: :func:`reproduction_problem` for its class and config."""
 
+
+def _tiled_loss(model: nn.Module, signature: inspect.Signature, args: tuple, kwargs: Dict[str, Any]):
+    """The CausalLM's loss from its decoder's last hidden state, with the tiled loss; and the decoder's outputs.
+
+    The call is bound to the original forward's own signature and handed to the decoder by the names it has
+    there, so a renamed argument (the cache's, say) travels as the release names it."""
+    call = signature.bind(model, *args, **kwargs).arguments
+    extra = {}
+    for name, param in signature.parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            extra = call.pop(name, {})
+    call.pop(next(iter(signature.parameters)))  # self
+    labels = call.pop("labels", None)
+    call.pop("logits_to_keep", None)
+    outputs = model.model(**call, **extra)
+    loss = tiled_causal_lm_loss(
+        outputs.last_hidden_state, _whole(model.lm_head.weight), _whole(model.lm_head.bias), labels=labels,
+        shift_labels=extra.get("shift_labels"), num_items_in_batch=extra.get("num_items_in_batch"),
+        ignore_index=extra.get("ignore_index", -100),
+        softcap=getattr(model.config, "final_logit_softcapping", None),
+        chunk_rows=settings(model.config)["loss_chunk_rows"])
+    return loss, outputs
+
+
+def _tiled_causal_lm_forward(original):
     signature = inspect.signature(inspect.unwrap(original))
 
     @can_return_tuple
-    def tiled(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-              inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                             **kwargs)
-        opts = settings(self.config)
-        loss = tiled_causal_lm_loss(
-            outputs.last_hidden_state, _whole(self.lm_head.weight), _whole(self.lm_head.bias), labels=labels,
-            shift_labels=kwargs.get("shift_labels"), num_items_in_batch=kwargs.get("num_items_in_batch"),
-            ignore_index=kwargs.get("ignore_index", -100),
-            softcap=getattr(self.config, "final_logit_softcapping", None), chunk_rows=opts["loss_chunk_rows"])
-        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    def tiled(self, *args, **kwargs):
+        loss, outputs = _tiled_loss(self, signature, args, kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=None,
+                                      **{k: v for k, v in outputs.items() if k in _OUTPUT_FIELDS})
 
     def forward(self, *args, **kwargs):
         return_logits = kwargs.pop(RETURN_LOGITS, False)
@@ -191,8 +295,19 @@ def _tiled_causal_lm_forward(original):
             setattr(self, _CONFIG_REF, self.config)
         call = signature.bind(self, *args, **kwargs).arguments
         keep = call.get("logits_to_keep", 0)
-        if (call.get("labels") is None or return_logits or not _on(settings(self.config)["loss"], self.config)
+        asked = settings(self.config)["loss"]
+        if (call.get("labels") is None or return_logits or not _on(asked, self.config)
                 or not (isinstance(keep, int) and keep == 0) or not _loss_is_standard(self)):
+            return original(self, *args, **kwargs)
+        if _VERDICT not in self.__dict__:  # this model's own config, checked once (the same on every rank)
+            why = reproduction_problem(type(self), self.config)
+            self.__dict__[_VERDICT] = why
+            if why is not None and asked is not True:
+                _stand_down(type(self), self.config, why)
+        why = self.__dict__[_VERDICT]
+        if why is not None:
+            if asked is True:
+                raise _refusal(type(self), self.config, why)
             return original(self, *args, **kwargs)
         return tiled(self, *args, **kwargs)
 
@@ -262,21 +377,40 @@ def _check_rowwise(cls: type, kind: str, index: int) -> None:
                         f"tiling it could change its result (e.g. a mixture of experts); pass {kind.lower()}=False")
 
 
-def apply(model_or_class: Any, *, mlp: bool = True, norm: bool = True) -> None:
-    """Patch the CausalLM class, and its MLP and RMSNorm classes unless told not to, of a model, class or family."""
+def apply(model_or_class: Any, *, loss: Optional[bool] = True, mlp: bool = True, norm: bool = True) -> None:
+    """Patch the CausalLM class, and its MLP and RMSNorm classes unless told not to, of a model, class or family.
+
+    The CausalLM's loss is patched only where :func:`reproduction_problem` finds the tiled loss exact for it
+    (checked with the model's own config when given a model): ``loss=True`` raises TypeError naming the family
+    and the transformers release where it is not, ``loss=None`` warns once and leaves that loss untiled,
+    ``loss=False`` leaves it alone.
+    """
     cls, mlp_cls, norm_cls = _classes(model_or_class)
-    check_standard_forward(cls)
+    config = getattr(model_or_class, "config", None) if isinstance(model_or_class, nn.Module) else None
+    why = None if loss is False else reproduction_problem(cls, config)
+    if why is not None and loss is True:
+        raise _refusal(cls, config, why)
     mlp_cls = mlp_cls if mlp else None
     norm_cls = norm_cls if norm else None
     if mlp_cls is not None:
         _check_rowwise(mlp_cls, "MLP", 2)
     if norm_cls is not None:
         _check_rowwise(norm_cls, "Norm", 3)
-    _patch(cls, _tiled_causal_lm_forward)
+    if why is not None:
+        _stand_down(cls, config, why)
+    elif loss is not False:
+        _patch(cls, _tiled_causal_lm_forward)
     if mlp_cls is not None:
         _patch(mlp_cls, _tiled_rows_forward("mlp"))
     if norm_cls is not None:
         _patch(norm_cls, _tiled_rows_forward("norm"))
+
+
+def _stand_down(cls: type, config: Any, why: str) -> None:
+    """Warn, once per class and reason, that a family's loss runs untiled."""
+    if (cls, why) not in _WARNED:
+        _WARNED.add((cls, why))
+        warnings.warn(_stand_down_message(cls, config, why), stacklevel=3)
 
 
 def revert(model_or_class: Any) -> None:
@@ -291,9 +425,10 @@ def is_applied(model_or_class: Any) -> bool:
 
 
 def apply_all() -> None:
-    """Patch every family in :data:`TILED` (what sequence-parallel setup calls)."""
+    """Patch every family in :data:`TILED` (what sequence-parallel setup calls); a family whose loss the tiled
+    loss does not reproduce on this transformers release keeps its own loss, with one warning."""
     for name in TILED:
-        apply(name)
+        apply(name, loss=None)
 
 
 def revert_all() -> None:
