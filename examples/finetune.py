@@ -37,6 +37,7 @@ from typing import Dict, List, Optional
 import torch
 
 import hf_ring
+from hf_ring.seams import enable_checkpointing
 
 # Token ids of the passkey task (and the byte-level vocabulary of --data).
 N_FILLER = 256  # filler tokens; also the 256 byte values for --data
@@ -321,7 +322,7 @@ def main(argv=None) -> dict:
     if pattern is not None or not resume_dir:
         hf_ring.configure(model, pattern=pattern, layout=args.layout, ulysses_size=args.ulysses_size)
     if args.gradient_checkpointing:
-        model.activation_checkpointing_enable()
+        enable_checkpointing(model)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     start, history = 0, []

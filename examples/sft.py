@@ -22,6 +22,7 @@ from typing import List, Optional
 import torch
 
 import hf_ring
+from hf_ring.seams import CHECKPOINTING_ARGUMENT
 
 PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
 ALPHABET = string.ascii_lowercase + " :>-"
@@ -110,7 +111,9 @@ def build_trainer(args: argparse.Namespace, tokenizer, model_path: str):
         learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 20),
         logging_steps=5, eval_strategy="steps", eval_steps=max(1, args.steps // 3), save_steps=max(1, args.steps // 3),
         report_to=[], seed=args.seed, use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
-        activation_checkpointing=args.gradient_checkpointing, disable_tqdm=True,
+        disable_tqdm=True,
+        # activation_checkpointing from transformers 5.23, gradient_checkpointing before
+        **{CHECKPOINTING_ARGUMENT: args.gradient_checkpointing},
     )
     peft_config = None
     if args.lora:

@@ -38,6 +38,7 @@ from .decode import RanksDivergedError
 from .layout import owner, shard_sizes
 from .groups import SequenceParallel, current
 from .rows import layer_rules
+from .seams import CACHE_KEYWORD, CACHE_NAMES, cache_argument
 
 Tensor = torch.Tensor
 
@@ -205,8 +206,8 @@ def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, 
     sequence parallelism it is ``model.generate`` with the same semantics.
     ``generate_kwargs`` are ``model.generate``'s (``max_new_tokens``,
     ``do_sample``, ``eos_token_id``, ``streamer`` (used on rank 0 only), ...);
-    ``past_key_values`` may be a :class:`hf_ring.ShardedCache` returned by an
-    earlier call (``return_dict_in_generate=True``) on the same ranks.
+    ``past_key_values`` (or ``cache``, its name from transformers 5.24) may be a
+    :class:`hf_ring.ShardedCache` returned by an earlier call (``return_dict_in_generate=True``) on the same ranks.
     Positions past ``config.max_position_embeddings`` are refused unless the
     RoPE type is ``dynamic`` or ``allow_beyond_max_positions=True``. A bad
     argument on any rank raises the same error on every rank of the group.
@@ -236,7 +237,7 @@ def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, 
     hooks = [model.register_forward_pre_hook(_pre_forward(state), with_kwargs=True),
              model.register_forward_hook(_post_forward(state), with_kwargs=True)]
     try:
-        result = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)
+        result = model.generate(input_ids, attention_mask=attention_mask, **{CACHE_KEYWORD: cache}, **generate_kwargs)
     finally:
         for h in hooks:
             h.remove()
@@ -256,7 +257,7 @@ def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], all
     """Every check that needs no other rank; the unwrapped model and the cache to generate with.
 
     The cache is None when the model is not ``ring_dilated`` (then one process
-    runs transformers' own generate). Pops ``past_key_values`` from ``generate_kwargs``.
+    runs transformers' own generate). Pops the cache (``past_key_values`` or ``cache``) from ``generate_kwargs``.
     """
     model = _unwrap(model)
     _check_inputs(input_ids, attention_mask)
@@ -282,7 +283,12 @@ def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], all
     rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
     layout = sp.layout if comm is not None else ring_config.parse(getattr(config, ring_config.CONFIG_KEY, None)).layout
     ulysses = sp.ulysses_size if comm is not None else 1
-    cache = generate_kwargs.pop("past_key_values", None)
+    given = [name for name in CACHE_NAMES if generate_kwargs.get(name) is not None]
+    if len(given) > 1:
+        raise ValueError(f"pass the cache once: got both {given[0]} and {given[1]}")
+    cache = cache_argument(generate_kwargs)
+    for name in CACHE_NAMES:
+        generate_kwargs.pop(name, None)
     if cache is None:
         cache = ShardedCache(rank, world, layout, ulysses=ulysses)
         cache.set_rules(layer_rules(config, cache.evict))

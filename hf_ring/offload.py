@@ -23,6 +23,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from .seams import CHECKPOINTING_METHOD
+
 Tensor = torch.Tensor
 
 ATTR = "_gradient_checkpointing_func"
@@ -57,7 +59,8 @@ class OffloadedCheckpoint:
 def offload_checkpoints(model: torch.nn.Module, enable: bool = True) -> int:
     """Keep the inputs of ``model``'s checkpointed layers in host memory until the backward (``enable=False``: undo).
 
-    Call it after ``model.activation_checkpointing_enable()`` (re-enabling
+    Call it after ``model.activation_checkpointing_enable()`` (``gradient_checkpointing_enable()`` before
+    transformers 5.23; re-enabling
     checkpointing resets it). Returns the number of layers changed; a model
     without checkpointing on is refused, since there would be nothing to offload.
     """
@@ -65,7 +68,7 @@ def offload_checkpoints(model: torch.nn.Module, enable: bool = True) -> int:
               if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing and hasattr(m, ATTR)]
     if not layers:
         raise ValueError(
-            "offload_checkpoints needs gradient checkpointing on: call model.activation_checkpointing_enable() "
+            f"offload_checkpoints needs gradient checkpointing on: call model.{CHECKPOINTING_METHOD}() "
             "first (it keeps each layer's input, which is what is offloaded)"
         )
     for layer in layers:

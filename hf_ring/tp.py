@@ -28,6 +28,7 @@ from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 from .config import model_heads
 from .groups import SequenceParallel, current
 from .layout import head_split
+from .seams import tensor_parallel_problem, trainer_sharding_problem
 
 
 def check_heads(heads: Optional[Tuple[int, int]], tp_size: int, ulysses_size: int) -> None:
@@ -142,6 +143,9 @@ def tensor_parallel(model: Any, sp: Optional[SequenceParallel] = None) -> Any:
         raise ValueError("the model is already sharded (its parameters are DTensors); load it whole, without "
                          "tp_plan or distributed_config, before hf_ring.tensor_parallel")
     check_heads(model_heads(model.config), sp.tp_size, sp.ulysses_size)
+    unsupported = tensor_parallel_problem(model)
+    if unsupported is not None:
+        raise NotImplementedError(unsupported)
     # transformers' own resolution of the plan (wildcards to layer names, config overrides), as from_pretrained uses
     plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=sp.tp_size))
     known = set(dict(model.named_parameters())) | set(dict(model.named_modules()))
@@ -181,6 +185,9 @@ def check_trainer_model(model: Any, tp_size: int, deepspeed: bool) -> None:
     shards as if they were whole. The model's tp groups must be the ones
     ``tp_size`` gives (consecutive ranks). Local checks: every rank alike.
     """
+    unsupported = trainer_sharding_problem(model)
+    if unsupported is not None:
+        raise NotImplementedError(unsupported)
     if tp_size > 1 and deepspeed:
         raise ValueError(f"prepare_trainer(tp_size={tp_size}) does not combine with DeepSpeed; use tp_size=1 under "
                          "DeepSpeed, or FSDP2 with tensor parallelism (DistributedConfig(tp_size=..., fsdp_size=...))")

@@ -43,6 +43,7 @@ from . import zero
 from .parallel import check_tp_size, setup_sequence_parallel
 from .tp import check_heads, check_trainer_model, loaded_tp_size
 from .layout import check_ulysses_size
+from .seams import TRAINER_DIVIDES_TOKEN_COUNT, cache_argument
 
 _HOOK_ATTR = "_hf_ring_shard_hook"
 _PREPARED_ATTR = "_hf_ring_prepared"
@@ -65,7 +66,7 @@ def shard_model_inputs(kwargs: Dict[str, Any], sp: Optional[SequenceParallel] = 
 def _shard_hook(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]):
     if current() is None:
         return None
-    if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+    if cache_argument(kwargs) is not None or kwargs.get("use_cache"):
         return None  # generation: hf_ring.generate splits the prompt and the cache itself
     if args:
         raise TypeError(
@@ -157,6 +158,14 @@ class SequenceParallelTrainerMixin:
             loader = build()
         _refuse_dispatch(loader)
         return loader
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        count = super()._get_num_items_in_batch(batch_samples, device)
+        sp = current()
+        if sp is None or count is None or TRAINER_DIVIDES_TOKEN_COUNT:
+            return count
+        # The ranks of an sp group count one batch: the count is the group's share, as later releases make it.
+        return count / sp.sp_size
 
     def get_train_dataloader(self):
         return self._loader(super().get_train_dataloader)

@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 import hf_ring
 from hf_ring.documents import document_starts
+from hf_ring.seams import CHECKPOINTING_ARGUMENT, checkpointing_on, enable_checkpointing
 
 
 def make_qkv(seed, b, hq, hkv, n, d, dtype=torch.float32):
@@ -15,41 +16,58 @@ def make_qkv(seed, b, hq, hkv, n, d, dtype=torch.float32):
     return [torch.randn(s, generator=g).to(dtype) for s in shapes]
 
 
+def key_mask_of(b, n, pad, side="left"):
+    """Bool ``(b, n)`` key mask: ``pad`` padded keys of sample 0 at its ``side`` ("left", "right"); "mixed" pads
+    sample 0 on the left and the last sample on the right by ``pad + 3``; "all" pads the whole of sample 0;
+    "none" pads nothing (a mask of valid keys only)."""
+    key_mask = torch.ones(b, n, dtype=torch.bool)
+    if side in ("left", "mixed"):
+        key_mask[0, :pad] = False
+    if side == "right":
+        key_mask[0, n - pad:] = False
+    if side == "mixed":
+        key_mask[-1, n - pad - 3:] = False
+    if side == "all":
+        key_mask[0] = False
+    return key_mask
+
+
 def ring_case(seed, b, hq, hkv, n, d, *, dtype=torch.float32, layout="zigzag", message_rows=None, pad=0,
-              padded_tile=None, **kw):
+              pad_side="left", padded_tile=None, **kw):
     """This rank's positions, output and gradients of ring_attention on its shard.
 
     ``message_rows`` shrinks the per-message budget so shards travel in many small messages.
-    ``pad`` masks the first ``pad`` keys of sample 0 (left padding); ``padded_tile`` sets the
-    forward tile used with padding. ``max_mask`` reports the largest mask side any kernel got.
+    ``pad`` masks ``pad`` keys (:func:`key_mask_of` with ``pad_side``); ``padded_tile`` sets the
+    tile a block is cut into around a padding edge. ``max_mask`` reports the largest mask side any
+    forward kernel got, ``masked_calls`` and ``calls`` how many forward kernel calls had a mask.
     """
     if padded_tile is not None:
         import hf_ring.ring as ring
 
         saved_tile, saved_forward = ring.PADDED_TILE, ring.block_forward
-        sides = [0]
+        sides, calls = [0], [0]
 
         def spy(q, k, v, *, mask=None, **kernel_kw):
+            calls[0] += 1
             if mask is not None:
                 sides.append(max(mask.shape[-2:]))
             return saved_forward(q, k, v, mask=mask, **kernel_kw)
 
         ring.PADDED_TILE, ring.block_forward = padded_tile, spy
         try:
-            res = ring_case(seed, b, hq, hkv, n, d, dtype=dtype, layout=layout, message_rows=message_rows, pad=pad, **kw)
+            res = ring_case(seed, b, hq, hkv, n, d, dtype=dtype, layout=layout, message_rows=message_rows, pad=pad,
+                            pad_side=pad_side, **kw)
         finally:
             ring.PADDED_TILE, ring.block_forward = saved_tile, saved_forward
-        res["max_mask"] = max(sides)
+        res.update(max_mask=max(sides), masked_calls=len(sides) - 1, calls=calls[0])
         return res
     if message_rows is not None:
         kw["message_rows"] = message_rows
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     q, k, v, dout = make_qkv(seed, b, hq, hkv, n, d, dtype)
     pos = hf_ring.local_positions(n, rank, world, layout)
-    if pad:
-        key_mask = torch.ones(b, n, dtype=torch.bool)
-        key_mask[0, :pad] = False
-        kw["key_mask"] = key_mask[:, pos]
+    if pad or pad_side == "none":
+        kw["key_mask"] = key_mask_of(b, n, pad, pad_side)[:, pos]
     ql, kl, vl = (t[:, :, pos].clone().requires_grad_(True) for t in (q, k, v))
     out = hf_ring.ring_attention(ql, kl, vl, layout=layout, **kw)
     out.backward(dout[:, :, pos])
@@ -239,7 +257,7 @@ def counted_collectives_case(path, n, layers, checkpointing=False):
         model = load(path, "ring_dilated").train()
         assert model.config.num_hidden_layers == layers
         if checkpointing:
-            model.activation_checkpointing_enable()
+            enable_checkpointing(model)
         sharded = hf_ring.shard_batch(batch(3, 1, n))
         for name in originals:
             setattr(dist, name, spy(name))
@@ -473,7 +491,7 @@ def trainer_case(path, sp_size=None, *, per_device=1, accum=2, steps=2, n=23, lo
         output_dir=out_dir, per_device_train_batch_size=per_device, per_device_eval_batch_size=2,
         gradient_accumulation_steps=accum, max_steps=steps, learning_rate=0.5, optim="sgd",
         lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, use_cpu=True,
-        train_sampling_strategy="sequential", disable_tqdm=True, activation_checkpointing=checkpointing,
+        train_sampling_strategy="sequential", disable_tqdm=True, **{CHECKPOINTING_ARGUMENT: checkpointing},
         save_strategy="steps" if resume_at else "no", save_steps=resume_at or 500,
     )
     recorder = GradRecorder()
@@ -497,7 +515,7 @@ def trainer_case(path, sp_size=None, *, per_device=1, accum=2, steps=2, n=23, lo
                             for k, v in params.items()}
         result["wrapped"] = type(trainer.model_wrapped).__name__
         result["dtensor"] = any(isinstance(v, DTensor) for v in params.values())
-        result["checkpointing"] = trainer.model.is_activation_checkpointing
+        result["checkpointing"] = checkpointing_on(trainer.model)
         sp = hf_ring.groups.current()
         result["ulysses_size"] = None if sp is None else sp.ulysses_size
         if resume_at:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import hf_ring
+from hf_ring.seams import enable_checkpointing
 from cases import GradRecorder, RowDataset, trainer_data
 from models import batch, load
 
@@ -180,7 +181,7 @@ def ds_trainer_case(path, sp_size, *, stage=3, ulysses_size=None, tiling=False, 
     if tiling:
         hf_ring.configure_tiling(model, loss=True, mlp=True, norm=True, loss_chunk_rows=5, row_chunk_rows=4)
     if offload:
-        model.activation_checkpointing_enable()
+        enable_checkpointing(model)
         hf_ring.offload_checkpoints(model)
     args = training_args(tempfile.mkdtemp(prefix="hf_ring_ds_"), 1, deepspeed=ds_config(stage),
                          accelerator_config={"use_configured_state": True})

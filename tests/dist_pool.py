@@ -21,6 +21,17 @@ COMM_TIMEOUT_S = os.environ.get("HF_RING_TEST_COMM_TIMEOUT", "30")
 """Per-wait bound inside the ranks; raise it on a machine busy with other work."""
 
 
+OWN_DEPRECATIONS = (FutureWarning, DeprecationWarning)
+"""Warning kinds that are errors when raised from hf_ring's frames, in the ranks as under pytest (pyproject)."""
+
+
+def error_on_own_deprecations() -> None:
+    import warnings
+
+    for category in OWN_DEPRECATIONS:
+        warnings.filterwarnings("error", category=category, module="hf_ring")
+
+
 class RankError(RuntimeError):
     pass
 
@@ -32,6 +43,7 @@ def _worker(rank, world_size, init_file, sys_path, tasks, results):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    error_on_own_deprecations()
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=float(COMM_TIMEOUT_S)),

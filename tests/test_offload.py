@@ -5,6 +5,7 @@ import torch.distributed as dist
 
 import hf_ring
 import hf_ring.offload as offload
+from hf_ring.seams import enable_checkpointing
 from helpers import rel_err
 from models import batch, load, saved_model_dir
 
@@ -14,7 +15,7 @@ def checkpointed_step(path, offloaded, sp_size=None, n=37):
     sp = hf_ring.setup_sequence_parallel(None, sp_size) if sp_size else None
     try:
         model = load(path, "ring_dilated").train()
-        model.activation_checkpointing_enable()
+        enable_checkpointing(model)
         packed = []
         saved_pack = offload._pack
         if offloaded:
@@ -72,7 +73,7 @@ def test_offload_needs_checkpointing_and_reverts():
     model = load(saved_model_dir("llama"), "ring_dilated").train()
     with pytest.raises(ValueError, match="gradient checkpointing on"):
         hf_ring.offload_checkpoints(model)
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     layer = model.model.layers[0]
     before = layer._gradient_checkpointing_func
     hf_ring.offload_checkpoints(model)
@@ -85,7 +86,7 @@ def test_frozen_embeddings_still_give_layer_gradients():
     """LoRA-style: embeddings frozen, so the first layer's input needs no gradient; its weights still get theirs."""
     path = saved_model_dir("llama")
     model = load(path, "ring_dilated").train()
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     hf_ring.offload_checkpoints(model)
     model.get_input_embeddings().weight.requires_grad_(False)
     model(**batch(3, 2, 37)).loss.backward()

@@ -14,6 +14,13 @@ from helpers import dilated_sdpa_mask
 from models import load, saved_model_dir
 from tp_cases import _data, data_mesh_case, different_tp_batches_case, tp_refusal_case, tp_step_case, trainer_refusal_case
 
+from hf_ring.seams import TENSOR_PARALLEL_SINCE, tensor_parallel_problem  # noqa: E402
+from hf_ring.versions import installed, within  # noqa: E402
+
+NEW_ENOUGH = within(installed("transformers"), TENSOR_PARALLEL_SINCE, "99")
+pytestmark = pytest.mark.skipif(not NEW_ENOUGH, reason=f"tensor parallelism of a loaded model needs transformers "
+                                f">={TENSOR_PARALLEL_SINCE} (test_compat checks the refusal)")
+
 TOL = 1e-5
 DILATED = {"segment_lengths": [8, 16, 64], "dilation_rates": [1, 2, 4]}
 """Rate 4 over 4 query heads: tp rank 1 holds heads 2 and 3, whose offsets (2, 3) differ from local heads 0, 1."""
@@ -205,3 +212,4 @@ def test_trainer_data_mesh_feeds_tp_and_sp_ranks_one_batch(pools):
     assert sorted(got[0]["rows"] + got[2]["rows"]) == list(range(8))
     got = pools(4).run(data_mesh_case, 2, 2)
     assert all(g["rows"] == list(range(8)) for g in got)
+

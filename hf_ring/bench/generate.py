@@ -20,6 +20,7 @@ from typing import Dict, List
 import torch
 
 from ..cache import cache_nbytes
+from ..seams import CACHE_KEYWORD
 from .common import clock, finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks, save, spread, summary
 
 MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -69,7 +70,7 @@ def _measure(impl: str, n: int, new_tokens: int, layout: str, repeats: int, broa
         parts.append({k: v / steps for k, v in spent.items()})
     hf_ring.clear_sequence_parallel()
     return {"prefill_runs": prefill[1:], "decode_s_runs": decode[1:], "decode_parts": parts[1:],
-            "cache_mb": cache_nbytes(out.past_key_values) / 2**20, "peak_mb": peak_rss_mb() - base,
+            "cache_mb": cache_nbytes(getattr(out, CACHE_KEYWORD)) / 2**20, "peak_mb": peak_rss_mb() - base,
             "tokens": out.sequences[0, n:].tolist()}
 
 

@@ -19,6 +19,7 @@ import torch
 
 from . import race
 from .common import format_table, run_ranks, save
+from ..seams import enable_checkpointing
 from .scale import MODEL
 
 
@@ -34,7 +35,7 @@ def steps(n: int, repeats: int, checkpointing: bool, device: str = "cpu", dtype:
     model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL), attn_implementation="sdpa", dtype=dtype)
     model.to(device).train()
     if checkpointing:
-        model.activation_checkpointing_enable()
+        enable_checkpointing(model)
     if offload:
         hf_ring.offload_checkpoints(model)
     ids = torch.randint(0, MODEL["vocab_size"], (1, n), generator=torch.Generator().manual_seed(n)).to(device)

@@ -25,6 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..seams import enable_checkpointing
 from .common import finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks, save
 
 MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
@@ -151,7 +152,7 @@ def _step(cfg: Dict) -> Dict:
     model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg["model"]), attn_implementation="ring_dilated",
                                              dtype=torch.float32)
     model.train()
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     parts = cfg["parts"] if cfg["tiling"] == "on" else ()
     hf_ring.configure_tiling(model, loss="loss" in parts, mlp="mlp" in parts, norm="norm" in parts,
                              loss_chunk_rows=cfg["loss_chunk_rows"], row_chunk_rows=cfg["row_chunk_rows"])
