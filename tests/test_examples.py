@@ -4,6 +4,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.compat  # the subset run on every supported transformers release
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

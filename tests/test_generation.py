@@ -8,6 +8,8 @@ from cases import (ListStreamer, raises_on_rank, sdpa_sharded_case, sp_cache_for
 from helpers import dilated_sdpa_mask, rel_err
 from models import load, saved_model_dir
 
+pytestmark = pytest.mark.compat  # the subset run on every supported transformers release
+
 NEW = 20
 GREEDY = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0)
 PATTERN = hf_ring.DilatedPattern([8, 16, 64], [1, 2, 4])

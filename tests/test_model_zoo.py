@@ -18,6 +18,8 @@ from hf_ring import patches
 from models import FAMILY_CONFIG, batch, length_dependent_rope, load, saved_model_dir
 from zoo_cases import zero_if_none, zoo_generate_case, zoo_short_case, zoo_train_case
 
+pytestmark = pytest.mark.compat  # the subset run on every supported transformers release
+
 TOL = 1e-5
 B, N, SEED = 2, 40, 3
 PROMPT, NEW = 37, 8

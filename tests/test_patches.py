@@ -10,6 +10,8 @@ from hf_ring import patches
 from hf_ring.patches import families
 from models import FAMILY_CONFIG, batch, length_dependent_rope, load, saved_model_dir, tiny_config
 
+pytestmark = pytest.mark.compat  # the subset run on every supported transformers release
+
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, pad_token_id=0)
 

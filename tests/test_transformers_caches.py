@@ -6,6 +6,8 @@ import hf_ring
 from helpers import rel_err
 from models import batch, load, saved_model_dir
 
+pytestmark = pytest.mark.compat  # the subset run on every supported transformers release
+
 # Offloaded caches need CUDA and the quantized cache a quantization backend: transformers itself refuses them here.
 ON_CPU = ["dynamic", "static", "sliding_window", "hybrid", "hybrid_chunked"]
 NEEDS_CUDA = ["offloaded", "offloaded_static", "offloaded_hybrid", "offloaded_hybrid_chunked"]

@@ -8,6 +8,8 @@ import reference as R
 from helpers import rel_err
 from models import batch, load, saved_model_dir, tiny_config
 
+pytestmark = pytest.mark.compat  # the subset run on every supported transformers release
+
 TOL = 1e-5
 
 

@@ -7,6 +7,8 @@ from cases import sp_logits_case, sp_train_case
 from helpers import dilated_sdpa_mask, rel_err
 from models import batch, load, saved_model_dir
 
+pytestmark = pytest.mark.compat  # the subset run on every supported transformers release
+
 TOL = 1e-5
 
 

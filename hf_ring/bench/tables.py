@@ -108,6 +108,10 @@ COLUMNS: Dict[str, Sequence[Column]] = {
              ("recompute_gb", "recomputed layer GB"), ("total_gb", "total GB"),
              ("total_offloaded_gb", "total, checkpoints offloaded GB"), ("fits", "fits 80 GB"),
              ("kind", "measured or estimate")),
+    "compat": (("transformers", "transformers"), ("accelerate", "accelerate"), ("torch", "torch"),
+               ("where", "where"), ("date", "date"), ("one_process_logits", "1 process: logits vs sdpa"),
+               ("sp2_step_loss", "2 ranks: loss vs 1 process"), ("sp2_step_grads", "2 ranks: worst gradient"),
+               ("sp2_trainer_loss", "2-rank Trainer: loss"), ("compat_subset", "compatibility subset")),
     "scale": (("n", "n"), ("world", "ranks"), ("attention", "attention"), ("tiling", "tiled"), ("step_s", "step s"),
               ("peak_mb", "peak MB per rank"), ("fit_mb", "fit MB"), ("fit_off", "fit off by")),
 }

@@ -1,0 +1,173 @@
+"""``python -m hf_ring.bench compat``: what a new user meets on the installed releases, as one row of ``compat.json``.
+
+Four probes, each against an implementation independent of hf_ring (transformers'
+``sdpa`` in one process on the whole input):
+
+1. ``import hf_ring`` (it refuses a release outside :data:`hf_ring.versions.SUPPORTED`);
+2. one process: ``ring_dilated`` logits against ``sdpa``'s;
+3. two gloo ranks: a sharded training step (``shard_batch``, ``sync_gradients``):
+   the loss and every parameter gradient against one process;
+4. two gloo ranks: a ``transformers.Trainer`` under ``prepare_trainer``: the
+   loss of its first step against one process.
+
+``--suite`` also runs the test suite's compatibility subset (``pytest -m compat``)
+and records its counts. The row is added to ``--out``/compat.json, replacing
+an earlier row of the same releases.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+from ..versions import SUPPORTED, installed
+from .common import run_ranks
+
+MODEL = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+             bos_token_id=None, eos_token_id=None, pad_token_id=None)
+N, ROWS = 37, 2
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.double().abs().max().item()
+    return (got.double() - want.double()).abs().max().item() / scale
+
+
+def _save_model(directory: str) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**MODEL)).save_pretrained(directory)
+    return directory
+
+
+def _batch() -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, MODEL["vocab_size"], (ROWS, N), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _load(path: str, impl: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=impl, dtype=torch.float32)
+
+
+def _reference(path: str):
+    """Loss and gradients of ``sdpa`` in one process on the whole batch."""
+    model = _load(path, "sdpa").train()
+    loss = model(**_batch()).loss
+    loss.backward()
+    return loss.detach(), {k: p.grad for k, p in model.named_parameters()}
+
+
+def one_process(path: str) -> float:
+    """Worst relative error of ``ring_dilated``'s logits against ``sdpa``'s, one process."""
+    import hf_ring  # noqa: F401  (registers ring_dilated)
+
+    models = {impl: _load(path, impl) for impl in ("ring_dilated", "sdpa")}
+    assert models["ring_dilated"].config._attn_implementation == "ring_dilated"
+    with torch.no_grad():
+        got, want = (m(input_ids=_batch()["input_ids"]).logits for m in models.values())
+    return _rel(got, want)
+
+
+def _sharded_step(path: str) -> Dict:
+    import hf_ring
+
+    hf_ring.setup_sequence_parallel(sp_size=2)
+    model = _load(path, "ring_dilated").train()
+    assert model.config._attn_implementation == "ring_dilated"
+    loss = model(**hf_ring.shard_batch(_batch())).loss
+    loss.backward()
+    hf_ring.sync_gradients(model)
+    total = loss.detach().clone()
+    torch.distributed.all_reduce(total)  # each rank's loss is its shard's share of the sequence's
+    want_loss, want_grads = _reference(path)
+    worst_grad = max(_rel(p.grad, want_grads[k]) for k, p in model.named_parameters())
+    hf_ring.clear_sequence_parallel()
+    return {"loss": _rel(total, want_loss), "grads": worst_grad}
+
+
+def _trainer(path: str) -> float:
+    from transformers import Trainer, TrainingArguments
+
+    import hf_ring
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):  # every row the same: the first step's batch is known whatever the order
+            return {k: v[0] for k, v in _batch().items()}
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    # accelerate finds the running gloo world from the launcher's variables
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", ACCELERATE_USE_CPU="true")
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, max_steps=1, per_device_train_batch_size=1, logging_steps=1,
+                                 report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+                                 learning_rate=1e-3)
+        trainer = Trainer(model=_load(path, "ring_dilated"), args=args, train_dataset=Rows())
+        hf_ring.prepare_trainer(trainer, sp_size=2)
+        logged = trainer.train().training_loss  # unrounded, unlike the logged history
+    model = _load(path, "sdpa")
+    with torch.no_grad():
+        want = model(**{k: v[:1] for k, v in _batch().items()}).loss
+    hf_ring.clear_sequence_parallel()
+    return abs(logged - want.item()) / abs(want.item())
+
+
+def _suite(root: Path) -> Dict:
+    """``pytest -m compat`` in a checkout: its closing counts and the tests that failed."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "compat", "-p", "no:cacheprovider"], cwd=root,
+                         capture_output=True, text=True)
+    lines = run.stdout.splitlines()
+    counts = [line for line in lines if re.search(r"\d+ (passed|failed)", line)]
+    failed = [line.split()[1] for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    return {"compat_subset": counts[-1].strip("= ") if counts else f"pytest exit {run.returncode}",
+            "compat_failures": failed}
+
+
+def probe(suite: bool) -> Dict:
+    row: Dict = {p: installed(p) for p in SUPPORTED}
+    row["where"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU, gloo"
+    row["date"] = datetime.date.today().isoformat()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _save_model(tmp)
+        row["one_process_logits"] = float(f"{one_process(path):.2g}")
+        step = run_ranks(2, _sharded_step, path, exact_peak=False)
+        row["sp2_step_loss"] = float(f"{max(r['loss'] for r in step):.2g}")
+        row["sp2_step_grads"] = float(f"{max(r['grads'] for r in step):.2g}")
+        row["sp2_trainer_loss"] = float(f"{max(run_ranks(2, _trainer, path, exact_peak=False)):.2g}")
+    if suite:
+        row.update(_suite(Path(__file__).resolve().parents[2]))
+    return row
+
+
+def main(argv: List[str]) -> None:
+    ap = argparse.ArgumentParser(prog="python -m hf_ring.bench compat", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", action="store_true", help="also run the compatibility subset (pytest -m compat)")
+    ap.add_argument("--out", default="docs/bench")
+    args = ap.parse_args(argv)
+    row = probe(args.suite)
+    print(json.dumps(row), flush=True)
+    path = os.path.join(args.out, "compat.json")
+    rows = json.load(open(path))["rows"] if os.path.exists(path) else []
+    rows = [r for r in rows if any(r.get(p) != row[p] for p in SUPPORTED)] + [row]
+    rows.sort(key=lambda r: tuple(int(x) for x in re.findall(r"\d+", r["transformers"])[:3]))
+    os.makedirs(args.out, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"config": {"model": MODEL, "n": N, "rows": ROWS}, "rows": rows}, f, indent=2)

@@ -1,0 +1,214 @@
+"""The supported release range, its refusal at import, and a loss patch that stands down instead of breaking.
+
+The tiled loss's reproduction check is tested here on forwards that differ
+from the installed release's in the ways transformers has changed them
+between releases (an inlined slice, a renamed cache keyword) and in ways that
+change the loss (a logit scale): the first must tile, the second must not.
+"""
+import os
+import subprocess
+import sys
+import tomllib
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import LlamaForCausalLM
+
+import hf_ring
+from hf_ring import versions
+from hf_ring.patches import tiling
+from hf_ring.seams import CACHE_KEYWORD, TENSOR_PARALLEL_SINCE, tensor_parallel_problem
+from helpers import rel_err
+from models import batch, load, saved_model_dir, tiny_config
+
+pytestmark = pytest.mark.compat  # the subset run on every supported transformers release
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- the range ------------------------------------------------------------------------------------------------
+
+def test_pyproject_states_the_supported_range():
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for package, (low, high) in versions.SUPPORTED.items():
+        assert f"{package}>={low},<{high}" in declared, (package, declared)
+
+
+def test_the_installed_releases_are_in_the_range():
+    for package in versions.SUPPORTED:
+        assert versions.problem(package, versions.installed(package)) is None
+
+
+@pytest.mark.parametrize("version, ok", [("5.16.1", False), ("5.17.0", True), ("5.24.0", True), ("5.25.0", False),
+                                         ("5.25.0.dev0", False), ("5.0.0", False), ("4.57.6", False)])
+def test_transformers_versions_in_and_out(version, ok):
+    assert (versions.problem("transformers", version) is None) is ok
+
+
+def test_local_build_tags_are_read_as_their_release():
+    assert versions.within("2.11.0+cu130", "2.11", "2.14")
+    assert not versions.within("2.14.1+cpu", "2.11", "2.14")
+    with pytest.raises(ValueError, match="release number"):
+        versions.parse("main")
+
+
+def _fake_release(tmp_path: Path, package: str, version: str) -> Path:
+    """A directory whose metadata claims ``package==version`` (found first on the path), importing nothing else."""
+    info = tmp_path / f"{package}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
+    return tmp_path
+
+
+def _import_with(path: Path, **env) -> subprocess.CompletedProcess:
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path), str(ROOT)]), **env)
+    return subprocess.run([sys.executable, "-c", "import hf_ring"], capture_output=True, text=True, env=environ,
+                          timeout=120)
+
+
+def test_an_unsupported_release_is_refused_at_import_in_one_line(tmp_path):
+    run = _import_with(_fake_release(tmp_path, "transformers", "5.0.0"))
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last == ("ImportError: hf_ring needs transformers>=5.17,<5.25 (the releases it is tested on), but 5.0.0 "
+                    "is installed; fix: pip install 'transformers>=5.17,<5.25' (or set HF_RING_ALLOW_UNTESTED=1 to "
+                    "try it untested)"), run.stderr
+    assert "ModuleNotFoundError" not in run.stderr
+
+
+def test_an_untested_release_can_be_tried_with_a_warning(tmp_path):
+    run = _import_with(_fake_release(tmp_path, "accelerate", "1.16.0"), HF_RING_ALLOW_UNTESTED="1")
+    assert run.returncode == 0, run.stderr
+    assert "hf_ring needs accelerate>=1.10.1,<1.16" in run.stderr and "importing anyway" in run.stderr
+
+
+# ---- the loss patch measures instead of reading the source ------------------------------------------------------
+
+def _llama_with(forward):
+    return type("CheckedLlamaForCausalLM", (LlamaForCausalLM,), {"forward": forward})
+
+
+def _inlined_slice(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                   use_cache=None, logits_to_keep=0, **kwargs):
+    """The standard forward as some releases wrote it: the slice inlined, the cache under this release's name."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    hidden_states = outputs.last_hidden_state
+    slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    logits = self.lm_head(hidden_states[:, slice_indices, :])
+    loss = None
+    if labels is not None:
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+    return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_KEYWORD: getattr(outputs, CACHE_KEYWORD)})
+
+
+def _scaled(self, input_ids=None, labels=None, logits_to_keep=0, **kwargs):
+    """A forward whose loss is of scaled logits (as Cohere's is): the tiled loss must not stand in for it."""
+    out = LlamaForCausalLM.forward(self, input_ids=input_ids, logits_to_keep=logits_to_keep, **kwargs)
+    return type(out)(loss=self.loss_function(logits=out.logits * 1.001, labels=labels,
+                                             vocab_size=self.config.vocab_size), logits=out.logits)
+
+
+def test_a_refactored_standard_forward_is_tiled_and_exact():
+    cls = _llama_with(_inlined_slice)
+    assert tiling.reproduction_problem(cls) is None
+    path = saved_model_dir("llama")
+    model, ref = cls.from_pretrained(path, attn_implementation="sdpa"), load(path, "sdpa")
+    hf_ring.configure_tiling(model, loss=True, mlp=False, norm=False)
+    try:
+        data = batch(3, 2, 21)
+        out, want = model(**data), ref(**data)
+        assert out.logits is None  # the tiled loss ran
+        out.loss.backward()
+        want.loss.backward()
+        assert rel_err(out.loss, want.loss) <= 1e-6
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert rel_err(p.grad, q.grad) <= 1e-5, name
+    finally:
+        tiling.revert(cls)
+
+
+def test_a_forward_whose_loss_differs_stands_down_or_is_refused():
+    cls = _llama_with(_scaled)
+    why = tiling.reproduction_problem(cls)
+    assert why is not None and "differs from the tiled loss" in why
+    with pytest.raises(TypeError, match=rf"CheckedLlamaForCausalLM \(model type 'llama', transformers "
+                                        rf"{transformers.__version__}\).*loss=False"):
+        tiling.apply(cls, loss=True)
+    assert not tiling.is_applied(cls)
+    with pytest.warns(UserWarning, match="trains with the untiled loss") as seen:
+        tiling.apply(cls, loss=None)
+    assert len(seen) == 1 and not tiling.is_applied(cls)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tiling.apply(cls, loss=None)  # said once per process
+    tiling.revert(cls)
+
+
+def test_a_loss_that_stands_down_at_setup_leaves_the_other_families_and_the_rows_tiled(monkeypatch):
+    from transformers.models.llama.modeling_llama import LlamaMLP
+    from transformers.models.mistral.modeling_mistral import MistralForCausalLM
+
+    tiling.revert_all()
+    monkeypatch.setattr(LlamaForCausalLM, "forward", _scaled)
+    monkeypatch.setattr(tiling, "_WARNED", set())
+    try:
+        with pytest.warns(UserWarning, match="LlamaForCausalLM .* trains with the untiled loss"):
+            tiling.apply_all()
+        assert LlamaForCausalLM.forward is _scaled and tiling.is_applied(MistralForCausalLM)
+        assert tiling._ORIGINAL in LlamaMLP.__dict__
+    finally:
+        tiling.revert_all()
+
+
+def test_a_model_whose_own_config_changes_its_loss_runs_its_own_loss(monkeypatch):
+    """A class that passes with its default config is checked again with the model's config on its first tiled
+    call: a config switching on a loss term the tiled loss lacks keeps the model's own loss."""
+    monkeypatch.setattr(tiling, "LOSS_SWITCHES", {"logit_scale_for_test": 1.001})
+    monkeypatch.setattr(tiling, "_WARNED", set())
+
+    def scaled_by_config(self, input_ids=None, labels=None, logits_to_keep=0, **kwargs):
+        out = LlamaForCausalLM.forward(self, input_ids=input_ids, logits_to_keep=logits_to_keep, **kwargs)
+        scale = getattr(self.config, "logit_scale_for_test", 1.0)
+        return type(out)(loss=self.loss_function(logits=out.logits * scale, labels=labels,
+                                                 vocab_size=self.config.vocab_size), logits=out.logits)
+
+    cls = _llama_with(scaled_by_config)
+    tiling.apply(cls, loss=True)  # the class passes with its default config, which lacks the key
+    try:
+        model = cls(tiny_config("llama", logit_scale_for_test=1.0))
+        with pytest.raises(TypeError, match="cannot be honoured for CheckedLlamaForCausalLM .*differs"):
+            hf_ring.configure_tiling(model, loss=True)
+        model.config.ring_tiling = {"loss": True}  # set by hand: found on the first tiled call instead
+        with pytest.raises(TypeError, match="cannot be honoured for CheckedLlamaForCausalLM .*differs"):
+            model(**batch(1, 1, 9))
+        model = cls(tiny_config("llama", logit_scale_for_test=1.0))
+        monkeypatch.setattr(tiling, "_on", lambda setting, config: True)  # as under sequence parallelism
+        with pytest.warns(UserWarning, match="trains with the untiled loss"):
+            out = model(**batch(1, 1, 9))
+        assert out.logits is not None  # its own loss ran
+    finally:
+        tiling.revert(cls)
+
+
+def test_the_check_leaves_the_callers_random_stream_alone():
+    cls = _llama_with(_inlined_slice)
+    torch.manual_seed(123)
+    state = torch.random.get_rng_state()
+    tiling.reproduction_problem(cls, tiny_config("llama", rms_norm_eps=1e-5 + 1e-9))
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_releases_without_tensor_parallelism_of_a_loaded_model_refuse_it():
+    class Old(LlamaForCausalLM):
+        _resolve_parallel_plans = None  # as before transformers 5.23
+
+    why = tensor_parallel_problem(Old.__new__(Old))
+    assert why is not None and f"it needs transformers>={TENSOR_PARALLEL_SINCE}" in why
+    assert (tensor_parallel_problem(LlamaForCausalLM.__new__(LlamaForCausalLM)) is None) == versions.within(
+        transformers.__version__, TENSOR_PARALLEL_SINCE, "99")
