@@ -9,6 +9,7 @@ made, so blocks in the future or outside a sliding window cost nothing.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -36,6 +37,17 @@ class Rows:
     def sub(self, start: int, count: int) -> "Rows":
         """Items ``start .. start+count-1`` of this progression."""
         return Rows(self.local + start * self.stride, self.pos + start * self.stride, count, self.stride)
+
+    def split(self, cuts) -> List["Rows"]:
+        """The progression in consecutive parts, a new one starting at each position of ``cuts`` (empty parts
+        dropped)."""
+        parts, lo = [], self.pos
+        for cut in sorted(cuts) + [self.last_pos + 1]:
+            part = self.clip(lo, cut - 1) if cut > lo else None
+            if part is not None:
+                parts.append(part)
+            lo = max(lo, cut)
+        return parts
 
     def clip(self, lo: int, hi: int) -> Optional["Rows"]:
         """The items whose positions lie in ``[lo, hi]``, or None."""
@@ -144,3 +156,53 @@ def tiles(q: Rows, k: Rows, causal: bool, window: Optional[int], tile: int) -> L
 def default_tile(window: Optional[int]) -> int:
     """Forward tile: whole blocks without a window; about the window size with one."""
     return 1 << 30 if window is None else max(128, min(window, 2048))
+
+
+class KeyValidity:
+    """Which keys of a run of key rows may be attended, answered for any range of them without a sync.
+
+    Built once per piece of K/V rows from its ``(B, n)`` key mask, with two host transfers: the running count
+    of valid keys of every batch row, and the runs of keys of one state over the batch (``"all"`` rows valid,
+    ``"none"``, or ``"mixed"``). A range of keys is then ``"all"`` valid (the unmasked kernel runs), ``"none"``
+    (skipped: a padded key adds nothing to any softmax) or ``"some"`` (only such a range pays for a mask).
+    """
+
+    def __init__(self, mask: torch.Tensor):
+        counts = torch.nn.functional.pad(mask.to(torch.int32).cumsum(1), (1, 0))
+        self._counts = counts.cpu().tolist()
+        column = mask.all(0).to(torch.int8) * 2 + mask.any(0).to(torch.int8)  # 3 all, 1 mixed, 0 none
+        starts = torch.nonzero(torch.diff(column, prepend=column[:1] - 1)).flatten()
+        names = {3: "all", 1: "mixed", 0: "none"}
+        self._starts = starts.tolist()
+        self._states = [names[int(c)] for c in column[starts].tolist()]
+
+    def state(self, start: int, stop: int) -> str:
+        """``"all"``, ``"none"`` or ``"some"`` for keys ``start .. stop-1`` over every batch row."""
+        states = set(self._row_states(start, stop))
+        return states.pop() if len(states) == 1 else "some"
+
+    def key_runs(self, start: int, stop: int) -> List[Tuple[int, int, str]]:
+        """The keys ``start .. stop-1`` as runs ``(first, end, state)`` of one state over the batch: ``"all"``,
+        ``"none"`` or ``"mixed"`` (valid in some batch rows only)."""
+        i = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        out = []
+        while i < len(self._starts) and self._starts[i] < stop:
+            end = self._starts[i + 1] if i + 1 < len(self._starts) else stop
+            out.append((max(self._starts[i], start), min(end, stop), self._states[i]))
+            i += 1
+        return out
+
+    def runs(self, start: int, stop: int) -> List[Tuple[slice, str]]:
+        """Runs of consecutive batch rows of one state for keys ``start .. stop-1``: ``(rows, state)``, so that
+        rows whose keys are all valid (or all padding) are not masked because another row's are not."""
+        out: List[Tuple[slice, str]] = []
+        for b, st in enumerate(self._row_states(start, stop)):
+            if out and out[-1][1] == st:
+                out[-1] = (slice(out[-1][0].start, b + 1), st)
+            else:
+                out.append((slice(b, b + 1), st))
+        return out
+
+    def _row_states(self, start: int, stop: int) -> List[str]:
+        valid = [row[stop] - row[start] for row in self._counts]
+        return ["all" if n == stop - start else "none" if n == 0 else "some" for n in valid]

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .blocks import Rows, band_of, block_mask, default_tile, tiles
+from .blocks import KeyValidity, Rows, band_of, block_mask, classify, default_tile, tiles
 from .checks import agreed_spec, resolve_group
 from .comm import Pending, RingComm
 from .documents import Documents, dilated_multiplicity, longest, same_document, within_one
@@ -45,8 +45,9 @@ The fused kernels tile internally, so smaller tiles only add calls and accumulat
 and dV; the math path cuts its own tiles of ``kernels.MATH_TILE``."""
 
 PADDED_TILE = 2048
-"""Rows per side of forward blocks when keys are padded: each block then needs a built mask, and
-whole-shard blocks would make that mask quadratic in the shard."""
+"""Rows per side of the tiles a block is cut into where padding starts or ends inside it: only those tiles
+need a built mask, which whole-shard blocks would make quadratic in the shard. Blocks whose keys are all
+valid run unmasked and whole, blocks whose keys are all padding are skipped."""
 
 KV_TAG, GRAD_TAG = 0, 4
 """Message tags: K/V going out use tags ``KV_TAG + i`` for their (up to three) tensors (K, V, key mask),
@@ -178,7 +179,7 @@ def _unpack_mask(flat: Tensor, pieces: Sequence[Piece], b: int) -> List[Tensor]:
 
 
 def _kv_views(step: Step, k: Tensor, v: Tensor, key_mask: Optional[Tensor], got: Optional[List[Tensor]]):
-    """Per piece ``(K, V, key mask or None, all keys valid)`` for this step's blocks."""
+    """Per piece ``(K, V, key mask, its KeyValidity)``, the last two None where no key of the piece is padding."""
     b, d = k.shape[0], k.shape[3]
     pieces = step.recv.pieces
     if not pieces:
@@ -190,7 +191,61 @@ def _kv_views(step: Step, k: Tensor, v: Tensor, key_mask: Optional[Tensor], got:
     else:
         ks, vs = _unpack(got[0], pieces, b, d), _unpack(got[1], pieces, b, d)
         ms = [None] * len(pieces) if key_mask is None else _unpack_mask(got[2], pieces, b)
-    return [(kk, vv, m, m is None or bool(m.all())) for kk, vv, m in zip(ks, vs, ms)]
+    views = []
+    for kk, vv, m in zip(ks, vs, ms):
+        valid = None if m is None else KeyValidity(m)
+        padded = valid is not None and valid.state(0, m.shape[1]) != "all"
+        views.append((kk, vv, m if padded else None, valid if padded else None))
+    return views
+
+
+def _block_parts(spec: AttentionSpec, blk: Block, mask: Optional[Tensor], valid: Optional[KeyValidity],
+                 tile: Optional[int]) -> Iterator[Tuple[slice, Rows, Rows, str, slice, Optional[Tensor]]]:
+    """What one block computes: ``(batch rows, query rows, key rows, kind, the keys' slice of the piece, key mask
+    or None)``.
+
+    With every key valid, the block itself (``tile``: in tiles of that side). With padding, the keys are cut
+    where their validity over the batch changes (and causal queries at the same positions, so that a
+    diagonal part stays one causal call): keys that are padding in every row are skipped, keys valid in every
+    row run unmasked, and only keys valid in some rows go in tiles of at most :data:`PADDED_TILE`, where the
+    batch rows whose keys are all valid (or all padding) again run unmasked (or not at all).
+    """
+    stride, every = blk.q.stride, slice(None)
+    keys = Rows(blk.k_off * stride, blk.k_pos, blk.nk, stride)
+    whole = (blk.k_off, blk.k_off + blk.nk)
+    runs = [(*whole, "all")] if valid is None else valid.key_runs(*whole)
+    if runs == [(*whole, "all")] and tile is None:
+        yield every, blk.q, keys, blk.kind, slice(*whole), None
+        return
+    cuts = [keys.pos + (first - blk.k_off) * stride for first, _, _ in runs[1:]] if spec.causal else []
+    queries = blk.q.split(cuts)
+    for first, end, state in runs:
+        if state == "none":
+            continue
+        kr = keys.sub(first - blk.k_off, end - first)
+        for qr in queries:
+            if state == "all" and tile is None:
+                kind = classify(qr, kr, spec.causal, spec.window)
+                if kind is not None:
+                    yield every, qr, kr, kind, slice(first, end), None
+                continue
+            side = tile if state == "all" else min(tile or PADDED_TILE, PADDED_TILE)
+            for qt, kt, kind in tiles(qr, kr, spec.causal, spec.window, side):
+                start = kt.local // stride
+                ks = slice(start, start + kt.count)
+                if state == "all":
+                    yield every, qt, kt, kind, ks, None
+                    continue
+                # Document masks are made for the whole batch, so under documents the rows are not split.
+                parts = valid.runs(ks.start, ks.stop) if spec.documents is None else [
+                    (every, valid.state(ks.start, ks.stop))]
+                for rows, part in parts:
+                    if part != "none":
+                        yield rows, qt, kt, kind, ks, None if part == "all" else mask[rows, ks]
+
+
+def _all_valid(key_mask: Optional[Tensor]) -> bool:
+    return key_mask is None or bool(key_mask.all())
 
 
 def _kernel_args(ctx: RingContext, q: Rows, k_pos: int, nk: int, kind: str, device,
@@ -253,31 +308,33 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: RingContext, sinks: Optio
     plan, spec = ctx.plan, ctx.spec
     b, hq, s, d = q.shape
     k, v = kv_storage(k), kv_storage(v)
+    own_valid = _all_valid(spec.key_mask)  # the own keys, and with one block of them every key
     only = _single_block(plan, q, k)
-    if only is not None and spec.key_mask is None and spec.documents is None:
+    if only is not None and own_valid and spec.documents is None:
         out, lse = block_forward(q, k, v, scale=spec.scale,
                                  **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
         return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
     acc = accumulator_dtype(q)
-    if not ctx.own_causal:
+    own_causal = ctx.own_causal and own_valid
+    if not own_causal:
         out = rows_major(b, hq, s, d, acc, q.device)
         lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
     for step, kv in _visits(ctx, k, v):
-        if step.shift == 0 and ctx.own_causal:
+        if step.shift == 0 and own_causal:
             # It sees every row's own key, so the accumulators start as its result: no zeros, no first merge.
             out, lse = block_forward(q, k, v, scale=spec.scale, **_kernel_args(ctx, _local(s), 0, s, "causal", q.device))
             out = out.to(acc)
             continue
         for blk in step.recv.blocks:
-            hs, rs = head_slice(blk.q_heads), blk.q.slice
-            ks = slice(blk.k_off, blk.k_off + blk.nk)
-            pk, pv, pm, all_valid = kv[blk.piece]
-            args = _kernel_args(ctx, blk.q, blk.k_pos, blk.nk, blk.kind, q.device,
-                                None if all_valid else pm[:, ks], blk.q_heads)
-            if args is None:
-                continue
-            o_blk, l_blk = block_forward(q[:, hs, rs], pk[:, :, ks], pv[:, :, ks], scale=spec.scale, **args)
-            merge_into(out[:, hs, rs], lse[:, hs, rs], o_blk, l_blk)
+            hs = head_slice(blk.q_heads)
+            pk, pv, pm, valid = kv[blk.piece]
+            for bs, qt, kt, kind, ks, key_valid in _block_parts(spec, blk, pm, valid, None):
+                args = _kernel_args(ctx, qt, kt.pos, kt.count, kind, q.device, key_valid, blk.q_heads)
+                if args is None:
+                    continue
+                rs = qt.slice
+                o_blk, l_blk = block_forward(q[bs, hs, rs], pk[bs, :, ks], pv[bs, :, ks], scale=spec.scale, **args)
+                merge_into(out[bs, hs, rs], lse[bs, hs, rs], o_blk, l_blk)
         del kv
     if sinks is not None:
         out, lse = add_sinks(out, lse, sinks)
@@ -328,18 +385,20 @@ def ring_backward(dout, q, k, v, out, lse, ctx: RingContext) -> Tuple[Tensor, Te
     plan, comm, spec = ctx.plan, ctx.comm, ctx.spec
     b, hq, s, d = q.shape
     k, v = kv_storage(k), kv_storage(v)  # the saved K/V stay as given: a copy is made again rather than kept
+    own_valid = _all_valid(spec.key_mask)
     only = _single_block(plan, q, k)
-    if only is not None and spec.key_mask is None and spec.documents is None:
+    if only is not None and own_valid and spec.documents is None:
         return block_backward(dout, q, k, v, out, lse, scale=spec.scale,
                               **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
     acc = accumulator_dtype(q)
-    if not ctx.own_causal:
+    own_causal = ctx.own_causal and own_valid
+    if not own_causal:
         dq = rows_major(*q.shape, acc, q.device)
         dk = rows_major(*k.shape, acc, q.device)
         dv = rows_major(*k.shape, acc, q.device)
     returning: Optional[Tuple[Step, Pending]] = None
     for step, kv in _visits(ctx, k, v):
-        if step.shift == 0 and ctx.own_causal:
+        if step.shift == 0 and own_causal:
             dq, dk, dv = _own_backward(ctx, dout, q, k, v, out, lse, acc)
             continue
         if step.shift == 0:
@@ -351,23 +410,20 @@ def ring_backward(dout, q, k, v, out, lse, ctx: RingContext) -> Tuple[Tensor, Te
             grads = list(zip(_unpack(flat[0], step.recv.pieces, b, d), _unpack(flat[1], step.recv.pieces, b, d)))
         for blk in step.recv.blocks:
             hs = head_slice(blk.q_heads)
-            pk, pv, pm, all_valid = kv[blk.piece]
+            pk, pv, pm, valid = kv[blk.piece]
             gk, gv = grads[blk.piece]
-            stride = blk.q.stride
-            k_prog = Rows(blk.k_off * stride, blk.k_pos, blk.nk, stride)
-            for qt, kt, kind in tiles(blk.q, k_prog, spec.causal, spec.window, ctx.backward_tile):
-                rs, ks = qt.slice, slice(kt.local // stride, kt.local // stride + kt.count)
-                args = _kernel_args(ctx, qt, kt.pos, kt.count, kind, q.device,
-                                    None if all_valid else pm[:, ks], blk.q_heads)
+            for bs, qt, kt, kind, ks, key_valid in _block_parts(spec, blk, pm, valid, ctx.backward_tile):
+                rs = qt.slice
+                args = _kernel_args(ctx, qt, kt.pos, kt.count, kind, q.device, key_valid, blk.q_heads)
                 if args is None:
                     continue
                 dq_b, dk_b, dv_b = block_backward(
-                    dout[:, hs, rs], q[:, hs, rs], pk[:, :, ks], pv[:, :, ks], out[:, hs, rs], lse[:, hs, rs],
+                    dout[bs, hs, rs], q[bs, hs, rs], pk[bs, :, ks], pv[bs, :, ks], out[bs, hs, rs], lse[bs, hs, rs],
                     scale=spec.scale, **args,
                 )
-                dq[:, hs, rs].add_(dq_b)  # add_ on the view: `+=` on an index would copy the rows back
-                gk[:, :, ks].add_(dk_b)
-                gv[:, :, ks].add_(dv_b)
+                dq[bs, hs, rs].add_(dq_b)  # add_ on the view: `+=` on an index would copy the rows back
+                gk[bs, :, ks].add_(dk_b)
+                gv[bs, :, ks].add_(dv_b)
                 del dq_b, dk_b, dv_b
         del kv, grads
         if step.shift:
@@ -419,7 +475,7 @@ def document_tile(documents: Documents, seq_len: int, dilated: bool) -> int:
 
 def _tile(spec: AttentionSpec) -> Optional[int]:
     """Rows per side of the ring's blocks (None: whole blocks, cut only along a window)."""
-    tile = min(default_tile(spec.window), PADDED_TILE) if spec.key_mask is not None else None
+    tile = None  # key padding is met block by block (_block_parts), not by tiling every block
     if spec.documents is not None:
         tile = min(tile or default_tile(spec.window),
                    document_tile(spec.documents, spec.seq_len, spec.dilated_in_documents))
@@ -435,7 +491,7 @@ def plan(hq: int, hkv: int, comm: Optional[RingComm], spec: AttentionSpec) -> Ri
     tile = _tile(spec)
     geo = Geometry(spec.seq_len, world, spec.layout if world > 1 else "contiguous", spec.causal, spec.window,
                    spec.planned_branches, hq, hkv, tile, spec.documents, spec.head_base)
-    # A tile is set exactly where something besides causality masks (key padding, documents, softcap).
+    # A tile is set exactly where something besides causality and padding masks (documents, softcap).
     return RingContext(comm, rank_plan(geo, rank, budget), spec, backward_tile=min(BACKWARD_TILE, tile or BACKWARD_TILE),
                        own_causal=tile is None and local_causal(geo, rank))
 

@@ -19,7 +19,7 @@ def make_qkv(seed, b, hq, hkv, n, d, dtype=torch.float32):
 def key_mask_of(b, n, pad, side="left"):
     """Bool ``(b, n)`` key mask: ``pad`` padded keys of sample 0 at its ``side`` ("left", "right"); "mixed" pads
     sample 0 on the left and the last sample on the right by ``pad + 3``; "all" pads the whole of sample 0;
-    "none" pads nothing (a mask of valid keys only)."""
+    "none" pads nothing (a mask of valid keys only); "staggered" left-pads sample i by ``pad·(i+1)//b``."""
     key_mask = torch.ones(b, n, dtype=torch.bool)
     if side in ("left", "mixed"):
         key_mask[0, :pad] = False
@@ -29,6 +29,9 @@ def key_mask_of(b, n, pad, side="left"):
         key_mask[-1, n - pad - 3:] = False
     if side == "all":
         key_mask[0] = False
+    if side == "staggered":
+        for i in range(b):
+            key_mask[i, :pad * (i + 1) // b] = False
     return key_mask
 
 

@@ -205,3 +205,41 @@ def test_messages_split_by_budget_cover_the_same_pairs(n, world, layout, window,
                 assert sum(len(p.heads) * p.rows.count for p in sent(pieces)) <= max(budget, 2)
                 for p in pieces:  # a piece that does not travel is a view of one in the same message
                     assert p.within is None or (pieces[p.within].within is None and contains(pieces[p.within], p))
+
+
+def test_key_validity_answers_ranges_per_batch_row():
+    from hf_ring.blocks import KeyValidity
+
+    mask = torch.ones(3, 10, dtype=torch.bool)
+    mask[0, :4] = False  # left padding
+    mask[2, 7:] = False  # right padding
+    kv = KeyValidity(mask)
+    assert kv.state(4, 7) == "all" and kv.state(0, 10) == "some"
+    assert KeyValidity(torch.zeros(2, 5, dtype=torch.bool)).state(1, 4) == "none"
+    assert kv.runs(0, 4) == [(slice(0, 1), "none"), (slice(1, 3), "all")]
+    assert kv.runs(2, 8) == [(slice(0, 1), "some"), (slice(1, 2), "all"), (slice(2, 3), "some")]
+    for start in range(10):
+        for stop in range(start + 1, 11):
+            for rows, state in kv.runs(start, stop):
+                got = mask[rows, start:stop]
+                assert state == ("all" if bool(got.all()) else "none" if not bool(got.any()) else "some")
+
+
+def test_key_runs_are_the_columns_of_one_state():
+    from hf_ring.blocks import KeyValidity
+
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[0, :4] = False
+    mask[:, 9:] = False
+    kv = KeyValidity(mask)
+    assert kv.key_runs(0, 12) == [(0, 4, "mixed"), (4, 9, "all"), (9, 12, "none")]
+    assert kv.key_runs(5, 10) == [(5, 9, "all"), (9, 10, "none")]
+    assert KeyValidity(torch.ones(1, 5, dtype=torch.bool)).key_runs(1, 3) == [(1, 3, "all")]
+
+
+def test_rows_split_at_positions():
+    rows = Rows(2, 10, 6, 2)  # positions 10, 12, ..., 20
+    parts = rows.split([13, 17, 30])
+    assert [(p.pos, p.count) for p in parts] == [(10, 2), (14, 2), (18, 2)]
+    assert [p.local for p in parts] == [2, 6, 10]
+    assert rows.split([]) == [rows] and rows.split([5]) == [rows]

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import reference as R
-from cases import assemble, make_qkv, ring_case
+from cases import key_mask_of, assemble, make_qkv, ring_case
 from helpers import cancelling_scale, rel_err
 
 FP32_TOL = 1e-5
@@ -124,32 +124,56 @@ def test_shards_in_many_small_messages(pools, world, mode):
     check_against_reference(got, *args, FP32_TOL, **mode)
 
 
-def padded_dense(q, k, v, *, causal=True, window=None, pad=0):
-    """Dense attention with the first ``pad`` keys of sample 0 masked (left padding)."""
+def padded_dense(q, k, v, *, causal=True, window=None, key_mask=None):
+    """Dense attention with the keys ``key_mask`` marks False left out, sample by sample."""
     n = q.shape[2]
     bias = torch.zeros(n, n, dtype=torch.float64).masked_fill(~R.dense_mask(n, causal, window), float("-inf"))
     outs = []
     for i in range(q.shape[0]):
         bi = bias.clone()
-        if i == 0:
-            bi[:, :pad] = float("-inf")
+        bi[:, ~key_mask[i]] = float("-inf")
         outs.append(R.attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], bias=bi[None]))
     return torch.cat(outs)
+
+
+def _padded_run(pools, world, n, pad, side, tile, mode, b=2):
+    args = (4, b, 4, 2, n, 8)
+    kw = dict(mode, pad=pad, pad_side=side, padded_tile=tile)
+    results = [ring_case(*args, **kw)] if world == 1 else pools(world).run(ring_case, *args, **kw)
+    got = {name: assemble(results, name, n) for name in ("out", "dq", "dk", "dv")}
+    q, k, v, dout = make_qkv(*args)
+    ref = dict(zip(("out", "dq", "dk", "dv"),
+                   R.with_grads(padded_dense, q, k, v, dout, key_mask=key_mask_of(b, n, pad, side), **mode)))
+    # A query row with no valid key (sample 0's first rows under left padding) attends to nothing: both give 0.
+    errs = {name: rel_err(got[name], ref[name]) for name in ref}
+    assert max(errs.values()) <= FP32_TOL, errs
+    return results
 
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("mode", MODES)
 def test_padded_keys_in_small_tiles(pools, world, mode):
-    n, pad, tile = 101, 13, 16
-    args = (4, 2, 4, 2, n, 8)
-    kw = dict(mode, pad=pad, padded_tile=tile)
-    results = [ring_case(*args, **kw)] if world == 1 else pools(world).run(ring_case, *args, **kw)
-    got = {name: assemble(results, name, n) for name in ("out", "dq", "dk", "dv")}
-    q, k, v, dout = make_qkv(4, 2, 4, 2, n, 8)
-    ref = dict(zip(("out", "dq", "dk", "dv"), R.with_grads(padded_dense, q, k, v, dout, pad=pad, **mode)))
-    errs = {name: rel_err(got[name], ref[name]) for name in ref}
-    assert max(errs.values()) <= FP32_TOL, errs
+    """Three rows padded to different lengths: keys valid in some rows only go in tiles, masked where needed."""
+    tile = 16
+    results = _padded_run(pools, world, 101, 13, "staggered", tile, mode, b=3)
     assert 0 < max(r["max_mask"] for r in results) <= tile  # masks stay tile-sized, not shard-sized
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("side", ["right", "mixed", "all", "staggered"])
+@pytest.mark.parametrize("mode", [{"causal": True}, {"causal": False}, {"causal": True, "window": 23}])
+def test_padding_anywhere_is_exact(pools, world, side, mode):
+    _padded_run(pools, world, 97, 29, side, 8, mode, b=3 if side == "staggered" else 2)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("side", ["none", "left", "right", "mixed", "all"])
+def test_rows_padded_at_their_ends_need_no_mask(pools, world, side):
+    """Keys are cut where their validity over the batch changes, so keys valid in every row run unmasked and
+    whole, keys padded in every row are skipped, and where the rows differ each row runs unmasked or not at all:
+    padding at a row's start or end never builds a mask."""
+    for r in _padded_run(pools, world, 128, 43, side, 8, {"causal": True}):
+        assert r["masked_calls"] == 0
 
 
 @pytest.mark.parametrize("kw", [{"causal": True}, {"causal": False}, {"causal": True, "window": 700}])
