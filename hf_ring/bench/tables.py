@@ -92,7 +92,7 @@ COLUMNS: Dict[str, Sequence[Column]] = {
     "quality_convert": (("n", "n"), ("dense_accuracy_converted", "dense checkpoint under the pattern"),
                         ("after_10_steps", "after 10 steps"), ("after_20_steps", "after 20 steps"),
                         ("after_40_steps", "after 40 steps"), ("by_depth_at_end", "by depth after 40 steps")),
-    "race": (("n", "n"), ("batch", "batch"))
+    "race": (("n", "n"), ("batch", "batch"), ("rounds", "rounds"), ("repeats", "steps per round"))
     + tuple((f"{s}_step_s", f"{name} step s") for s, name in _RACE_SIDES)
     + tuple((f"{s}_over_alst", f"{name} / ALST") for s, name in _RACE_SIDES[1:])
     + (("alst_extra_mb", "ALST extra MB"),)
