@@ -25,6 +25,15 @@ activation checkpointing  ``activation_checkpointing_enable`` and      5.17 - 5.
                           from 5.23 (``gradient_...`` deprecated),
                           ``gradient_checkpointing...`` before
 ========================  ===========================================  ===================
+
+The other internals hf_ring imports are the same on every supported release
+and each is imported by one module: ``AttentionInterface`` and
+``masking_utils`` (backend), ``cache_utils.Cache``/``DynamicLayer`` (cache),
+``modeling_rope_utils.dynamic_rope_update`` (patches.rope),
+``MODEL_FOR_CAUSAL_LM_MAPPING`` (patches.structure), ``ForCausalLMLoss``,
+``CausalLMOutputWithPast`` and ``can_return_tuple`` (patches.tiling),
+``GradientCheckpointingLayer`` (offload), accelerate's
+``DataLoaderDispatcher`` and ``recursively_apply`` (trainer).
 """
 from __future__ import annotations
 
@@ -44,7 +53,8 @@ CACHE_KEYWORD = next(name for name in CACHE_NAMES if name in {f.name for f in da
 """What the installed transformers calls the cache, in forwards, ``generate`` and model outputs."""
 TENSOR_PARALLEL_SINCE = "5.23"
 TRAINER_KEEPS_LOADED_SHARDING_SINCE = "5.19"
-TRAINER_DIVIDES_TOKEN_COUNT = parse(transformers.__version__) >= parse("5.19")
+TRAINER_DIVIDES_TOKEN_COUNT_SINCE = "5.19"
+TRAINER_DIVIDES_TOKEN_COUNT = parse(transformers.__version__) >= parse(TRAINER_DIVIDES_TOKEN_COUNT_SINCE)
 """Whether the Trainer's count of a batch's label tokens is divided by ``get_cp_size()``, the ranks that share the
 batch; before 5.19 it divides by accelerate's parallelism config, which a sequence-parallel setup does not set."""
 CHECKPOINTING_METHOD = next(name for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable")

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import hf_ring
 from hf_ring.documents import document_starts
-from hf_ring.seams import CHECKPOINTING_ARGUMENT, checkpointing_on, enable_checkpointing
+from hf_ring.seams import CACHE_KEYWORD, CHECKPOINTING_ARGUMENT, checkpointing_on, enable_checkpointing
 
 
 def make_qkv(seed, b, hq, hkv, n, d, dtype=torch.float32):
@@ -237,7 +237,8 @@ def sp_cache_forward_case(path):
         ids = torch.arange(8).view(1, 8)
         with torch.no_grad():
             out = model(**dict(hf_ring.shard_batch({"input_ids": ids}), use_cache=True))
-            return model(input_ids=ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+            cache = getattr(out, CACHE_KEYWORD)
+            return model(input_ids=ids[:, :1], **{CACHE_KEYWORD: cache}, use_cache=True)
     finally:
         hf_ring.clear_sequence_parallel()
 

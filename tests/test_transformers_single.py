@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import hf_ring
+from hf_ring.seams import CACHE_KEYWORD
 import hf_ring.backend
 import reference as R
 from helpers import rel_err
@@ -129,8 +130,8 @@ def test_transformers_cache_in_one_process_equals_full_forward(kind):
         full = load(path, "sdpa")(input_ids=ids, use_cache=False).logits
         out = model(input_ids=ids[:, :10], use_cache=True)
         steps = [out.logits]
-        cache = out.past_key_values
+        cache = getattr(out, CACHE_KEYWORD)
         for t in range(10, 16, 3):  # three tokens at a time over transformers' own cache
-            out = model(input_ids=ids[:, t:t + 3], past_key_values=cache, use_cache=True)
+            out = model(input_ids=ids[:, t:t + 3], **{CACHE_KEYWORD: cache}, use_cache=True)
             steps.append(out.logits)
     assert rel_err(torch.cat(steps, 1), full) <= TOL
