@@ -136,8 +136,8 @@ def _suite(root: Path) -> Dict:
     lines = run.stdout.splitlines()
     counts = [line for line in lines if re.search(r"\d+ (passed|failed)", line)]
     failed = [line.split()[1] for line in lines if line.startswith(("FAILED ", "ERROR "))]
-    return {"compat_subset": counts[-1].strip("= ") if counts else f"pytest exit {run.returncode}",
-            "compat_failures": failed}
+    told = ", ".join(re.findall(r"\d+ (?:passed|failed|errors?)", counts[-1])) if counts else ""
+    return {"compat_subset": told or f"pytest exit {run.returncode}", "compat_failures": failed}
 
 
 def probe(suite: bool) -> Dict:
