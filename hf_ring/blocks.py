@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
@@ -206,3 +206,48 @@ class KeyValidity:
     def _row_states(self, start: int, stop: int) -> List[str]:
         valid = [row[stop] - row[start] for row in self._counts]
         return ["all" if n == stop - start else "none" if n == 0 else "some" for n in valid]
+
+
+def padding_parts(q: Rows, keys: Rows, kind: str, causal: bool, window: Optional[int],
+                  valid: Optional[KeyValidity], mask: Optional[torch.Tensor], tile: Optional[int], padded_tile: int,
+                  split_rows: bool) -> Iterator[Tuple[slice, Rows, Rows, str, slice, Optional[torch.Tensor]]]:
+    """What the block ``q x keys`` of kind ``kind`` computes under key padding: ``(batch rows, query rows, key
+    rows, kind, the keys' slice of their piece, key mask or None)`` per kernel call.
+
+    ``keys`` are items ``keys.local // stride ..`` of a piece whose :class:`KeyValidity` is ``valid`` and whose
+    ``(B, n)`` mask is ``mask`` (both None: every key valid). With every key valid, the block itself (``tile``:
+    in tiles of that side). With padding, the keys are cut where their validity over the batch changes (and
+    causal queries at the same positions, so a diagonal part stays one causal call): keys padded in every row
+    are skipped, keys valid in every row run unmasked, and keys valid in some rows only go in tiles of at most
+    ``padded_tile``, where (``split_rows``) the batch rows whose keys are all valid run unmasked, those whose keys
+    are all padding not at all, and only the others carry a mask.
+    """
+    stride, every = q.stride, slice(None)
+    whole = (keys.local // stride, keys.local // stride + keys.count)
+    runs = [(*whole, "all")] if valid is None else valid.key_runs(*whole)
+    if runs == [(*whole, "all")] and tile is None:
+        yield every, q, keys, kind, slice(*whole), None
+        return
+    cuts = [keys.pos + (first - whole[0]) * stride for first, _, _ in runs[1:]] if causal else []
+    queries = q.split(cuts)
+    for first, end, state in runs:
+        if state == "none":
+            continue
+        kr = keys.sub(first - whole[0], end - first)
+        for qr in queries:
+            if state == "all" and tile is None:
+                part_kind = classify(qr, kr, causal, window)
+                if part_kind is not None:
+                    yield every, qr, kr, part_kind, slice(first, end), None
+                continue
+            side = tile if state == "all" else min(tile or padded_tile, padded_tile)
+            for qt, kt, part_kind in tiles(qr, kr, causal, window, side):
+                start = kt.local // stride
+                ks = slice(start, start + kt.count)
+                if state == "all":
+                    yield every, qt, kt, part_kind, ks, None
+                    continue
+                parts = valid.runs(ks.start, ks.stop) if split_rows else [(every, valid.state(ks.start, ks.stop))]
+                for rows, part in parts:
+                    if part != "none":
+                        yield rows, qt, kt, part_kind, ks, None if part == "all" else mask[rows, ks]

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .blocks import KeyValidity, Rows, band_of, block_mask, classify, default_tile, tiles
+from .blocks import KeyValidity, Rows, band_of, block_mask, default_tile, padding_parts, tiles
 from .checks import agreed_spec, resolve_group
 from .comm import Pending, RingComm
 from .documents import Documents, dilated_multiplicity, longest, same_document, within_one
@@ -200,48 +200,11 @@ def _kv_views(step: Step, k: Tensor, v: Tensor, key_mask: Optional[Tensor], got:
 
 
 def _block_parts(spec: AttentionSpec, blk: Block, mask: Optional[Tensor], valid: Optional[KeyValidity],
-                 tile: Optional[int]) -> Iterator[Tuple[slice, Rows, Rows, str, slice, Optional[Tensor]]]:
-    """What one block computes: ``(batch rows, query rows, key rows, kind, the keys' slice of the piece, key mask
-    or None)``.
-
-    With every key valid, the block itself (``tile``: in tiles of that side). With padding, the keys are cut
-    where their validity over the batch changes (and causal queries at the same positions, so that a
-    diagonal part stays one causal call): keys that are padding in every row are skipped, keys valid in every
-    row run unmasked, and only keys valid in some rows go in tiles of at most :data:`PADDED_TILE`, where the
-    batch rows whose keys are all valid (or all padding) again run unmasked (or not at all).
-    """
-    stride, every = blk.q.stride, slice(None)
-    keys = Rows(blk.k_off * stride, blk.k_pos, blk.nk, stride)
-    whole = (blk.k_off, blk.k_off + blk.nk)
-    runs = [(*whole, "all")] if valid is None else valid.key_runs(*whole)
-    if runs == [(*whole, "all")] and tile is None:
-        yield every, blk.q, keys, blk.kind, slice(*whole), None
-        return
-    cuts = [keys.pos + (first - blk.k_off) * stride for first, _, _ in runs[1:]] if spec.causal else []
-    queries = blk.q.split(cuts)
-    for first, end, state in runs:
-        if state == "none":
-            continue
-        kr = keys.sub(first - blk.k_off, end - first)
-        for qr in queries:
-            if state == "all" and tile is None:
-                kind = classify(qr, kr, spec.causal, spec.window)
-                if kind is not None:
-                    yield every, qr, kr, kind, slice(first, end), None
-                continue
-            side = tile if state == "all" else min(tile or PADDED_TILE, PADDED_TILE)
-            for qt, kt, kind in tiles(qr, kr, spec.causal, spec.window, side):
-                start = kt.local // stride
-                ks = slice(start, start + kt.count)
-                if state == "all":
-                    yield every, qt, kt, kind, ks, None
-                    continue
-                # Document masks are made for the whole batch, so under documents the rows are not split.
-                parts = valid.runs(ks.start, ks.stop) if spec.documents is None else [
-                    (every, valid.state(ks.start, ks.stop))]
-                for rows, part in parts:
-                    if part != "none":
-                        yield rows, qt, kt, kind, ks, None if part == "all" else mask[rows, ks]
+                 tile: Optional[int]):
+    """What one block computes under the call's padding (:func:`blocks.padding_parts`)."""
+    keys = Rows(blk.k_off * blk.q.stride, blk.k_pos, blk.nk, blk.q.stride)
+    return padding_parts(blk.q, keys, blk.kind, spec.causal, spec.window, valid, mask, tile, PADDED_TILE,
+                         spec.documents is None)
 
 
 def _all_valid(key_mask: Optional[Tensor]) -> bool:

@@ -243,3 +243,23 @@ def test_rows_split_at_positions():
     assert [(p.pos, p.count) for p in parts] == [(10, 2), (14, 2), (18, 2)]
     assert [p.local for p in parts] == [2, 6, 10]
     assert rows.split([]) == [rows] and rows.split([5]) == [rows]
+
+
+def test_padding_parts_keep_a_diagonal_block_one_causal_call():
+    """A causal diagonal block whose first keys are padding in every row: the padded keys are skipped and the
+    rest stays one unmasked causal call over the queries that can see them; rows padded differently run alone."""
+    from hf_ring.blocks import KeyValidity, padding_parts
+
+    n = 20
+    rows = Rows(0, 0, n)
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[:, :6] = False
+    parts = list(padding_parts(rows, rows, "causal", True, None, KeyValidity(mask), mask, None, 8, True))
+    assert [(p[0], p[1].pos, p[1].count, p[2].pos, p[2].count, p[3], p[5]) for p in parts] == [
+        (slice(None), 6, 14, 6, 14, "causal", None)]
+    mask[1, :6] = True  # row 1 unpadded: its first keys run for it alone, unmasked
+    parts = list(padding_parts(rows, rows, "causal", True, None, KeyValidity(mask), mask, None, 8, True))
+    assert all(p[5] is None for p in parts)
+    assert {(p[0].start, p[0].stop) for p in parts if p[0] != slice(None)} == {(1, 2)}
+    pairs = {(p[1].pos, p[2].pos, p[3]) for p in parts}
+    assert (6, 6, "causal") in pairs and (0, 0, "causal") in pairs and (6, 0, "full") in pairs
