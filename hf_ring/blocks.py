@@ -10,6 +10,7 @@ made, so blocks in the future or outside a sliding window cost nothing.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
@@ -161,15 +162,15 @@ def default_tile(window: Optional[int]) -> int:
 class KeyValidity:
     """Which keys of a run of key rows may be attended, answered for any range of them without a sync.
 
-    Built once per piece of K/V rows from its ``(B, n)`` key mask, with two host transfers: the running count
-    of valid keys of every batch row, and the runs of keys of one state over the batch (``"all"`` rows valid,
-    ``"none"``, or ``"mixed"``). A range of keys is then ``"all"`` valid (the unmasked kernel runs), ``"none"``
-    (skipped: a padded key adds nothing to any softmax) or ``"some"`` (only such a range pays for a mask).
+    Built once per piece of K/V rows from its ``(B, n)`` key mask: the runs of keys of one state over the batch
+    (``"all"`` rows valid, ``"none"``, or ``"mixed"``) come to the host in one transfer, and the running count of
+    valid keys of every batch row in a second, only when a range is asked about per row (rows padded
+    differently). A range of keys is then ``"all"`` valid (the unmasked kernel runs), ``"none"`` (skipped: a
+    padded key adds nothing to any softmax) or ``"some"`` (only such a range pays for a mask).
     """
 
     def __init__(self, mask: torch.Tensor):
-        counts = torch.nn.functional.pad(mask.to(torch.int32).cumsum(1), (1, 0))
-        self._counts = counts.cpu().tolist()
+        self._mask = mask
         column = mask.all(0).to(torch.int8) * 2 + mask.any(0).to(torch.int8)  # 3 all, 1 mixed, 0 none
         starts = torch.nonzero(torch.diff(column, prepend=column[:1] - 1)).flatten()
         names = {3: "all", 1: "mixed", 0: "none"}
@@ -202,6 +203,14 @@ class KeyValidity:
             else:
                 out.append((slice(b, b + 1), st))
         return out
+
+    @functools.cached_property
+    def _counts(self) -> List[List[int]]:
+        return torch.nn.functional.pad(self._mask.to(torch.int32).cumsum(1), (1, 0)).cpu().tolist()
+
+    def all_valid(self) -> bool:
+        """Whether every key of the piece is valid in every row."""
+        return self._states == ["all"]
 
     def _row_states(self, start: int, stop: int) -> List[str]:
         valid = [row[stop] - row[start] for row in self._counts]

@@ -38,7 +38,7 @@ from .decode import RanksDivergedError
 from .layout import owner, shard_sizes
 from .groups import SequenceParallel, current
 from .rows import layer_rules
-from .seams import CACHE_KEYWORD, CACHE_NAMES, cache_argument
+from .seams import CACHE_KEYWORD, cache_argument
 
 Tensor = torch.Tensor
 
@@ -283,12 +283,7 @@ def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], all
     rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
     layout = sp.layout if comm is not None else ring_config.parse(getattr(config, ring_config.CONFIG_KEY, None)).layout
     ulysses = sp.ulysses_size if comm is not None else 1
-    given = [name for name in CACHE_NAMES if generate_kwargs.get(name) is not None]
-    if len(given) > 1:
-        raise ValueError(f"pass the cache once: got both {given[0]} and {given[1]}")
-    cache = cache_argument(generate_kwargs)
-    for name in CACHE_NAMES:
-        generate_kwargs.pop(name, None)
+    cache = cache_argument(generate_kwargs, pop=True)
     if cache is None:
         cache = ShardedCache(rank, world, layout, ulysses=ulysses)
         cache.set_rules(layer_rules(config, cache.evict))

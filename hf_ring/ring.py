@@ -194,7 +194,7 @@ def _kv_views(step: Step, k: Tensor, v: Tensor, key_mask: Optional[Tensor], got:
     views = []
     for kk, vv, m in zip(ks, vs, ms):
         valid = None if m is None else KeyValidity(m)
-        padded = valid is not None and valid.state(0, m.shape[1]) != "all"
+        padded = valid is not None and not valid.all_valid()
         views.append((kk, vv, m if padded else None, valid if padded else None))
     return views
 

@@ -38,7 +38,7 @@ and each is imported by one module: ``AttentionInterface`` and
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Optional
 
 import transformers
 from torch.distributed.tensor import DTensor
@@ -54,7 +54,14 @@ CACHE_KEYWORD = next(name for name in CACHE_NAMES if name in {f.name for f in da
 TENSOR_PARALLEL_SINCE = "5.23"
 TRAINER_KEEPS_LOADED_SHARDING_SINCE = "5.19"
 TRAINER_DIVIDES_TOKEN_COUNT_SINCE = "5.19"
-TRAINER_DIVIDES_TOKEN_COUNT = parse(transformers.__version__) >= parse(TRAINER_DIVIDES_TOKEN_COUNT_SINCE)
+
+
+def since(release: str) -> bool:
+    """Whether the installed transformers is ``release`` or newer."""
+    return parse(transformers.__version__) >= parse(release)
+
+
+TRAINER_DIVIDES_TOKEN_COUNT = since(TRAINER_DIVIDES_TOKEN_COUNT_SINCE)
 """Whether the Trainer's count of a batch's label tokens is divided by ``get_cp_size()``, the ranks that share the
 batch; before 5.19 it divides by accelerate's parallelism config, which a sequence-parallel setup does not set."""
 CHECKPOINTING_METHOD = next(name for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable")
@@ -79,17 +86,22 @@ def checkpointing_on(model: Any) -> bool:
     return False
 
 
-def cache_argument(kwargs: Mapping[str, Any]) -> Any:
-    """The cache a call was given, under either name (the older one is still accepted where it is deprecated)."""
-    for name in CACHE_NAMES:
-        if kwargs.get(name) is not None:
-            return kwargs[name]
-    return None
+def cache_argument(kwargs: Dict[str, Any], pop: bool = False) -> Any:
+    """The cache a call was given, under either name (the older one is still accepted where it is deprecated);
+    ``pop``: both names are removed from ``kwargs``. A cache given under both names is a ValueError."""
+    given = [name for name in CACHE_NAMES if kwargs.get(name) is not None]
+    if len(given) > 1:
+        raise ValueError(f"pass the cache once: got both {given[0]} and {given[1]}")
+    cache = kwargs[given[0]] if given else None
+    if pop:
+        for name in CACHE_NAMES:
+            kwargs.pop(name, None)
+    return cache
 
 
 def trainer_sharding_problem(model: Any) -> Optional[str]:
     """Why this release's Trainer cannot train ``model``, sharded at load time (DTensor parameters), or None."""
-    if parse(transformers.__version__) >= parse(TRAINER_KEEPS_LOADED_SHARDING_SINCE):
+    if since(TRAINER_KEEPS_LOADED_SHARDING_SINCE):
         return None
     if not any(isinstance(p, DTensor) for p in model.parameters()):
         return None

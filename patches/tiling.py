@@ -81,7 +81,7 @@ def _tiny_model(cls: type, config: Any) -> nn.Module:
     enough that every logit transformation (caps, scales) changes the loss."""
     config = config if config is not None else cls.config_class()
     values = config.to_dict()
-    values.update({k: v for k, v in _CHECK_SIZES.items()})
+    values.update(_CHECK_SIZES)
     values.update({k: v for k, v in LOSS_SWITCHES.items() if k in values})
     if isinstance(values.get("layer_types"), list):
         values["layer_types"] = values["layer_types"][:1]

@@ -20,7 +20,7 @@ from transformers import LlamaForCausalLM
 import hf_ring
 from hf_ring import versions
 from hf_ring.patches import tiling
-from hf_ring.seams import CACHE_KEYWORD, TENSOR_PARALLEL_SINCE, tensor_parallel_problem
+from hf_ring.seams import CACHE_KEYWORD, TENSOR_PARALLEL_SINCE, since, tensor_parallel_problem
 from helpers import rel_err
 from models import batch, load, saved_model_dir, tiny_config
 
@@ -210,5 +210,5 @@ def test_releases_without_tensor_parallelism_of_a_loaded_model_refuse_it():
 
     why = tensor_parallel_problem(Old.__new__(Old))
     assert why is not None and f"it needs transformers>={TENSOR_PARALLEL_SINCE}" in why
-    assert (tensor_parallel_problem(LlamaForCausalLM.__new__(LlamaForCausalLM)) is None) == versions.within(
-        transformers.__version__, TENSOR_PARALLEL_SINCE, "99")
+    assert (tensor_parallel_problem(LlamaForCausalLM.__new__(LlamaForCausalLM)) is None) == since(
+        TENSOR_PARALLEL_SINCE)

@@ -9,8 +9,7 @@ import torch
 import hf_ring
 from cases import sft_case, sft_example_case, trainer_case
 from dist_pool import RankError
-from hf_ring.seams import TRAINER_KEEPS_LOADED_SHARDING_SINCE
-from hf_ring.versions import installed, within
+from hf_ring.seams import TRAINER_KEEPS_LOADED_SHARDING_SINCE, since
 from helpers import rel_err as rel
 from helpers import worst_rel_err as worst
 from models import saved_model_dir
@@ -111,7 +110,7 @@ def test_fsdp2_dp2_sp2(pools):
     """FSDP2 over all four ranks (transformers shards the model at load time; gloo runs it on CPU)."""
     path = saved_model_dir("llama")
     kw = dict(eval_rows=4, eval_pad="none")
-    if not within(installed("transformers"), TRAINER_KEEPS_LOADED_SHARDING_SINCE, "99"):
+    if not since(TRAINER_KEEPS_LOADED_SHARDING_SINCE):
         # This release's Trainer would wrap the shards in DDP: refused on every rank, naming the release.
         with pytest.raises(RankError, match=r"(?s)NotImplementedError.*trains under transformers' Trainer from "
                                             r"transformers 5.19 on.*rank 1: NotImplementedError"):
