@@ -33,16 +33,22 @@ from .comm import Pending, RingComm
 from .documents import Documents, dilated_multiplicity, longest, same_document, within_one
 from .kernels import accumulator_dtype, add_sinks, block_backward, block_forward, kv_storage, merge_into, sinks_backward
 from .pattern import head_slice
-from .schedule import Block, Geometry, Piece, RankPlan, Step, local_causal, message_budget, rank_plan, sent, view_within
+from .schedule import (MIN_MESSAGE_ROWS, Block, Geometry, Piece, RankPlan, Step, local_causal, message_budget,
+                       rank_plan, sent, view_within)
 from .spec import AttentionSpec
 
 Tensor = torch.Tensor
 
 BACKWARD_TILE = 4096
-"""Rows per side of the tiles the backward works on; bounds its temporaries (each tile's dQ, dK, dV).
+"""Most rows per side of the tiles the backward works on; bounds its temporaries (each tile's dQ, dK, dV).
 
 The fused kernels tile internally, so smaller tiles only add calls and accumulations into dQ, dK
 and dV; the math path cuts its own tiles of ``kernels.MATH_TILE``."""
+
+BACKWARD_TILE_PER_MESSAGE = 2
+"""On several ranks the backward's tiles are at most this many messages' rows per side: a tile's dQ and
+the kernel's own buffers for its queries then stay the size of the messages in flight instead of a
+shard's, which at two ranks was the largest thing beside the rank's own tensors."""
 
 PADDED_TILE = 2048
 """Rows per side of the tiles a block is cut into where padding starts or ends inside it: only those tiles
@@ -452,10 +458,13 @@ def plan(hq: int, hkv: int, comm: Optional[RingComm], spec: AttentionSpec) -> Ri
     rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
     budget = message_budget(spec.seq_len, world, hkv) if spec.message_rows is None else spec.message_rows * hkv
     tile = _tile(spec)
+    backward_tile = min(BACKWARD_TILE, tile or BACKWARD_TILE)
+    if world > 1:
+        backward_tile = min(backward_tile, max(MIN_MESSAGE_ROWS, BACKWARD_TILE_PER_MESSAGE * budget // hkv))
     geo = Geometry(spec.seq_len, world, spec.layout if world > 1 else "contiguous", spec.causal, spec.window,
                    spec.planned_branches, hq, hkv, tile, spec.documents, spec.head_base)
     # A tile is set exactly where something besides causality and padding masks (documents, softcap).
-    return RingContext(comm, rank_plan(geo, rank, budget), spec, backward_tile=min(BACKWARD_TILE, tile or BACKWARD_TILE),
+    return RingContext(comm, rank_plan(geo, rank, budget), spec, backward_tile=backward_tile,
                        own_causal=tile is None and local_causal(geo, rank))
 
 
@@ -504,7 +513,7 @@ def ring_attention(
     where a document starts, beginning with 0; see
     :func:`hf_ring.documents.document_starts`): no exchange is then needed;
     ``message_rows`` sets the K/V rows per message on the ring (default: an
-    eighth of a shard, at least 512): smaller messages bound the ring's
+    eighth of a shard, at least 256): smaller messages bound the ring's
     buffers further, at some speed.
 
     Without a group and without torch.distributed it runs as one process.

@@ -339,15 +339,13 @@ def local_causal(geo: Geometry, rank: int) -> bool:
 
 
 MESSAGES_PER_SHARD = 8
-MIN_MESSAGE_ROWS = 2048
+"""Messages a shard's K/V travel in: the peak per rank holds about four messages (the one computed on, the next
+in flight, its returning gradients and the previous one's), so an eighth of a shard each keeps that near half a shard's K/V."""
+
+MIN_MESSAGE_ROWS = 256
 """Fewest rows of the largest message of a step (a zigzag step's smaller transfer gets half this).
 
-Messages bound memory: a message's rows sit in receive buffers while the
-previous one is computed on, so the peak per rank grows with the message.
-They also cost time: each adds a round with its own wait, which on a short
-shard is a visible share of the step. Below this size a few MB of buffers
-cost less than the rounds they save; a long shard still travels in eighths,
-so the memory bound per token is unchanged."""
+Each message adds a round with its own wait; below this size the rounds cost more than their buffers save."""
 
 
 def message_budget(seq_len: int, world_size: int, hkv: int) -> int:
