@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .agreement import agree_table, facts, global_length, unsharded_message
 from .cache import ShardedCache
-from .checks import agree_table, facts, global_length, unsharded_message
 from .comm import RingComm
 from .config import model_heads
 from .decode import CachedBlock, cached_blocks

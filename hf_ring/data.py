@@ -12,7 +12,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from .comm import all_gather, device_for
-from .checks import fail_together
+from .relay import fail_together
 from .context import CONTEXT_KEY, ShardedForward
 from .documents import Documents, check_documents, document_starts
 from .layout import local_positions, shard_sizes

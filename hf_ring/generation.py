@@ -30,7 +30,7 @@ import torch
 from . import config as ring_config
 from . import patches
 from .cache import ShardedCache
-from .checks import fail_together
+from .relay import fail_together
 from .comm import RingComm
 from .context import CONTEXT_KEY, DecodeStep, ShardedForward
 from .guard import other_attention_message

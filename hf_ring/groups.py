@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch.distributed as dist
+
 from .comm import RingComm
 
 
@@ -70,3 +72,19 @@ def set_current(sp: Optional[SequenceParallel]) -> None:
     """Make ``sp`` the active setup (None: sequences are not split)."""
     global _CURRENT
     _CURRENT = sp
+
+
+def resolve_group(group) -> Optional[RingComm]:
+    """The ring of ``group`` (the default group when None), or None for one process without torch.distributed."""
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = dist.group.WORLD
+    elif not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("group was given but torch.distributed is not initialised; call init_process_group first")
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the given group; "
+            "call ring_attention only on the group's ranks"
+        )
+    return RingComm(group)
