@@ -209,8 +209,100 @@ class Pending:
         return self._received
 
 
-CONTROL_INTS = 512
-"""Integers in every small control exchange (agreements, shared errors), whatever it carries."""
+CONTROL_INTS = 640
+"""Integers in every small control exchange (agreements, shared errors, the exit), whatever it carries."""
+
+_WHAT_BYTES = 96
+"""Bytes of an exchange's own name each control row carries, so a mismatch can say where every rank was."""
+
+LEAVING = "the exit of hf_ring.shutdown"
+"""The name of the control exchange a rank makes as it ends (see :func:`leave`)."""
+
+_REASON_BYTES = 400
+
+
+class RankLeftError(CommTimeoutError):
+    """Another rank ended while this one waited for it in an exchange (see :func:`leave`)."""
+
+
+def text_ints(text: str, size: int) -> List[int]:
+    """``text`` as ``1 + size`` integers: its UTF-8 length (cut at ``size`` bytes), then the bytes, zero-padded."""
+    raw = text.encode()[:size]
+    return [len(raw)] + list(raw) + [0] * (size - len(raw))
+
+
+def ints_text(ints: Sequence[int]) -> str:
+    """The text :func:`text_ints` wrote."""
+    return bytes(ints[1:1 + ints[0]]).decode(errors="replace")
+
+
+def _code(what: str) -> int:
+    return zlib.crc32(what.encode()) & 0x7FFFFFFF
+
+
+def control_row(what: str, values: Sequence[int]) -> List[int]:
+    """One rank's row of a control exchange: the exchange's code and name, then ``values``, padded to one size."""
+    values = [int(v) for v in values]
+    head = [_code(what)] + text_ints(what, _WHAT_BYTES)
+    if len(head) + len(values) > CONTROL_INTS:
+        raise ValueError(f"{what}: {len(values)} integers do not fit one exchange of {CONTROL_INTS - len(head)}")
+    return head + values + [0] * (CONTROL_INTS - len(head) - len(values))
+
+
+_HEAD = 2 + _WHAT_BYTES
+
+
+def _left(rows: Sequence[Sequence[int]], ranks: Sequence[int], what: str, me: int) -> RankLeftError:
+    """The error of a rank that waited in ``what`` while the ranks whose rows are :data:`LEAVING` ended."""
+    gone = [(ranks[r], row) for r, row in enumerate(rows) if row[0] == _code(LEAVING)]
+    why = []
+    for rank, row in gone:
+        reason = ints_text(row[_HEAD:])
+        why.append(f"rank {rank} ended " + (f"after an error it did not catch ({reason}; its own output has the "
+                                            "traceback)" if reason else "cleanly (its script finished)"))
+    return RankLeftError(
+        f"{'; '.join(why)}, while rank {me} waited for it in {what}. Every rank must make the same hf_ring calls: "
+        "a rank whose script ends early (it skipped a step, or a condition differed between ranks) leaves the others "
+        "waiting"
+    )
+
+
+def leave(groups: Sequence[dist.ProcessGroup], reason: str, timeout: float) -> List[str]:
+    """Tell every rank of each group that this one is ending, and wait for them to end too.
+
+    The exit is a control exchange like the agreements (:meth:`RingComm.all_gather_ints`),
+    posted on every group at once: a rank waiting in one of those learns at
+    once that this rank left (:class:`RankLeftError`), and this rank learns
+    where that rank was instead of waiting for it. Returns a note per rank
+    found elsewhere (empty when all ended together); raises
+    :class:`CommTimeoutError` when a group does not answer within ``timeout``.
+    ``reason``: the error this rank is ending on ("" for a clean end).
+    """
+    row = control_row(LEAVING, text_ints(reason, _REASON_BYTES))
+    posted, seen = [], set()
+    for group in groups:
+        if id(group) in seen or dist.get_rank(group) < 0:
+            continue
+        seen.add(id(group))
+        t = torch.tensor(row, dtype=torch.long, device=device_for(group))
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        work = _post(LEAVING, timeout, lambda: dist.all_gather(parts, t, group=group, async_op=True))
+        posted.append((group, work, parts))
+    deadline, pause = time.monotonic() + timeout, 1e-3
+    while posted:
+        for item in [p for p in posted if p[1].is_completed()]:
+            group, work, parts = item
+            posted.remove(item)
+            work.wait()
+            elsewhere = [(dist.get_global_rank(group, r), ints_text(p.tolist()[1:])) for r, p in enumerate(parts)
+                         if int(p[0]) != _code(LEAVING)]
+            if elsewhere:  # those ranks raise RankLeftError now; the other groups' exits would wait for nothing
+                return [f"rank {rank} was still in {where}" for rank, where in elsewhere]
+        if posted and time.monotonic() >= deadline:
+            raise _failure(LEAVING, timeout, "some ranks did not reach their exit (still working, or hung)")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+    return []
 
 
 class RingComm:
@@ -254,26 +346,25 @@ class RingComm:
     def all_gather_ints(self, values: Sequence[int], what: str) -> List[List[int]]:
         """Every rank's copy of a few small integers, by rank (one small all-gather).
 
-        Every such exchange has the same size and starts with a code of
-        ``what``, so ranks that reached different exchanges (one rank skipped a
-        step the others made) get a clear error on all of them instead of a
-        size mismatch inside the backend.
+        Every such exchange has the same size and starts with the code and
+        name of ``what``, so ranks that reached different exchanges (one rank
+        skipped a step the others made) get a clear error on all of them
+        instead of a size mismatch inside the backend, and a rank that ended
+        (:func:`leave`) is known to the others at once.
         """
-        values = [int(v) for v in values]
-        if len(values) >= CONTROL_INTS:
-            raise ValueError(f"{what}: {len(values)} integers do not fit one exchange of {CONTROL_INTS - 1}")
-        code = zlib.crc32(what.encode()) & 0x7FFFFFFF
-        row = [code] + values + [0] * (CONTROL_INTS - 1 - len(values))
-        t = torch.tensor(row, dtype=torch.long, device=device_for(self.group))
+        t = torch.tensor(control_row(what, values), dtype=torch.long, device=device_for(self.group))
         table = [r.tolist() for r in self.all_gather(t, what)]
-        if len({r[0] for r in table}) > 1:
-            where = ["here" if r[0] == code else "elsewhere" for r in table]
+        codes = {r[0] for r in table}
+        if len(codes) > 1:
+            ranks = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+            if _code(LEAVING) in codes:
+                raise _left(table, ranks, what, ranks[self.rank])
+            where = "; ".join(f"rank {rank}: {ints_text(r[1:])}" for rank, r in zip(ranks, table))
             raise ValueError(
-                f"the ranks reached different exchanges ({what!r} on rank {self.rank}; by rank: {where}): a rank "
-                "skipped or added a step the others made, e.g. one rank passed its batch through hf_ring.shard_batch "
-                "and another did not, or ran another model"
+                f"the ranks reached different exchanges ({where}): a rank skipped or added a step the others made, "
+                "e.g. one rank passed its batch through hf_ring.shard_batch and another did not, or ran another model"
             )
-        return [r[1:1 + len(values)] for r in table]
+        return [r[_HEAD:_HEAD + len(values)] for r in table]
 
     def all_gather(self, tensor: Tensor, what: str) -> Tensor:
         """Every rank's ``tensor`` stacked by rank, ``(world_size, *tensor.shape)``."""

@@ -29,39 +29,53 @@ _MESHES: dict = {}
 
 
 def shutdown(timeout: Optional[float] = None) -> None:
-    """End torch.distributed cleanly: a barrier over the world bounded by ``timeout`` seconds, then
+    """End torch.distributed cleanly: every rank's exit meets the others' (bounded by ``timeout`` seconds), then
     ``destroy_process_group``.
 
     gloo processes that exit with their process group alive often abort at
     exit ("terminate called without an active exception"), and the launcher
     reports a finished job as failed. :func:`setup_sequence_parallel`
     therefore registers this to run at exit; call it yourself only to end the
-    group earlier. ``timeout`` defaults to ``HF_RING_TIMEOUT``. If the barrier
-    fails or times out (a peer died or is still busy), the group is destroyed
-    all the same and a one-line note goes to stderr. Does nothing when no
-    group is initialised. The sequence-parallel setup is cleared.
+    group earlier. ``timeout`` defaults to ``HF_RING_TIMEOUT``.
+
+    The exit is a control exchange over every group hf_ring made and the
+    world (see :func:`hf_ring.comm.leave`): a rank still waiting in one of
+    hf_ring's exchanges (a batch check, the agreement before the ring) learns
+    at once that this rank ended and raises, naming it, and this rank ends
+    without waiting for it. If the exchange fails or times out (a peer died
+    or is still busy), the group is destroyed all the same and a one-line
+    note goes to stderr. Does nothing when no group is initialised. The
+    sequence-parallel setup is cleared.
     """
+    _leave(timeout, "")
+
+
+def _leave(timeout: Optional[float], reason: str) -> None:
     set_current(None)
     if not (dist.is_available() and dist.is_initialized()):
         return
+    groups = [mesh.get_group(name) for mesh in _MESHES.values() for name in mesh.mesh_dim_names]
     try:
         timeout = comm.comm_timeout() if timeout is None else float(timeout)
-        comm.all_reduce(torch.zeros(1, device=comm.device_for(None)), None, "the barrier before shutdown",
-                        timeout=timeout)
+        for note in comm.leave(groups + [dist.group.WORLD], reason, timeout):
+            print(f"hf_ring.shutdown: {note}; ending the process group without it", file=sys.stderr)
     except (RuntimeError, ValueError) as err:
-        print(f"hf_ring.shutdown: ending the process group without the barrier ({err})", file=sys.stderr)
+        print(f"hf_ring.shutdown: ending the process group without the exit of every rank ({err})", file=sys.stderr)
     _MESHES.clear()
     dist.destroy_process_group()
 
 
+ERROR_EXIT_S = 5.0
+"""Seconds a rank ending on an uncaught error waits for the others at its exit: long enough for ranks waiting in
+an hf_ring exchange to learn why it left, short enough not to hold up the error's exit behind ranks still working."""
+
+
 def _shutdown_at_exit() -> None:
-    # An uncaught exception on this rank: its peers will not come to a barrier in time (they are waiting for
-    # this rank's next send, or have failed too), so waiting for them would only delay the error's exit.
-    if getattr(sys, "last_value", None) is not None:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    error = getattr(sys, "last_value", None)
+    if error is None:
+        shutdown()
         return
-    shutdown()
+    _leave(min(ERROR_EXIT_S, comm.comm_timeout()), f"{type(error).__name__}: {error}")
 
 
 def clear_sequence_parallel() -> None:

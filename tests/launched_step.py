@@ -9,7 +9,10 @@ model beside the sharded one. That second model runs before and after the
 sequence-parallel setup, and on rank 0 only afterwards: it must return the
 same loss, logits and gradients bit for bit, and issue no collective (rank 1
 never joins one). ``--fault kill|raise`` makes rank 1 die or raise after the
-setup instead; rank 0 reports how its step ended. ``--light`` runs only a
+setup instead; rank 0 reports how its step ended. ``--leave`` makes rank 1's
+script end right after the setup, cleanly, while rank 0 shards a batch.
+``--bad-labels one|both`` gives rank 1 (or both ranks) labels of the wrong
+length. ``--light`` runs only a
 sharded ``ring_attention`` forward and backward and a training loop's metric
 reductions (no model), for launch counts.
 The script ends without any cleanup of its own: the launch must still exit 0.
@@ -64,6 +67,8 @@ def main() -> None:
     parser.add_argument("--backend", default="none", help="none, or the backend to name (default: %(default)s)")
     parser.add_argument("--model", help="a saved tiny Llama with dynamic RoPE (default: none, for --light)")
     parser.add_argument("--fault", choices=["kill", "raise"], help="rank 1 dies or raises after the setup")
+    parser.add_argument("--leave", action="store_true", help="rank 1's script ends right after the setup")
+    parser.add_argument("--bad-labels", choices=["one", "both"], help="labels one row short on rank 1, or on both")
     parser.add_argument("--light", action="store_true", help="only a sharded ring_attention forward and backward")
     parser.add_argument("--out", required=True, help="a folder: each rank writes rank<N>.json there")
     parser.add_argument("--accelerator", choices=["cpu", "default"],
@@ -85,6 +90,10 @@ def main() -> None:
     beside = load(args.model, "sdpa").train()
     before = whole_step(beside, data)
     hf_ring.setup_sequence_parallel(None, sp_size=world)
+    if args.leave and rank == 1:
+        return
+    if args.bad_labels == "both" or (args.bad_labels == "one" and rank == 1):
+        data = dict(data, labels=data["labels"][:, :-1])
     if args.fault and rank == 1:
         if args.fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)

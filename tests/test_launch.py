@@ -62,13 +62,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _by_hand(out, *args):
+def _by_hand(out, *args, timeout_s=FAULT_TIMEOUT_S):
     """Two ranks started as torchrun starts them (env://), but with no agent that stops the survivor."""
     port = _free_port()
     procs, started = [], time.monotonic()
     for rank in range(2):
-        env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                   WORLD_SIZE="2")
+        env = dict(_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                        WORLD_SIZE="2"), HF_RING_TIMEOUT=str(timeout_s))
         procs.append(subprocess.Popen([sys.executable, SCRIPT, "--out", out, *args], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT))
     ends = []
@@ -88,11 +88,54 @@ def test_fault_on_one_rank_is_reported_within_the_bound(tmp_path, backend, fault
         assert "rank 1 fails on purpose" in err1
     assert code0 == 1, err0[-3000:]
     [result] = _results(str(tmp_path))
-    assert result["error"] == "CommTimeoutError" and "HF_RING_TIMEOUT" in result["message"], result
-    assert result["after_s"] <= FAULT_TIMEOUT_S + SLACK_S, result
+    if fault == "kill":
+        assert result["error"] == "CommTimeoutError" and "HF_RING_TIMEOUT" in result["message"], result
+        assert result["after_s"] <= FAULT_TIMEOUT_S + SLACK_S, result
+    else:  # rank 1's exit tells rank 0, waiting in the batch check, why it left
+        assert result["error"] == "RankLeftError", result
+        assert result["message"].startswith("rank 1 ended after an error it did not catch (RuntimeError: rank 1 "
+                                            "fails on purpose"), result
+        assert result["after_s"] <= SLACK_S, result
     # Neither the failing rank nor the survivor waits at exit for a peer that will not come.
     assert max(wall0, wall1) <= FAULT_TIMEOUT_S + 2 * SLACK_S, (wall0, wall1)
     assert "Traceback" in err0 and "terminate called" not in err0 + err1
+
+
+LEAVE_TIMEOUT_S = 120
+
+
+def test_a_rank_that_ends_early_is_known_to_the_others_at_once(tmp_path):
+    """Rank 1's script ends right after the setup while rank 0 checks a batch: rank 0 learns it from rank 1's exit
+    (one protocol for exits and checks) long before HF_RING_TIMEOUT, and the launch ends."""
+    started = time.monotonic()
+    (code0, err0, wall0), (code1, err1, wall1) = _by_hand(str(tmp_path), "--model", _model(), "--leave",
+                                                          timeout_s=LEAVE_TIMEOUT_S)
+    assert max(wall0, wall1) < 60 and time.monotonic() - started < 60, (wall0, wall1)
+    [result] = _results(str(tmp_path))
+    assert result["rank"] == 0 and result["error"] == "RankLeftError" and result["after_s"] < 30, result
+    assert result["message"].startswith("rank 1 ended cleanly (its script finished), while rank 0 waited for it in "
+                                        "the batch check of shard_batch"), result
+    assert code0 == 1 and err0.count("Traceback (most recent call last)") == 1, err0[-3000:]
+    assert code1 == 0, err1[-3000:]
+    assert "hf_ring.shutdown: rank 0 was still in the batch check of shard_batch" in err1, err1[-3000:]
+    assert "terminate called" not in err0 + err1
+
+
+@pytest.mark.parametrize("bad", ["one", "both"])
+def test_a_bad_batch_prints_one_traceback_per_rank_naming_the_ranks(tmp_path, bad):
+    """The local error and its relayed copy are one exception, not two chained ones; the message names the ranks
+    that failed, the same on every rank."""
+    ends = _by_hand(str(tmp_path), "--model", _model(), "--bad-labels", bad)
+    who = "rank 1" if bad == "one" else "ranks 0 and 1"
+    for rank, (code, err, wall) in enumerate(ends):
+        assert code == 1, err[-3000:]
+        assert err.count("Traceback (most recent call last)") == 1, err
+        assert "During handling of the above exception" not in err and "direct cause" not in err, err
+        last = [line for line in err.splitlines() if line.startswith("ValueError")][-1]
+        assert last.startswith(f"ValueError: {who}: "), (rank, last)
+        assert "labels" in last, last
+    for result in _results(str(tmp_path)):
+        assert result["error"] == "ValueError" and result["message"].startswith(f"{who}: "), result
 
 
 @pytest.mark.parametrize("accelerator", ["cpu", "default"])
