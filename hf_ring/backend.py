@@ -23,7 +23,8 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from . import config as ring_config
 from . import patches
-from .checks import check_options, check_qkv, check_sinks, check_softcap, full_key_mask, option_codes
+from .agreement import full_key_mask, option_codes
+from .checks import check_options, check_qkv, check_sinks, check_softcap
 from .documents import Documents, check_documents, document_starts
 from .context import CONTEXT_KEY, DecodeStep, ShardedForward, layer_head_base, refuse_unsharded
 from .decode import CachedBlock, cached_attention, cached_blocks, merge_ranks
@@ -138,7 +139,7 @@ def ring_dilated_attention(
         if not query.dtype == key.dtype == value.dtype:
             raise TypeError(f"q, k, v must share one dtype; got q={query.dtype}, k={key.dtype}, v={value.dtype}")
         if isinstance(ctx, ShardedForward) and query.shape[2] == key.shape[2]:
-            spec = _sharded_spec(query, key, value, attention_mask, spec, ctx, cfg.ulysses_size)
+            spec = _sharded_spec(query, key, value, attention_mask, spec, ctx)
     except (TypeError, ValueError, NotImplementedError) as err:
         if isinstance(ctx, ShardedForward):
             ctx.fail(err)
@@ -171,22 +172,12 @@ def _layer_spec(module, cfg: ring_config.RingConfig, query: Tensor, causal: Any,
 
 
 def _sharded_spec(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, spec: AttentionSpec,
-                  ctx: ShardedForward, saved_ulysses: Optional[int]) -> AttentionSpec:
+                  ctx: ShardedForward) -> AttentionSpec:
     """The spec of a forward over shards: the forward's layout, length, documents and this rank's key padding.
 
-    ``saved_ulysses``: the model config's ``ulysses_size`` (None: whatever the setup has)."""
+    A model whose saved layout or ``ulysses_size`` differs from the setup's was refused at its call
+    (:func:`hf_ring.guard.refuse_other_shape`), before any layer."""
     check_qkv(query, key, value)
-    if ctx.world_size > 1 and spec.layout != ctx.layout:
-        raise ValueError(
-            f"config.ring_dilated layout {spec.layout!r} differs from the sequence-parallel layout "
-            f"{ctx.layout!r}; use one layout for both (hf_ring.configure and hf_ring.setup_sequence_parallel)"
-        )
-    if ctx.world_size > 1 and saved_ulysses not in (None, ctx.ulysses):
-        raise ValueError(
-            f"config.ring_dilated ulysses_size={saved_ulysses} differs from the sequence-parallel setup's "
-            f"ulysses_size={ctx.ulysses}; pass the same to hf_ring.setup_sequence_parallel (prepare_trainer "
-            "takes it from the config) or change it with hf_ring.configure"
-        )
     head_split(query.shape[1], key.shape[1], ctx.ulysses)  # the heads must serve the head-parallel groups
     return spec.at(layout=ctx.layout, seq_len=ctx.seq_len, documents=ctx.documents,
                    key_mask=_key_mask_2d(attention_mask))

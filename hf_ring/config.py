@@ -6,6 +6,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
+from .groups import current
 from .layout import check_layout, check_ulysses_size, head_split
 from .pattern import DilatedPattern, coverage_message
 
@@ -79,6 +80,24 @@ def parse(value: Optional[Mapping[str, Any]]) -> RingConfig:
     return RingConfig(pattern, layout, None if ulysses is None else check_ulysses_size(ulysses))
 
 
+def shape_conflict(saved: RingConfig, layout: str, ulysses_size: int) -> Optional[str]:
+    """What a model's saved ``config.ring_dilated`` says against a sequence-parallel setup's shape, or None.
+
+    The saved pattern belongs to the model; a saved layout or ``ulysses_size``
+    must match the setup's (a model trained head-parallel in groups of 2 keeps
+    that size), and a mismatch is refused before anything runs, naming both.
+    """
+    if saved.layout != layout:
+        return (f"the model's config.{CONFIG_KEY} has layout={saved.layout!r} but the sequence-parallel setup has "
+                f"layout={layout!r}; pass the same to hf_ring.setup_sequence_parallel (or prepare_trainer), or change "
+                "the model's with hf_ring.configure(model, layout=...)")
+    if saved.ulysses_size not in (None, ulysses_size):
+        return (f"the model's config.{CONFIG_KEY} has ulysses_size={saved.ulysses_size} but the sequence-parallel "
+                f"setup has ulysses_size={ulysses_size}; pass the same to hf_ring.setup_sequence_parallel "
+                "(prepare_trainer takes it from the config), or change the model's with hf_ring.configure")
+    return None
+
+
 def configure(model: Any, pattern: Union[DilatedPattern, Mapping[str, Any], None] = None,
               layout: str = "zigzag", ulysses_size: Optional[int] = None) -> Any:
     """Set the dilation pattern, layout and head-parallel size of ``model`` (stored in ``model.config.ring_dilated``).
@@ -88,7 +107,9 @@ def configure(model: Any, pattern: Union[DilatedPattern, Mapping[str, Any], None
     head at long distances, and is warned about. ``ulysses_size``: ranks per
     head-parallel group this model is trained with (see
     :func:`hf_ring.setup_sequence_parallel`); :func:`hf_ring.prepare_trainer`
-    takes it from here, and a forward under another setting is refused.
+    takes it from here; under a sequence-parallel setup with another layout
+    or ``ulysses_size`` this call is refused, and so is a call of a model
+    that carries them.
     Returns the model.
     """
     if isinstance(pattern, Mapping):
@@ -103,6 +124,11 @@ def configure(model: Any, pattern: Union[DilatedPattern, Mapping[str, Any], None
         heads = model_heads(getattr(model, "config", model))
         if heads is not None:
             head_split(*heads, ulysses_size)
+    sp = current()
+    if sp is not None and sp.sp_size > 1:  # refused now, not at the model's first call under that setup
+        conflict = shape_conflict(parse(value), sp.layout, sp.ulysses_size)
+        if conflict is not None:
+            raise ValueError(conflict)
     config = getattr(model, "config", model)
     warn_coverage(pattern, config)
     setattr(config, CONFIG_KEY, value)

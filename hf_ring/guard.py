@@ -15,12 +15,10 @@ from typing import Any, Mapping
 
 from transformers import PreTrainedModel
 
-from .config import ATTN_IMPLEMENTATION, attn_implementations, runs_ring
+from .config import ATTN_IMPLEMENTATION, CONFIG_KEY, attn_implementations, parse, runs_ring, shape_conflict
 from .context import CONTEXT_KEY, DecodeStep, ShardedForward
+from .patches import registry
 from .tp import sharding_error
-
-_MARK = "_hf_ring_guarded_call"
-
 
 def other_attention_message(model: Any) -> str:
     names = attn_implementations(getattr(model, "config", None))
@@ -44,6 +42,22 @@ def refuse_other_attention(model: Any, kwargs: Mapping[str, Any]) -> None:
     raise error
 
 
+def refuse_other_shape(model: Any, kwargs: Mapping[str, Any]) -> None:
+    """Raise ValueError on every rank when sharded inputs reach a model whose saved ``config.ring_dilated`` has
+    another layout or ``ulysses_size`` than the setup that sharded them (before any layer runs)."""
+    ctx = kwargs.get(CONTEXT_KEY)
+    if not isinstance(ctx, ShardedForward) or ctx.world_size == 1:
+        return
+    try:
+        saved = parse(getattr(getattr(model, "config", None), CONFIG_KEY, None))
+    except (TypeError, ValueError) as err:
+        ctx.fail(err)
+        raise
+    message = shape_conflict(saved, ctx.layout, ctx.ulysses)
+    if message is not None:
+        ctx.fail(ValueError(message))
+
+
 def refuse_other_sharding(model: Any, kwargs: Mapping[str, Any]) -> None:
     """Raise ValueError on every rank when sharded inputs reach a model not sharded over the forward's tp group
     (transformers' own layers would otherwise fail on half-heads, or run every head on every tp rank)."""
@@ -55,18 +69,22 @@ def refuse_other_sharding(model: Any, kwargs: Mapping[str, Any]) -> None:
         ctx.fail(ValueError(message))
 
 
-def install() -> None:
-    """Guard every transformers model's call (idempotent)."""
-    original = PreTrainedModel.__call__
-    if getattr(original, _MARK, False):
-        return
+WHY = ("refuses sequence-sharded inputs to a model whose attention is not ring_dilated (other calls pass "
+       "through untouched); installed by import hf_ring and kept")
 
+
+def _guarded(original):
     def __call__(self, *args, **kwargs):
         if kwargs:
             refuse_other_attention(self, kwargs)
+            refuse_other_shape(self, kwargs)
             refuse_other_sharding(self, kwargs)
         return original(self, *args, **kwargs)
 
-    setattr(__call__, _MARK, True)
     __call__.__wrapped__ = original
-    PreTrainedModel.__call__ = __call__
+    return __call__
+
+
+def install() -> None:
+    """Guard every transformers model's call (idempotent; listed by :func:`hf_ring.patches.applied`)."""
+    registry.replace(PreTrainedModel, "__call__", _guarded, WHY, kept=True)

@@ -41,6 +41,7 @@ from .groups import SequenceParallel, current
 from . import config as ring_config
 from . import zero
 from .parallel import check_tp_size, setup_sequence_parallel
+from .patches import registry
 from .tp import check_heads, check_trainer_model, loaded_tp_size
 from .layout import check_ulysses_size
 from .seams import TRAINER_DIVIDES_TOKEN_COUNT, cache_argument
@@ -257,6 +258,10 @@ class SequenceParallelTrainerMixin:
 _CLASSES: Dict[type, type] = {}
 
 
+_TRAINER_WHY = ("its class gains SequenceParallelTrainerMixin (sharded batches, one sequence's loss over the group, "
+                "sp-aware data loaders and checkpoints); undone by clear_sequence_parallel")
+
+
 def _sequence_parallel_class(cls: type) -> type:
     if issubclass(cls, SequenceParallelTrainerMixin):
         return cls
@@ -306,7 +311,7 @@ def _deepspeed_config(trainer: Any) -> Optional[dict]:
     return trainer.accelerator.state.deepspeed_plugin.deepspeed_config if trainer.is_deepspeed_enabled else None
 
 
-def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: str = "zigzag",
+def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: Optional[str] = None,
                     ulysses_size: Optional[int] = None, tp_size: Optional[int] = None) -> Any:
     """Make a built ``transformers.Trainer`` (or subclass, e.g. TRL's ``SFTTrainer``) split every sequence over ``sp_size`` ranks.
 
@@ -316,8 +321,10 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: str = "
     (:func:`hf_ring.setup_sequence_parallel` with the trainer's accelerator),
     switches the model's attention to ``ring_dilated`` and returns the trainer.
     ``ulysses_size`` picks the ring (1), head parallelism (``sp_size``) or both
-    (see :func:`hf_ring.setup_sequence_parallel`); by default the model
-    config's ``ring_dilated.ulysses_size`` (:func:`hf_ring.configure`), else 1.
+    (see :func:`hf_ring.setup_sequence_parallel`); ``layout`` and
+    ``ulysses_size`` default to the model config's ``ring_dilated`` values
+    (:func:`hf_ring.configure`), else ``"zigzag"`` and 1, and one given here
+    that differs from the config's is refused before the setup, naming both.
     ``tp_size``: the tensor-parallel size of a model sharded at load time
     (``DistributedConfig(tp_size=..., fsdp_size=...)``), by default the model's own.
     Under DeepSpeed (ZeRO 1-3) it refuses DeepSpeed's own sequence or tensor
@@ -338,8 +345,12 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: str = "
     if pc is not None and (pc.cp_enabled or pc.sp_enabled or (pc.tp_enabled and pc.tp_size != tp_size)):
         raise ValueError("prepare_trainer splits sequences itself; remove cp_size/sp_size/tp_size from parallelism_config")
     base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model  # PEFT
-    if ulysses_size is None:
-        ulysses_size = ring_config.parse(getattr(base.config, ring_config.CONFIG_KEY, None)).ulysses_size or 1
+    saved = ring_config.parse(getattr(base.config, ring_config.CONFIG_KEY, None))
+    layout = saved.layout if layout is None else layout
+    ulysses_size = saved.ulysses_size or 1 if ulysses_size is None else ulysses_size
+    conflict = ring_config.shape_conflict(saved, layout, ulysses_size)
+    if conflict is not None:
+        raise ValueError(conflict)
     heads = ring_config.model_heads(base.config)
     if heads is not None:
         check_heads(heads, check_tp_size(tp_size), check_ulysses_size(ulysses_size))  # now, not at the first step
@@ -353,7 +364,7 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: str = "
     if ds_config is not None:
         zero.count_sequences_once(ds_config, sp.sp_size, sp.dp_size)
     _use_ring_attention(trainer.model)
-    trainer.__class__ = _sequence_parallel_class(type(trainer))
+    registry.replace(trainer, "__class__", _sequence_parallel_class, _TRAINER_WHY)
     attach_shard_hook(trainer.model)
     setattr(trainer, _PREPARED_ATTR, _describe(sp.sp_size, sp.layout, sp.ulysses_size))
     return trainer

@@ -15,6 +15,11 @@ The tested families (:mod:`.families`) are patched up front by
 :func:`apply_all`, which ``setup_sequence_parallel`` calls before any model is
 loaded; a model of another family is checked the same way, and gets a
 warning that it is untested.
+
+Every change hf_ring makes outside itself (these patches, the import-time
+guard of ``PreTrainedModel.__call__``, a prepared trainer's class) is
+recorded in :mod:`.registry`: :func:`applied` lists them, :func:`revert_all`
+(which ``clear_sequence_parallel`` calls) puts them back by identity.
 """
 from __future__ import annotations
 
@@ -23,11 +28,13 @@ from typing import Any, List, Tuple
 
 import torch
 
-from . import rope, structure, tiling
+from . import registry, rope, structure, tiling
 from .families import FAMILIES, Family
 
-__all__ = ["FAMILIES", "Family", "apply", "apply_all", "check_supported", "is_applied", "revert", "revert_all",
-           "rotary_modules", "supported"]
+from .registry import Patch, applied
+
+__all__ = ["FAMILIES", "Family", "Patch", "applied", "apply", "apply_all", "check_supported", "is_applied", "revert",
+           "revert_all", "rotary_modules", "supported"]
 
 
 def supported() -> Tuple[str, ...]:
@@ -127,6 +134,6 @@ def apply_all() -> None:
 
 
 def revert_all() -> None:
-    """Undo every rotary and tiling patch made through this package."""
-    rope.unpatch_all()
-    tiling.revert_all()
+    """Undo every change hf_ring made outside itself (:func:`applied`) but the import-time guard of
+    ``PreTrainedModel.__call__``: rotary and tiling patches, a prepared trainer's class."""
+    registry.restore_all()

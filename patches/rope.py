@@ -14,7 +14,6 @@ and ``inv_freq`` buffers, and wraps its ``forward`` in
 """
 from __future__ import annotations
 
-import weakref
 from typing import Iterator, Optional, Tuple
 
 import torch
@@ -24,15 +23,14 @@ from transformers.modeling_rope_utils import dynamic_rope_update
 from hf_ring.config import runs_ring
 from hf_ring.groups import current
 
-_ORIGINAL = "_hf_ring_original_forward"
+from . import registry
+
 _MARK = "_hf_ring_global_length"
+WHY = "length-dependent RoPE sees the global sequence length under sequence parallelism"
 LENGTH_DEPENDENT = ("dynamic", "longrope")
 # Every forward transformers wraps with dynamic_rope_update runs this one code object (``functools.wraps``
 # copies names, not code), so it identifies the wrapper that reads the call's length.
 _ROPE_UPDATE_CODE = dynamic_rope_update(lambda self, x, position_ids: None).__code__
-
-# Classes patched by this module, so that reverting everything needs no list of families.
-_PATCHED: "weakref.WeakSet[type]" = weakref.WeakSet()
 
 
 def rope_types(module: torch.nn.Module) -> Tuple[str, ...]:
@@ -85,11 +83,14 @@ def patch_rotary(cls: type) -> bool:
     """Wrap ``cls.forward`` (idempotent); False when its forward does not read the call's length."""
     if is_patched(cls):
         return True
-    original = cls.forward
-    raw = _undecorated(original)
+    raw = _undecorated(cls.forward)
     if raw is None:
         return False
+    registry.replace(cls, "forward", lambda original: _global_length_forward(original, raw), WHY)
+    return True
 
+
+def _global_length_forward(original, raw):
     def forward(self, x, position_ids, *args, **kwargs):
         layer_type = args[0] if args else kwargs.get("layer_type")
         sp = current()
@@ -110,26 +111,20 @@ def patch_rotary(cls: type) -> bool:
 
     forward.__wrapped__ = raw
     setattr(forward, _MARK, True)
-    setattr(cls, _ORIGINAL, original)
-    cls.forward = forward
-    _PATCHED.add(cls)
-    return True
+    return forward
 
 
 def unpatch_rotary(cls: type) -> None:
     """Undo :func:`patch_rotary` on ``cls`` or the base class that holds the patch."""
     for owner in cls.__mro__:
-        original = owner.__dict__.get(_ORIGINAL)
-        if original is not None:
-            owner.forward = original
-            delattr(owner, _ORIGINAL)
-            _PATCHED.discard(owner)
+        if registry.restore(owner, "forward"):
             return
 
 
 def unpatch_all() -> None:
-    for cls in list(_PATCHED):
-        unpatch_rotary(cls)
+    for patch in registry.applied():
+        if patch.why == WHY:
+            registry.restore(patch.owner, patch.name)
 
 
 def is_patched(cls: type) -> bool:

@@ -31,7 +31,6 @@ import inspect
 import warnings
 from typing import Any, Dict, Optional, Tuple
 
-import torch
 import transformers
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -46,12 +45,13 @@ from hf_ring.loss import tiled_causal_lm_loss
 from hf_ring.mlp import tiled_rows
 from hf_ring.zero import zero3_partitioned
 
+from . import registry, reproduction
 from .families import FAMILIES
 
 CONFIG_KEY = "ring_tiling"
 SETTINGS = ("loss", "mlp", "norm", "loss_chunk_rows", "row_chunk_rows")
 RETURN_LOGITS = "return_logits"
-_ORIGINAL = "_hf_ring_tiling_original_forward"
+WHY = "loss, MLP and norm tiled over rows, so a long shard's logits and activations are never whole"
 _CONFIG_REF = "_hf_ring_tiling_config"
 """Set on MLP and norm modules (by :func:`configure`, or by the CausalLM's first forward, which marks itself with
 it too): the model config holding their settings."""
@@ -61,102 +61,15 @@ TILED: Dict[str, Tuple[str, str, str, str]] = {
 """Families whose CausalLM forward, MLP and norm are known to fit the tiled versions (module, class names),
 from the one family table."""
 
-_CHECK_SIZES = {"vocab_size": 61, "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 1,
-               "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}
-"""The tiny model the reproduction check builds from a config: every other setting kept as the config has it."""
-LOSS_SWITCHES: Dict[str, Any] = {"output_router_logits": True}
-"""Config switches that add a term to a CausalLM's loss: the check turns each one on, so a term the tiled loss
-leaves out shows."""
-CHECK_TOLERANCE = 1e-5
-"""Largest relative difference per tensor (loss, every parameter gradient) the check accepts; a logit scale or a
-loss term the reproduction lacks differs by orders of magnitude more."""
-_VERDICTS: Dict[Tuple[type, Any, str], Optional[str]] = {}
-"""Memo of :func:`reproduction_problem`: the check runs once per class, original forward and config."""
 _WARNED: set = set()
 """(class, reason) pairs already warned about: a family that stands down says so once per process."""
 
 
-def _tiny_model(cls: type, config: Any) -> nn.Module:
-    """A float32 ``cls`` of one small layer with ``config``'s other settings, eager attention and weights large
-    enough that every logit transformation (caps, scales) changes the loss."""
-    config = config if config is not None else cls.config_class()
-    values = config.to_dict()
-    values.update(_CHECK_SIZES)
-    values.update({k: v for k, v in LOSS_SWITCHES.items() if k in values})
-    if isinstance(values.get("layer_types"), list):
-        values["layer_types"] = values["layer_types"][:1]
-    values.pop(CONFIG_KEY, None)
-    for key in [k for k in values if k.endswith("_token_id")]:
-        values[key] = None  # the released ids lie outside the tiny vocabulary
-    tiny = type(config).from_dict(values)
-    tiny._attn_implementation = "eager"
-    with torch.device("cpu"):
-        model = cls(tiny).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.5)
-    return model
-
-
-def _loss_and_grads(model: nn.Module, loss_of) -> list:
-    ids = torch.randint(0, _CHECK_SIZES["vocab_size"], (2, 7))
-    labels = ids.clone()
-    labels[0, :3] = -100
-    params = [p for p in model.parameters() if p.requires_grad]
-    loss = loss_of(ids, labels)
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return [loss.detach()] + [g for g in grads if g is not None]
-
-
-def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    scale = want.abs().max().item()
-    diff = (got - want).abs().max().item()
-    return diff / scale if scale else (0.0 if diff == 0 else float("inf"))
-
-
-def _check_reproduction(cls: type, config: Any, original) -> Optional[str]:
-    signature = inspect.signature(inspect.unwrap(original))
-    missing = [p for p in ("input_ids", "labels", "logits_to_keep") if p not in signature.parameters]
-    if missing:
-        return f"its forward takes no {missing}"
-    # Seeded and forked: the check must not move the caller's random stream. Autocast, no_grad and a default
-    # device would each change what the tiny model computes.
-    with torch.random.fork_rng(devices=[]), torch.autocast("cpu", enabled=False), torch.enable_grad():
-        torch.manual_seed(0)
-        try:
-            model = _tiny_model(cls, config)
-            torch.manual_seed(1)
-            want = _loss_and_grads(model, lambda ids, labels: original(model, input_ids=ids, labels=labels).loss)
-            torch.manual_seed(1)
-            got = _loss_and_grads(model, lambda ids, labels: _tiled_loss(model, signature, (),
-                                                                         {"input_ids": ids, "labels": labels})[0])
-        except Exception as e:  # the check could not run: the tiled loss is not known to be right
-            return f"the check on a tiny model could not run ({type(e).__name__}: {e})"
-    if len(got) != len(want):
-        return "its loss reaches parameters the tiled loss does not"
-    worst = max(_relative(g, w) for g, w in zip(got, want))
-    if worst > CHECK_TOLERANCE:
-        return (f"on a tiny model its loss or a gradient differs from the tiled loss by {worst:.1e} relative (a logit "
-                "scale, an extra loss term or another head)")
-    return None
-
-
-def _config_key(config: Any) -> str:
-    return "" if config is None else config.to_json_string(use_diff=False)
-
-
 def reproduction_problem(cls: type, config: Any = None) -> Optional[str]:
-    """Why the tiled loss does not reproduce ``cls.forward``'s loss and gradients, or None when it does.
-
-    Measured, not read from the source: a tiny model of ``cls`` with ``config``'s settings (the class's default
-    config when None) runs its own forward and the tiled loss on the same batch, with every optional loss term
-    of :data:`LOSS_SWITCHES` on. Memoised per class, original forward and config.
-    """
-    original = cls.__dict__.get(_ORIGINAL, cls.forward)
-    key = (cls, original, _config_key(config))
-    if key not in _VERDICTS:
-        _VERDICTS[key] = _check_reproduction(cls, config, original)
-    return _VERDICTS[key]
+    """Why the tiled loss does not reproduce ``cls.forward``'s loss and gradients, or None when it does
+    (measured on a tiny model: :func:`.reproduction.problem`)."""
+    original = registry.original(cls, "forward") if registry.is_replaced(cls, "forward") else cls.forward
+    return reproduction.problem(cls, config, original, _tiled_loss, CONFIG_KEY)
 
 
 def _family(cls: type, config: Any) -> str:
@@ -333,18 +246,11 @@ def _tiled_rows_forward(switch: str):
 
 
 def _patch(cls: type, make) -> None:
-    if _ORIGINAL in cls.__dict__:
-        return
-    original = cls.forward
-    setattr(cls, _ORIGINAL, original)
-    cls.forward = make(original)
+    registry.replace(cls, "forward", make, WHY)
 
 
 def _unpatch(cls: type) -> None:
-    original = cls.__dict__.get(_ORIGINAL)
-    if original is not None:
-        cls.forward = original
-        delattr(cls, _ORIGINAL)
+    registry.restore(cls, "forward")
 
 
 def _classes(model_or_class: Any) -> Tuple[type, Optional[type], Optional[type]]:
@@ -421,7 +327,7 @@ def revert(model_or_class: Any) -> None:
 
 
 def is_applied(model_or_class: Any) -> bool:
-    return _ORIGINAL in _classes(model_or_class)[0].__dict__
+    return registry.is_replaced(_classes(model_or_class)[0], "forward")
 
 
 def apply_all() -> None:

@@ -19,7 +19,7 @@ from transformers import LlamaForCausalLM
 
 import hf_ring
 from hf_ring import versions
-from hf_ring.patches import tiling
+from hf_ring.patches import registry, reproduction, tiling
 from hf_ring.seams import CACHE_KEYWORD, TENSOR_PARALLEL_SINCE, since, tensor_parallel_problem
 from helpers import rel_err
 from models import batch, load, saved_model_dir, tiny_config
@@ -161,7 +161,7 @@ def test_a_loss_that_stands_down_at_setup_leaves_the_other_families_and_the_rows
         with pytest.warns(UserWarning, match="LlamaForCausalLM .* trains with the untiled loss"):
             tiling.apply_all()
         assert LlamaForCausalLM.forward is _scaled and tiling.is_applied(MistralForCausalLM)
-        assert tiling._ORIGINAL in LlamaMLP.__dict__
+        assert registry.is_replaced(LlamaMLP, "forward")
     finally:
         tiling.revert_all()
 
@@ -169,7 +169,7 @@ def test_a_loss_that_stands_down_at_setup_leaves_the_other_families_and_the_rows
 def test_a_model_whose_own_config_changes_its_loss_runs_its_own_loss(monkeypatch):
     """A class that passes with its default config is checked again with the model's config on its first tiled
     call: a config switching on a loss term the tiled loss lacks keeps the model's own loss."""
-    monkeypatch.setattr(tiling, "LOSS_SWITCHES", {"logit_scale_for_test": 1.001})
+    monkeypatch.setattr(reproduction, "LOSS_SWITCHES", {"logit_scale_for_test": 1.001})
     monkeypatch.setattr(tiling, "_WARNED", set())
 
     def scaled_by_config(self, input_ids=None, labels=None, logits_to_keep=0, **kwargs):

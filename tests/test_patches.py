@@ -128,13 +128,15 @@ def _bad_sp_size():
     return raises_on_rank(hf_ring.setup_sequence_parallel, None, 3)
 
 
-def _layout_mismatch(path):
+def _layout_mismatch(path, how):
     from cases import raises_on_rank
 
     hf_ring.setup_sequence_parallel(None, 2, layout="zigzag")
     try:
         model = load(path, "ring_dilated")
-        hf_ring.configure(model, layout="contiguous")
+        if how == "configure":  # refused at the call that makes the conflict
+            return raises_on_rank(hf_ring.configure, model, layout="contiguous")
+        model.config.ring_dilated = {"layout": "contiguous", "ulysses_size": 2}  # as a saved config.json may say
         return raises_on_rank(model, **hf_ring.shard_batch(batch(0, 1, 12)))
     finally:
         hf_ring.clear_sequence_parallel()
@@ -150,9 +152,68 @@ def test_sp_size_must_divide_world(pools):
         assert res[0] == "ValueError" and "does not divide the 2 processes" in res[1]
 
 
-def test_layout_of_config_and_sequence_parallel_must_agree(pools):
-    for res in pools(2).run(_layout_mismatch, saved_model_dir("llama")):
-        assert res[0] == "ValueError" and "layout" in res[1]
+@pytest.mark.parametrize("how", ["configure", "saved"])
+def test_layout_of_config_and_sequence_parallel_must_agree(pools, how):
+    for res in pools(2).run(_layout_mismatch, saved_model_dir("llama"), how):
+        assert res[0] == "ValueError", res
+        assert ("config.ring_dilated has layout='contiguous' but the sequence-parallel setup has layout='zigzag'"
+                in res[1]), res
+
+
+def _tiled_and_rotary_classes():
+    from hf_ring.patches import tiling
+
+    found = set()
+    for model_type, family in patches.FAMILIES.items():
+        found.update(family.rotary_classes())
+        if model_type in tiling.TILED:
+            found.update(c for c in tiling._classes(model_type) if c is not None)
+    return found
+
+
+def test_clear_sequence_parallel_restores_every_patched_class_by_identity():
+    """Every attribute hf_ring replaced is listed by patches.applied() and put back exactly (the function objects
+    the classes themselves held, or none where they inherited it); only the import-time guard stays."""
+    from transformers import PreTrainedModel
+
+    from hf_ring.guard import WHY as GUARD
+
+    classes = _tiled_and_rotary_classes()
+    before = {cls: cls.__dict__.get("forward") for cls in classes}
+    call = PreTrainedModel.__call__
+    assert [str(p) for p in patches.applied()] == [f"transformers.modeling_utils.PreTrainedModel.__call__: {GUARD}"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a family whose loss stands down on this release warns once
+        patches.apply_all()
+    replaced = {p.owner for p in patches.applied() if p.name == "forward"}
+    assert replaced and replaced <= classes
+    assert all(cls.__dict__.get("forward") is not before[cls] for cls in replaced)
+    hf_ring.clear_sequence_parallel()
+    assert {cls: cls.__dict__.get("forward") for cls in classes} == before
+    assert [p.name for p in patches.applied()] == ["__call__"] and PreTrainedModel.__call__ is call
+
+
+def test_a_prepared_trainer_is_listed_and_restored(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model = load(saved_model_dir("llama"), "sdpa")
+    trainer = Trainer(model=model, args=TrainingArguments(str(tmp_path), use_cpu=True, report_to=[]))
+    hf_ring.prepare_trainer(trainer)
+    assert isinstance(trainer, hf_ring.SequenceParallelTrainerMixin) and type(trainer).__bases__[1] is Trainer
+    assert any(p.owner is trainer and p.name == "__class__" for p in patches.applied())
+    hf_ring.clear_sequence_parallel()
+    assert type(trainer) is Trainer and not any(p.owner is trainer for p in patches.applied())
+
+
+def test_prepare_trainer_refuses_a_layout_other_than_the_models(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model = hf_ring.configure(load(saved_model_dir("llama"), "sdpa"), layout="contiguous")
+    trainer = Trainer(model=model, args=TrainingArguments(str(tmp_path), use_cpu=True, report_to=[]))
+    with pytest.raises(ValueError, match="config.ring_dilated has layout='contiguous' but the sequence-parallel "
+                                         "setup has layout='zigzag'"):
+        hf_ring.prepare_trainer(trainer, layout="zigzag")
+    assert type(trainer) is Trainer
 
 
 def test_single_process_setup_without_distributed():
