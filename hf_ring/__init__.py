@@ -2,6 +2,8 @@
 
 ``import hf_ring`` registers ``attn_implementation="ring_dilated"`` with transformers.
 """
+import sys as _sys
+
 from .versions import check_installed as _check_installed
 
 _check_installed()  # before anything imports transformers: an untested release is refused in one line
@@ -9,7 +11,7 @@ _check_installed()  # before anything imports transformers: an untested release 
 from . import patches  # noqa: E402
 from .backend import register as _register
 from .cache import ShardedCache
-from .comm import CommTimeoutError
+from .comm import CommTimeoutError, RankLeftError
 from .config import configure
 from .data import gather_sequence, shard_batch
 from .decode import RanksDivergedError
@@ -26,10 +28,12 @@ from .pattern import DilatedPattern
 from .ring import ring_attention
 from .tp import tensor_parallel
 from .trainer import SequenceParallelTrainerMixin, prepare_trainer
+from .zero import shm_op_notice as _shm_op_notice
 
 __all__ = [
     "CommTimeoutError",
     "DilatedPattern",
+    "RankLeftError",
     "RanksDivergedError",
     "SequenceParallel",
     "SequenceParallelTrainerMixin",
@@ -58,3 +62,6 @@ __version__ = "0.1.0"
 
 _register()
 _install_guard()
+_NOTICE = _shm_op_notice()
+if _NOTICE is not None:  # before accelerate builds its state, which is where DeepSpeed compiles
+    print(_NOTICE, file=_sys.stderr, flush=True)

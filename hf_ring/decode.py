@@ -20,7 +20,8 @@ import torch
 from .blocks import allowed_pairs
 from .comm import RingComm
 from .checks import check_sinks, check_softcap
-from .kernels import accumulator_dtype, add_sinks, block_forward, merge_into, merge_stacked
+from .kernels import block_forward
+from .merge import accumulator_dtype, add_sinks, merge_into, merge_stacked
 from .pattern import DENSE, head_groups, head_slice
 
 Tensor = torch.Tensor

@@ -160,3 +160,20 @@ def dilated_multiplicity(documents: Documents, q_lo: int, nq: int, k_lo: int, nk
             o = h % r
             m[:, j] += (seg & (rq == o)[:, :, None] & (rk == o)[:, None, :]).int()
     return m
+
+
+DOCUMENT_TILE = 1024
+"""Most rows per side of tiles over documents (the tile is about half the longest document)."""
+
+DILATED_DOCUMENT_TILE = 512
+"""Most rows per side of tiles of dilated attention over documents: each carries a per-head bias."""
+
+
+def document_tile(documents: Documents, seq_len: int, dilated: bool) -> int:
+    """Tile side over documents: about half the longest document, a multiple of 64, bounded.
+
+    Work is then about ``n·(longest + 2·tile)`` pairs, whatever the number of documents.
+    """
+    half = -(-longest(documents, seq_len) // 2)
+    side = max(64, -(-half // 64) * 64)
+    return min(side, DILATED_DOCUMENT_TILE if dilated else DOCUMENT_TILE)

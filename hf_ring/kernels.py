@@ -36,6 +36,7 @@ import torch
 from . import cuda_kernels
 from .blocks import band_mask
 from .cuda_kernels import Band
+from .merge import accumulator_dtype, merge_stacked
 
 Tensor = torch.Tensor
 
@@ -62,11 +63,6 @@ def kv_storage(x: Tensor) -> Tensor:
     GPU kernels read the model's storage as it is.
     """
     return x.contiguous() if x.device.type == "cpu" else x
-
-
-def accumulator_dtype(x: Tensor) -> torch.dtype:
-    """Partial results and merges run in fp32 whatever the input, fp64 for fp64 inputs."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _grouped(mask: Tensor, b: int, hkv: int) -> Tensor:
@@ -145,22 +141,6 @@ def _tile_args(causal: bool, mask: Optional[Tensor], band: Optional[Band], qt: T
         return False, sub
     allowed = band_mask(nq, nk, None, q0 - k0, device=device)
     return False, allowed if sub is None else sub & allowed
-
-
-def merge_stacked(outs: Tensor, lses: Tensor) -> Tuple[Tensor, Tensor]:
-    """Log-sum-exp merge of stacked partial results ``outs`` ``(P, ..., D)``, ``lses`` ``(P, ...)``, out of place.
-
-    ``L = log Σ exp(L_i)``, ``O = Σ exp(L_i - L)·O_i``; rows no partial saw a
-    key come out ``(0, -inf)``. :func:`merge_into` is the same rule in place,
-    for two partials.
-    """
-    top = lses.amax(0)
-    safe_top = top.masked_fill(torch.isneginf(top), 0.0)
-    weights = torch.exp(lses - safe_top)
-    total = weights.sum(0)
-    merged = (weights.unsqueeze(-1) * outs).sum(0)
-    out = merged / torch.where(total == 0, torch.ones_like(total), total).unsqueeze(-1)
-    return out, safe_top + torch.log(total)  # log 0 = -inf: no partial saw a key
 
 
 def _tiled_forward(tile_fn, q, k, v, causal, mask, band):
@@ -366,20 +346,6 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
                         lambda kn: _run(kn, kn.forward, _tiled_forward, (q, k, v), block, q, k))
 
 
-def merge_into(out: Tensor, lse: Tensor, o_blk: Tensor, l_blk: Tensor) -> None:
-    """In-place log-sum-exp merge of one block's result into views of the accumulators.
-
-    ``L = logaddexp(L1, L2)``, ``O = exp(L1-L)·O1 + exp(L2-L)·O2``; rows where
-    neither side saw a key stay ``(0, -inf)`` instead of turning NaN.
-    """
-    new = torch.logaddexp(lse, l_blk)
-    safe = new.masked_fill(torch.isneginf(new), 0.0)
-    o_blk = o_blk.to(out.dtype) if o_blk.dtype != out.dtype else o_blk
-    out.mul_(torch.exp(lse - safe).unsqueeze(-1))
-    out.add_(o_blk.mul_(torch.exp(l_blk - safe).unsqueeze(-1)))
-    lse.copy_(new)
-
-
 def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, scale: float,
                    causal: bool = False, mask: Optional[Tensor] = None, softcap: Optional[float] = None,
                    band: Optional[Band] = None) -> Tuple[Tensor, Tensor, Tensor]:
@@ -401,27 +367,3 @@ FALLBACK_WARNING = "hf_ring: a fused CUDA kernel refused a block"
 def _warn_fallback(err: Exception) -> None:
     """The next kernel (efficient attention, then the exact math path) takes over; say so, since it is slower."""
     warnings.warn(f"{FALLBACK_WARNING} ({err}); using the next kernel", stacklevel=3)
-
-
-def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tuple[Tensor, Tensor]:
-    """Join one sink logit per query head to the softmax denominator, with a zero value vector.
-
-    ``out`` ``(B, H, S, D)`` and ``lse`` ``(B, H, S)`` are a finished (merged)
-    attention; returns ``exp(L - L')·out`` and ``L' = logaddexp(L, sink_h)``
-    in ``out``'s dtype and fp32 (fp64 for fp64). A row with no key gets 0.
-    """
-    acc = accumulator_dtype(out)
-    sink = sinks.to(device=lse.device, dtype=acc).view(1, -1, 1)
-    new = torch.logaddexp(lse.to(acc), sink)
-    return (out.to(acc) * torch.exp(lse.to(acc) - new).unsqueeze(-1)).to(out.dtype), new.to(lse.dtype)
-
-
-def sinks_backward(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
-    """Gradient of the sink logits over these rows: ``-Σ_{b,t} exp(sink_h - L') · rowsum(dO·O')``.
-
-    ``out`` and ``lse`` are the results *with* the sinks joined.
-    """
-    acc = accumulator_dtype(out)
-    p_sink = torch.exp(sinks.to(device=lse.device, dtype=acc).view(1, -1, 1) - lse.to(acc))
-    delta = (dout.to(acc) * out.to(acc)).sum(-1)
-    return -(p_sink * delta).sum((0, 2)).to(device=sinks.device, dtype=sinks.dtype)

@@ -21,20 +21,22 @@ kernels on bounded tiles.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from .agreement import agreed_spec
 from .blocks import KeyValidity, Rows, band_of, block_mask, default_tile, padding_parts, tiles
-from .checks import agreed_spec, resolve_group
 from .comm import Pending, RingComm
-from .documents import Documents, dilated_multiplicity, longest, same_document, within_one
-from .kernels import accumulator_dtype, add_sinks, block_backward, block_forward, kv_storage, merge_into, sinks_backward
+from .documents import dilated_multiplicity, document_tile, same_document, within_one
+from .groups import resolve_group
+from .kernels import block_backward, block_forward, kv_storage
+from .merge import accumulator_dtype, add_sinks, merge_into, sinks_backward
 from .pattern import head_slice
-from .schedule import (MIN_MESSAGE_ROWS, Block, Geometry, Piece, RankPlan, Step, local_causal, message_budget,
-                       rank_plan, sent, view_within)
+from .messages import GRAD_TAG, KV_TAG, covers, kv_traffic, kv_views, numels, piece_view, post, sent_views, unpack
+from .schedule import MIN_MESSAGE_ROWS, Block, Geometry, RankPlan, Step, local_causal, message_budget, rank_plan, sent
 from .spec import AttentionSpec
 
 Tensor = torch.Tensor
@@ -55,19 +57,8 @@ PADDED_TILE = 2048
 need a built mask, which whole-shard blocks would make quadratic in the shard. Blocks whose keys are all
 valid run unmasked and whole, blocks whose keys are all padding are skipped."""
 
-KV_TAG, GRAD_TAG = 0, 4
-"""Message tags: K/V going out use tags ``KV_TAG + i`` for their (up to three) tensors (K, V, key mask),
-gradients coming home ``GRAD_TAG + i`` (dK, dV), so the two directions never match each other's receives."""
-
 SOFTCAP_TILE = 512
 """Rows per side of blocks with ``softcap``: the exact math kernel holds several score tiles at once."""
-
-DOCUMENT_TILE = 1024
-"""Most rows per side of tiles over documents (the tile is about half the longest document)."""
-
-DILATED_DOCUMENT_TILE = 512
-"""Most rows per side of tiles of dilated attention over documents: each carries a per-head bias."""
-
 
 @dataclass
 class RingContext:
@@ -89,120 +80,6 @@ def rows_major(b: int, h: int, s: int, d: int, dtype: torch.dtype, device) -> Te
     would be saved for the backward beside this one.
     """
     return torch.zeros(b, s, h, d, dtype=dtype, device=device).transpose(1, 2)
-
-
-def _piece_view(x: Tensor, piece: Piece) -> Tensor:
-    return x[:, head_slice(piece.heads), piece.rows.slice]
-
-
-def _covers(pieces: Sequence[Piece], x: Tensor) -> bool:
-    """One piece holding every head and row of ``x``."""
-    if len(pieces) != 1 or pieces[0].within is not None:
-        return False
-    p = pieces[0]
-    return p.heads == range(x.shape[1]) and p.rows.stride == 1 and p.rows.local == 0 and p.rows.count == x.shape[2]
-
-
-def _whole(pieces: Sequence[Piece], x: Tensor) -> bool:
-    """One piece that is the entire tensor, in its storage order: it is sent as it is, without packing."""
-    return _covers(pieces, x) and x.is_contiguous()
-
-
-def _numels(pieces: Sequence[Piece], b: int, d: int) -> List[int]:
-    """Elements of each piece that travels (views of another piece travel inside it)."""
-    return [b * len(p.heads) * p.rows.count * d for p in sent(pieces)]
-
-
-def _pack(x: Tensor, pieces: Sequence[Piece]) -> Tensor:
-    """The pieces of ``x`` that travel, laid one after another in a flat buffer."""
-    if _whole(pieces, x):
-        return x.reshape(-1)
-    b, d = x.shape[0], x.shape[3]
-    flat = x.new_empty(sum(_numels(pieces, b, d)))
-    for view, piece in zip(_sent_views(flat, pieces, b, d), sent(pieces)):
-        view.copy_(_piece_view(x, piece))
-    return flat
-
-
-def _with_views(pieces: Sequence[Piece], own: List[Tensor], index) -> List[Tensor]:
-    """Per piece its tensor: the ones that travel from ``own``, the others as strided views of their parent."""
-    it = iter(own)
-    out = [next(it) if p.within is None else None for p in pieces]
-    for i, p in enumerate(pieces):
-        if p.within is not None:
-            out[i] = index(out[p.within], *view_within(pieces[p.within], p))
-    return out
-
-
-def _sent_views(flat: Tensor, pieces: Sequence[Piece], b: int, d: int) -> List[Tensor]:
-    """Views of the travelling pieces in their flat buffer, ``(B, heads, rows, D)`` each."""
-    views, off = [], 0
-    for piece, n in zip(sent(pieces), _numels(pieces, b, d)):
-        views.append(flat[off : off + n].view(b, len(piece.heads), piece.rows.count, d))
-        off += n
-    return views
-
-
-def _unpack(flat: Tensor, pieces: Sequence[Piece], b: int, d: int) -> List[Tensor]:
-    """Views of every piece in a flat buffer of the travelling pieces (the others inside their parent's)."""
-    return _with_views(pieces, _sent_views(flat, pieces, b, d), lambda t, heads, items: t[:, heads, items])
-
-
-def _post(comm: RingComm, step: Step, send: Sequence[Tensor], recv: Sequence[Tuple[torch.Size, torch.dtype]],
-          device: torch.device, tag: int, reverse: bool = False) -> Pending:
-    """One step's traffic: to ``dst``/from ``src``, or the reverse (gradients going home)."""
-    send_to, recv_from = (step.src, step.dst) if reverse else (step.dst, step.src)
-    return comm.exchange(list(send), send_to, list(recv), recv_from, tag=tag, device=device)
-
-
-def _kv_traffic(step: Step, k: Tensor, v: Tensor, key_mask: Optional[Tensor]):
-    """What this rank sends for ``step`` (its K, V and key mask rows) and what it expects back."""
-    send = []
-    if step.send:
-        send = [_pack(k, step.send), _pack(v, step.send)]
-        if key_mask is not None:
-            send.append(_pack_mask(key_mask, step.send))
-    recv = []
-    if step.recv.pieces:
-        total = sum(_numels(step.recv.pieces, k.shape[0], k.shape[3]))
-        recv = [(torch.Size((total,)), k.dtype)] * 2
-        if key_mask is not None:
-            recv.append((torch.Size((k.shape[0] * sum(p.rows.count for p in sent(step.recv.pieces)),)), torch.uint8))
-    return send, recv
-
-
-def _pack_mask(key_mask: Tensor, pieces: Sequence[Piece]) -> Tensor:
-    return torch.cat([key_mask[:, p.rows.slice].reshape(-1) for p in sent(pieces)]).to(torch.uint8)
-
-
-def _unpack_mask(flat: Tensor, pieces: Sequence[Piece], b: int) -> List[Tensor]:
-    views, off = [], 0
-    for p in sent(pieces):
-        n = b * p.rows.count
-        views.append(flat[off : off + n].view(b, p.rows.count).bool())
-        off += n
-    return _with_views(pieces, views, lambda t, heads, items: t[:, items])
-
-
-def _kv_views(step: Step, k: Tensor, v: Tensor, key_mask: Optional[Tensor], got: Optional[List[Tensor]]):
-    """Per piece ``(K, V, key mask, its KeyValidity)``, the last two None where no key of the piece is padding."""
-    b, d = k.shape[0], k.shape[3]
-    pieces = step.recv.pieces
-    if not pieces:
-        return []
-    if step.shift == 0:
-        ks = [_piece_view(k, p) for p in pieces]
-        vs = [_piece_view(v, p) for p in pieces]
-        ms = [None if key_mask is None else key_mask[:, p.rows.slice] for p in pieces]
-    else:
-        ks, vs = _unpack(got[0], pieces, b, d), _unpack(got[1], pieces, b, d)
-        ms = [None] * len(pieces) if key_mask is None else _unpack_mask(got[2], pieces, b)
-    views = []
-    for kk, vv, m in zip(ks, vs, ms):
-        valid = None if m is None else KeyValidity(m)
-        padded = valid is not None and not valid.all_valid()
-        views.append((kk, vv, m if padded else None, valid if padded else None))
-    return views
 
 
 def _block_parts(spec: AttentionSpec, blk: Block, mask: Optional[Tensor], valid: Optional[KeyValidity],
@@ -256,7 +133,7 @@ def _single_block(plan: RankPlan, q: Tensor, k: Tensor) -> Optional[Block]:
     blk = plan.steps[0].recv.blocks[0]
     whole_q = blk.q.stride == 1 and blk.q.count == q.shape[2] and blk.q_heads == range(q.shape[1])
     # A rank's own K/V are read in place, whatever their strides (the model's are (B, S, H, D) storage).
-    return blk if whole_q and _covers(plan.steps[0].recv.pieces, k) and blk.nk == k.shape[2] else None
+    return blk if whole_q and covers(plan.steps[0].recv.pieces, k) and blk.nk == k.shape[2] else None
 
 
 def _visits(ctx: RingContext, k: Tensor, v: Tensor) -> Iterator[Tuple[Step, list]]:
@@ -267,8 +144,8 @@ def _visits(ctx: RingContext, k: Tensor, v: Tensor) -> Iterator[Tuple[Step, list
         incoming = None
         if i + 1 < len(steps):
             nxt = steps[i + 1]
-            incoming = _post(ctx.comm, nxt, *_kv_traffic(nxt, k, v, ctx.spec.key_mask), k.device, tag=KV_TAG)
-        yield step, _kv_views(step, k, v, ctx.spec.key_mask, got)
+            incoming = post(ctx.comm, nxt, *kv_traffic(nxt, k, v, ctx.spec.key_mask), k.device, tag=KV_TAG)
+        yield step, kv_views(step, k, v, ctx.spec.key_mask, got)
         del got  # the visiting rows are done with; only the next step's stay in memory
 
 
@@ -344,10 +221,10 @@ def _scatter_grads(dk: Tensor, dv: Tensor, step: Step, got: List[Tensor]) -> Non
         return
     b, d = dk.shape[0], dk.shape[3]
     # A view's gradients were added into its parent's by the receiver: only travelling pieces come back.
-    grads_k, grads_v = _sent_views(got[0], step.send, b, d), _sent_views(got[1], step.send, b, d)
+    grads_k, grads_v = sent_views(got[0], step.send, b, d), sent_views(got[1], step.send, b, d)
     for piece, gk, gv in zip(sent(step.send), grads_k, grads_v):
-        _piece_view(dk, piece).add_(gk)
-        _piece_view(dv, piece).add_(gv)
+        piece_view(dk, piece).add_(gk)
+        piece_view(dv, piece).add_(gv)
 
 
 def ring_backward(dout, q, k, v, out, lse, ctx: RingContext) -> Tuple[Tensor, Tensor, Tensor]:
@@ -371,12 +248,12 @@ def ring_backward(dout, q, k, v, out, lse, ctx: RingContext) -> Tuple[Tensor, Te
             dq, dk, dv = _own_backward(ctx, dout, q, k, v, out, lse, acc)
             continue
         if step.shift == 0:
-            grads = [(_piece_view(dk, p), _piece_view(dv, p)) for p in step.recv.pieces]
+            grads = [(piece_view(dk, p), piece_view(dv, p)) for p in step.recv.pieces]
             flat = None
         else:
-            total = sum(_numels(step.recv.pieces, b, d))
+            total = sum(numels(step.recv.pieces, b, d))
             flat = [torch.zeros(total, dtype=acc, device=q.device) for _ in range(2)]
-            grads = list(zip(_unpack(flat[0], step.recv.pieces, b, d), _unpack(flat[1], step.recv.pieces, b, d)))
+            grads = list(zip(unpack(flat[0], step.recv.pieces, b, d), unpack(flat[1], step.recv.pieces, b, d)))
         for blk in step.recv.blocks:
             hs = head_slice(blk.q_heads)
             pk, pv, pm, valid = kv[blk.piece]
@@ -398,8 +275,8 @@ def ring_backward(dout, q, k, v, out, lse, ctx: RingContext) -> Tuple[Tensor, Te
         if step.shift:
             if returning is not None:
                 _scatter_grads(dk, dv, returning[0], returning[1].wait())
-            back = [(torch.Size((sum(_numels(step.send, b, d)),)), acc)] * 2 if step.send else []
-            returning = (step, _post(comm, step, flat if step.recv.pieces else [], back, q.device, tag=GRAD_TAG, reverse=True))
+            back = [(torch.Size((sum(numels(step.send, b, d)),)), acc)] * 2 if step.send else []
+            returning = (step, post(comm, step, flat if step.recv.pieces else [], back, q.device, tag=GRAD_TAG, reverse=True))
             del flat
     if returning is not None:
         _scatter_grads(dk, dv, returning[0], returning[1].wait())
@@ -430,16 +307,6 @@ class RingAttentionFunction(torch.autograd.Function):
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.rctx)
         dsinks = None if sinks is None else sinks_backward(dout, out, lse, sinks)
         return dq, dk, dv, dsinks, None
-
-
-def document_tile(documents: Documents, seq_len: int, dilated: bool) -> int:
-    """Tile side over documents: about half the longest document, a multiple of 64, bounded.
-
-    Work is then about ``n·(longest + 2·tile)`` pairs, whatever the number of documents.
-    """
-    half = -(-longest(documents, seq_len) // 2)
-    side = max(64, -(-half // 64) * 64)
-    return min(side, DILATED_DOCUMENT_TILE if dilated else DOCUMENT_TILE)
 
 
 def _tile(spec: AttentionSpec) -> Optional[int]:

@@ -31,7 +31,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .comm import Pending, RingComm
-from .kernels import sinks_backward
+from .merge import sinks_backward
 from .layout import HeadSplit
 from .ring import RingContext, plan, ring_backward, ring_forward, rows_major
 from .spec import AttentionSpec

@@ -14,11 +14,16 @@ arithmetic only: ``sequence_parallel_size`` in its config makes it expect
 counts see each sequence once. Without an ``mpu`` or ``data_parallel_size``
 that key changes none of its process groups.
 
-Nothing here imports deepspeed: only its config (a dict) and engine attributes are read.
+Nothing here imports deepspeed: only its config (a dict), engine attributes and the op cache on disk are read.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, MutableMapping
+import importlib.util
+import os
+import sys
+from typing import Any, Iterable, Mapping, MutableMapping, Optional
+
+import torch
 
 def zero3_partitioned(params: Iterable[Any]) -> bool:
     """Whether DeepSpeed ZeRO-3 partitions any of these parameters (it marks each with a ``ds_id``)."""
@@ -101,3 +106,38 @@ def check_engine(engine: Any, sp_size: int, dp_size: int, tp_size: int = 1) -> N
             "without data_parallel_size/sequence_parallel_size meshes (accelerate's parallelism_config sp_size, "
             "DeepSpeed's own Ulysses)"
         )
+
+
+SHM_OP = "deepspeed_shm_comm"
+"""The op DeepSpeed's CPU accelerator compiles at its first start, for its shared-memory collectives."""
+
+SHM_OP_COMPILE = "about 2.5 minutes on 2 cores"
+"""How long that compile took on this project's CPU machine (measured, once per machine and Python)."""
+
+
+def shm_op_cache(environ: Mapping[str, str] = os.environ) -> str:
+    """Where torch keeps the compiled op (torch's build root for extensions of this Python and build)."""
+    root = environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions")
+    build = "cpu" if torch.version.cuda is None else "cu" + torch.version.cuda.replace(".", "")
+    return os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}_{build}", SHM_OP)
+
+
+def shm_op_notice(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The line to print before DeepSpeed compiles its CPU op, or None where it will not (or is cached).
+
+    DeepSpeed compiles it inside ``deepspeed.init_distributed``, which accelerate
+    calls while building its state, before any hf_ring call: the line is printed
+    at ``import hf_ring``, once per machine (local rank 0), only on the CPU
+    DeepSpeed route (``DS_ACCELERATOR=cpu`` and ``ACCELERATE_USE_DEEPSPEED``).
+    """
+    if environ.get("DS_ACCELERATOR") != "cpu" or environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() not in (
+            "1", "true", "yes"):
+        return None
+    if environ.get("LOCAL_RANK", "0") != "0" or importlib.util.find_spec("deepspeed") is None:
+        return None
+    cache = shm_op_cache(environ)
+    if os.path.exists(os.path.join(cache, SHM_OP + ".so")):
+        return None
+    return (f"hf_ring: DeepSpeed's first start on this machine compiles its CPU communication op ({SHM_OP}); "
+            f"that takes {SHM_OP_COMPILE}, once, and is cached in {cache}")

@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import hf_ring
-from hf_ring.cache import EMPTY_SLOT, RowSet, ShardedCache, growth_rows
+from hf_ring.cache import ShardedCache
+from hf_ring.row_sets import EMPTY_SLOT, RowSet, growth_rows
 from hf_ring.decode import cached_blocks
 from hf_ring.layout import local_positions
 from hf_ring.pattern import DENSE

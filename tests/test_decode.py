@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_ring.cache import ShardedCache, place_tokens
+from hf_ring.cache import ShardedCache
+from hf_ring.row_sets import place_tokens
 from hf_ring.decode import DENSE, cached_attention, cached_blocks, merge_partials
 from hf_ring.layout import shard_sizes
 from helpers import rel_err

@@ -218,7 +218,7 @@ def test_ranks_disagreeing_on_documents_fail_alike(pools):
 def test_plan_covers_each_same_document_pair_once(world, layout, mode, budget):
     """Pure index math: the blocks of every rank, restricted to what the reference allows, cover each pair once."""
     from hf_ring import local_positions
-    from hf_ring.ring import document_tile
+    from hf_ring.documents import document_tile
     from hf_ring.schedule import Geometry, rank_plan
 
     n, hq, hkv = N, 4, 2

@@ -13,9 +13,8 @@ Sections, each written as ``gpu_<section>.json`` and rendered as a README table:
   32/8 heads, D=128, causal) at ``--sizes``, and the dilated pattern of the
   README (segments 2048..65536, rates 1..32, capped at n); the peak memory
   each allocates above its inputs.
-- ``model``: one training step of the scale benchmark's Llama in bf16,
-  ``ring_dilated`` against ``sdpa``, and with checkpointing, the peak memory
-  with and without :func:`hf_ring.offload_checkpoints`.
+- ``model``: one training step of the scale benchmark's Llama in bf16, ``ring_dilated`` against ``sdpa``,
+  and with checkpointing, the peak memory with and without :func:`hf_ring.offload_checkpoints`.
 - ``nccl`` (two GPUs or more): the ring on 2 GPUs against 1 (speed-up,
   exactness against the reference) and a killed rank making its peer raise
   ``CommTimeoutError`` in time.

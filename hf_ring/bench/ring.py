@@ -75,7 +75,7 @@ def _timed_parts(impl: str, n: int, layout: str, b: int, h: int, d: int, repeats
     clock(ring, "block_forward", "forward kernels", spent)
     clock(ring, "block_backward", "backward kernels", spent)
     clock(ring, "merge_into", "merges", spent)
-    clock(ring, "_post", "posting transfers", spent)
+    clock(ring, "post", "posting transfers", spent)
     clock(ring, "_scatter_grads", "adding returned gradients", spent)
     clock(comm.Pending, "wait", "waiting for peers", spent)
     got = measure_attention(impl, n, layout if layout != "-" else "zigzag", b, h, d, repeats, what="fwd_bwd")
