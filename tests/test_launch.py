@@ -131,7 +131,8 @@ def test_a_bad_batch_prints_one_traceback_per_rank_naming_the_ranks(tmp_path, ba
         assert code == 1, err[-3000:]
         assert err.count("Traceback (most recent call last)") == 1, err
         assert "During handling of the above exception" not in err and "direct cause" not in err, err
-        last = [line for line in err.splitlines() if line.startswith("ValueError")][-1]
+        lines = [line.split("]: ", 1)[-1] for line in err.splitlines()]  # torch prefixes "[rankN]: "
+        last = [line for line in lines if line.startswith("ValueError")][-1]
         assert last.startswith(f"ValueError: {who}: "), (rank, last)
         assert "labels" in last, last
     for result in _results(str(tmp_path)):

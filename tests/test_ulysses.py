@@ -251,7 +251,7 @@ def test_config_and_setup_must_name_the_same_size(pools):
     from cases import head_parallel_refusal_case
 
     for err in pools(2).run(head_parallel_refusal_case, saved_model_dir("llama"), 1, config_ulysses=2):
-        assert err[0] == "ValueError" and "config.ring_dilated ulysses_size=2 differs" in err[1]
+        assert err[0] == "ValueError" and "config.ring_dilated has ulysses_size=2 but the sequence-parallel setup has ulysses_size=1" in err[1]
 
 
 def test_configure_stores_the_size_and_checks_the_heads():
