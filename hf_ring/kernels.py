@@ -144,7 +144,7 @@ def _tile_args(causal: bool, mask: Optional[Tensor], band: Optional[Band], qt: T
 
 
 def _tiled_forward(tile_fn, q, k, v, causal, mask, band):
-    """``tile_fn(q, k, v, causal, mask) -> (out, lse)`` over tiles of at most ``MATH_TILE`` rows a side.
+    """``tile_fn((q, k, v), causal, mask) -> (out, lse)`` over tiles of at most ``MATH_TILE`` rows a side.
 
     Each tile gets its share of the block's causality, band and mask; tiles
     with no allowed pair are skipped. Views and out-of-place merges only, so
@@ -158,7 +158,7 @@ def _tiled_forward(tile_fn, q, k, v, causal, mask, band):
         for kt in _row_tiles(k.shape[2]):
             args = _tile_args(causal, mask, band, qt, kt, q.device)
             if args is not None:
-                o_t, l_t = tile_fn(_rows(q, qt), _rows(k, kt), _rows(v, kt), *args)
+                o_t, l_t = tile_fn((_rows(q, qt), _rows(k, kt), _rows(v, kt)), *args)
                 out, lse = merge_stacked(torch.stack([out, o_t.to(out.dtype)]), torch.stack([lse, l_t]))
         outs.append(out)
         lses.append(lse)
@@ -166,7 +166,7 @@ def _tiled_forward(tile_fn, q, k, v, causal, mask, band):
 
 
 def _tiled_backward(tile_fn, dout, q, k, v, out, lse, causal, mask, band):
-    """``tile_fn(dout, q, k, v, out, lse, causal, mask) -> (dq, dk, dv)`` over tiles: with the global ``lse``
+    """``tile_fn((dout, q, k, v, out, lse), causal, mask) -> (dq, dk, dv)`` over tiles: with the global ``lse``
     every tile's share is exact."""
     acc = accumulator_dtype(q)
     k_tiles = _row_tiles(k.shape[2])
@@ -179,8 +179,8 @@ def _tiled_backward(tile_fn, dout, q, k, v, out, lse, causal, mask, band):
             args = _tile_args(causal, mask, band, qt, kt, q.device)
             if args is None:
                 continue
-            g_q, g_k, g_v = tile_fn(_rows(dout, qt), _rows(q, qt), _rows(k, kt), _rows(v, kt), _rows(out, qt),
-                                    _rows(lse, qt), *args)
+            g_q, g_k, g_v = tile_fn((_rows(dout, qt), _rows(q, qt), _rows(k, kt), _rows(v, kt), _rows(out, qt),
+                                     _rows(lse, qt)), *args)
             dq = dq + g_q
             dks[i] = g_k if dks[i] is None else dks[i] + g_k
             dvs[i] = g_v if dvs[i] is None else dvs[i] + g_v
@@ -310,14 +310,28 @@ def _cut(kernel: Kernel, q: Tensor, k: Tensor, mask: Optional[Tensor], band: Opt
     return _needs_tiles(q, k, masked)
 
 
-def _run(kernel: Kernel, fn: Callable, tiled: Callable, args: Tuple, block: Tuple, q: Tensor, k: Tensor):
-    """One kernel over one block: ``args`` the tensors, ``block`` ``(scale, causal, mask, softcap, band)``."""
-    scale, causal, mask, softcap, band = block
-    if kernel.takes_band:
-        return fn(*args, scale=scale, causal=causal, band=band)
-    if _cut(kernel, q, k, mask, band):
-        return tiled(lambda *a: fn(*a[:-2], scale, a[-2], a[-1], softcap), *args, causal, mask, band)
-    return fn(*args, scale, causal, _with_band(mask, band, q.shape[2], k.shape[2], q.device), softcap)
+@dataclass(frozen=True)
+class BlockCall:
+    """One block's settings, the same for its forward and its backward and for every tile it is cut into."""
+
+    scale: float
+    causal: bool
+    mask: Optional[Tensor]
+    softcap: Optional[float]
+    band: Optional[Band]
+
+    def on_tile(self, fn: Callable) -> Callable:
+        """``fn`` (a kernel's forward or backward) as the tiled paths call it: the tile's tensors, causality, mask."""
+        return lambda tensors, causal, mask: fn(*tensors, self.scale, causal, mask, self.softcap)
+
+    def run(self, kernel: Kernel, fn: Callable, tiled: Callable, tensors: Tuple[Tensor, ...], q: Tensor, k: Tensor):
+        """``fn``, ``kernel``'s forward or backward, over this block: whole, or in tiles through ``tiled``."""
+        if kernel.takes_band:
+            return fn(*tensors, scale=self.scale, causal=self.causal, band=self.band)
+        if _cut(kernel, q, k, self.mask, self.band):
+            return tiled(self.on_tile(fn), *tensors, self.causal, self.mask, self.band)
+        return fn(*tensors, self.scale, self.causal, _with_band(self.mask, self.band, q.shape[2], k.shape[2], q.device),
+                  self.softcap)
 
 
 def _each_kernel(q: Tensor, mask: Optional[Tensor], softcap: Optional[float], attempt: Callable):
@@ -341,9 +355,8 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
 
     No route makes a mask or scores larger than one tile of ``MATH_TILE`` rows a side.
     """
-    block = (scale, causal, mask, softcap, band)
-    return _each_kernel(q, mask, softcap,
-                        lambda kn: _run(kn, kn.forward, _tiled_forward, (q, k, v), block, q, k))
+    call = BlockCall(scale, causal, mask, softcap, band)
+    return _each_kernel(q, mask, softcap, lambda kn: call.run(kn, kn.forward, _tiled_forward, (q, k, v), q, k))
 
 
 def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, scale: float,
@@ -356,9 +369,9 @@ def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     """
     # A row with no key anywhere has lse = -inf; +inf makes every p = exp(s - lse) exactly 0.
     lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
-    block = (scale, causal, mask, softcap, band)
+    call = BlockCall(scale, causal, mask, softcap, band)
     return _each_kernel(q, mask, softcap,
-                        lambda kn: _run(kn, kn.backward, _tiled_backward, (dout, q, k, v, out, lse), block, q, k))
+                        lambda kn: call.run(kn, kn.backward, _tiled_backward, (dout, q, k, v, out, lse), q, k))
 
 
 FALLBACK_WARNING = "hf_ring: a fused CUDA kernel refused a block"

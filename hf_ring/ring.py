@@ -61,7 +61,7 @@ SOFTCAP_TILE = 512
 """Rows per side of blocks with ``softcap``: the exact math kernel holds several score tiles at once."""
 
 @dataclass
-class RingContext:
+class RingCall:
     """One rank's plan of a ring call with the spec and the group it runs over (see :func:`plan`)."""
 
     comm: Optional[RingComm]
@@ -94,13 +94,18 @@ def _all_valid(key_mask: Optional[Tensor]) -> bool:
     return key_mask is None or bool(key_mask.all())
 
 
-def _kernel_args(ctx: RingContext, q: Rows, k_pos: int, nk: int, kind: str, device,
+def _call(causal: bool, mask: Optional[Tensor], softcap: Optional[float], band=None) -> dict:
+    """A block's keywords for the kernels beside ``scale``: the same keys whichever way the block is masked."""
+    return {"causal": causal, "mask": mask, "softcap": softcap, "band": band}
+
+
+def _kernel_args(call: RingCall, q: Rows, k_pos: int, nk: int, kind: str, device,
                  key_valid: Optional[Tensor] = None, heads: Optional[range] = None) -> Optional[dict]:
     """Kernel arguments of one block (``heads``: its query heads); ``key_valid`` ``(B, nk)`` adds key padding.
 
     None when documents leave the block no allowed pair.
     """
-    spec = ctx.spec
+    spec = call.spec
     docs = spec.documents
     if spec.dilated_in_documents:
         heads = range(heads.start + spec.head_base, heads.stop + spec.head_base, heads.step)
@@ -109,13 +114,13 @@ def _kernel_args(ctx: RingContext, q: Rows, k_pos: int, nk: int, kind: str, devi
             m = m * key_valid[:, None, None, :]
         if not bool(m.any()):
             return None
-        return {"causal": False, "mask": torch.log(m.to(torch.float32)), "softcap": spec.softcap}
+        return _call(False, torch.log(m.to(torch.float32)), spec.softcap)
     doc_mask = None
     if docs is not None and not within_one(docs, q.pos, q.last_pos, k_pos, k_pos + nk - 1):
         doc_mask = same_document(docs, q.pos, q.count, k_pos, nk, device)
     if key_valid is None and doc_mask is None:
         band = band_of(q, k_pos, spec.causal, spec.window) if kind == "mask" else None
-        return {"causal": kind == "causal", "mask": None, "softcap": spec.softcap, "band": band}
+        return _call(kind == "causal", None, spec.softcap, band)
     mask = block_mask(q, k_pos, nk, kind, spec.causal, spec.window, device)
     if key_valid is not None:
         mask = mask[None, None] & key_valid[:, None, None, :]
@@ -123,7 +128,7 @@ def _kernel_args(ctx: RingContext, q: Rows, k_pos: int, nk: int, kind: str, devi
         mask = mask & doc_mask
         if not bool(mask.any()):
             return None
-    return {"causal": False, "mask": mask, "softcap": spec.softcap}
+    return _call(False, mask, spec.softcap)
 
 
 def _single_block(plan: RankPlan, q: Tensor, k: Tensor) -> Optional[Block]:
@@ -136,46 +141,46 @@ def _single_block(plan: RankPlan, q: Tensor, k: Tensor) -> Optional[Block]:
     return blk if whole_q and covers(plan.steps[0].recv.pieces, k) and blk.nk == k.shape[2] else None
 
 
-def _visits(ctx: RingContext, k: Tensor, v: Tensor) -> Iterator[Tuple[Step, list]]:
+def _visits(call: RingCall, k: Tensor, v: Tensor) -> Iterator[Tuple[Step, list]]:
     """Each step with its K/V pieces; the next step's transfer is posted before a step is handed out."""
-    steps, incoming = ctx.plan.steps, None
+    steps, incoming = call.plan.steps, None
     for i, step in enumerate(steps):
         got = incoming.wait() if incoming is not None else None
         incoming = None
         if i + 1 < len(steps):
             nxt = steps[i + 1]
-            incoming = post(ctx.comm, nxt, *kv_traffic(nxt, k, v, ctx.spec.key_mask), k.device, tag=KV_TAG)
-        yield step, kv_views(step, k, v, ctx.spec.key_mask, got)
+            incoming = post(call.comm, nxt, *kv_traffic(nxt, k, v, call.spec.key_mask), k.device, tag=KV_TAG)
+        yield step, kv_views(step, k, v, call.spec.key_mask, got)
         del got  # the visiting rows are done with; only the next step's stay in memory
 
 
-def ring_forward(q: Tensor, k: Tensor, v: Tensor, ctx: RingContext, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, call: RingCall, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """This rank's rows of the output (``q.dtype``) and their LSE, with the sinks (if any) joined once per row."""
-    plan, spec = ctx.plan, ctx.spec
+    plan, spec = call.plan, call.spec
     b, hq, s, d = q.shape
     k, v = kv_storage(k), kv_storage(v)
     own_valid = _all_valid(spec.key_mask)  # the own keys, and with one block of them every key
     only = _single_block(plan, q, k)
     if only is not None and own_valid and spec.documents is None:
         out, lse = block_forward(q, k, v, scale=spec.scale,
-                                 **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
+                                 **_kernel_args(call, only.q, only.k_pos, only.nk, only.kind, q.device))
         return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
     acc = accumulator_dtype(q)
-    own_causal = ctx.own_causal and own_valid
+    own_causal = call.own_causal and own_valid
     if not own_causal:
         out = rows_major(b, hq, s, d, acc, q.device)
         lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
-    for step, kv in _visits(ctx, k, v):
+    for step, kv in _visits(call, k, v):
         if step.shift == 0 and own_causal:
             # It sees every row's own key, so the accumulators start as its result: no zeros, no first merge.
-            out, lse = block_forward(q, k, v, scale=spec.scale, **_kernel_args(ctx, _local(s), 0, s, "causal", q.device))
+            out, lse = block_forward(q, k, v, scale=spec.scale, **_kernel_args(call, _local(s), 0, s, "causal", q.device))
             out = out.to(acc)
             continue
         for blk in step.recv.blocks:
             hs = head_slice(blk.q_heads)
             pk, pv, pm, valid = kv[blk.piece]
             for bs, qt, kt, kind, ks, key_valid in _block_parts(spec, blk, pm, valid, None):
-                args = _kernel_args(ctx, qt, kt.pos, kt.count, kind, q.device, key_valid, blk.q_heads)
+                args = _kernel_args(call, qt, kt.pos, kt.count, kind, q.device, key_valid, blk.q_heads)
                 if args is None:
                     continue
                 rs = qt.slice
@@ -192,23 +197,23 @@ def _local(rows: int) -> Rows:
     return Rows(0, 0, rows)
 
 
-def _own_backward(ctx: RingContext, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+def _own_backward(call: RingCall, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                   acc: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
     """dQ, dK, dV of the own step as one causal call over all rows, cut into tiles of at most ``backward_tile``.
 
     One tile (a shard of at most ``backward_tile`` rows) returns the kernel's
     gradients as they are, with no accumulators at all.
     """
-    s, scale = q.shape[2], ctx.spec.scale
-    parts = tiles(_local(s), _local(s), True, None, ctx.backward_tile)
+    s, scale = q.shape[2], call.spec.scale
+    parts = tiles(_local(s), _local(s), True, None, call.backward_tile)
     if len(parts) == 1:
-        grads = block_backward(dout, q, k, v, out, lse, scale=scale, **_kernel_args(ctx, _local(s), 0, s, "causal", q.device))
+        grads = block_backward(dout, q, k, v, out, lse, scale=scale, **_kernel_args(call, _local(s), 0, s, "causal", q.device))
         return tuple(g.to(acc) for g in grads)
     dq, dk, dv = (rows_major(*x.shape, acc, x.device) for x in (q, k, v))
     for qt, kt, kind in parts:
         rs, ks = qt.slice, kt.slice
         g_q, g_k, g_v = block_backward(dout[:, :, rs], q[:, :, rs], k[:, :, ks], v[:, :, ks], out[:, :, rs],
-                                       lse[:, :, rs], scale=scale, **_kernel_args(ctx, qt, kt.pos, kt.count, kind, q.device))
+                                       lse[:, :, rs], scale=scale, **_kernel_args(call, qt, kt.pos, kt.count, kind, q.device))
         dq[:, :, rs].add_(g_q)
         dk[:, :, ks].add_(g_k)
         dv[:, :, ks].add_(g_v)
@@ -227,25 +232,25 @@ def _scatter_grads(dk: Tensor, dv: Tensor, step: Step, got: List[Tensor]) -> Non
         piece_view(dv, piece).add_(gv)
 
 
-def ring_backward(dout, q, k, v, out, lse, ctx: RingContext) -> Tuple[Tensor, Tensor, Tensor]:
-    plan, comm, spec = ctx.plan, ctx.comm, ctx.spec
+def ring_backward(dout, q, k, v, out, lse, call: RingCall) -> Tuple[Tensor, Tensor, Tensor]:
+    plan, comm, spec = call.plan, call.comm, call.spec
     b, hq, s, d = q.shape
     k, v = kv_storage(k), kv_storage(v)  # the saved K/V stay as given: a copy is made again rather than kept
     own_valid = _all_valid(spec.key_mask)
     only = _single_block(plan, q, k)
     if only is not None and own_valid and spec.documents is None:
         return block_backward(dout, q, k, v, out, lse, scale=spec.scale,
-                              **_kernel_args(ctx, only.q, only.k_pos, only.nk, only.kind, q.device))
+                              **_kernel_args(call, only.q, only.k_pos, only.nk, only.kind, q.device))
     acc = accumulator_dtype(q)
-    own_causal = ctx.own_causal and own_valid
+    own_causal = call.own_causal and own_valid
     if not own_causal:
         dq = rows_major(*q.shape, acc, q.device)
         dk = rows_major(*k.shape, acc, q.device)
         dv = rows_major(*k.shape, acc, q.device)
     returning: Optional[Tuple[Step, Pending]] = None
-    for step, kv in _visits(ctx, k, v):
+    for step, kv in _visits(call, k, v):
         if step.shift == 0 and own_causal:
-            dq, dk, dv = _own_backward(ctx, dout, q, k, v, out, lse, acc)
+            dq, dk, dv = _own_backward(call, dout, q, k, v, out, lse, acc)
             continue
         if step.shift == 0:
             grads = [(piece_view(dk, p), piece_view(dv, p)) for p in step.recv.pieces]
@@ -258,9 +263,9 @@ def ring_backward(dout, q, k, v, out, lse, ctx: RingContext) -> Tuple[Tensor, Te
             hs = head_slice(blk.q_heads)
             pk, pv, pm, valid = kv[blk.piece]
             gk, gv = grads[blk.piece]
-            for bs, qt, kt, kind, ks, key_valid in _block_parts(spec, blk, pm, valid, ctx.backward_tile):
+            for bs, qt, kt, kind, ks, key_valid in _block_parts(spec, blk, pm, valid, call.backward_tile):
                 rs = qt.slice
-                args = _kernel_args(ctx, qt, kt.pos, kt.count, kind, q.device, key_valid, blk.q_heads)
+                args = _kernel_args(call, qt, kt.pos, kt.count, kind, q.device, key_valid, blk.q_heads)
                 if args is None:
                     continue
                 dq_b, dk_b, dv_b = block_backward(
@@ -292,10 +297,10 @@ class RingAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, rctx: RingContext):
-        out, lse = ring_forward(q, k, v, rctx, sinks)
+    def forward(ctx, q, k, v, sinks, call: RingCall):
+        out, lse = ring_forward(q, k, v, call, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.rctx = rctx
+        ctx.call = call
         return out
 
     @staticmethod
@@ -304,7 +309,7 @@ class RingAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         if dout.stride(-1) != 1:  # e.g. the expanded gradient of a sum; the kernels read any other strides
             dout = dout.contiguous()
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.rctx)
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.call)
         dsinks = None if sinks is None else sinks_backward(dout, out, lse, sinks)
         return dq, dk, dv, dsinks, None
 
@@ -320,7 +325,7 @@ def _tile(spec: AttentionSpec) -> Optional[int]:
     return tile
 
 
-def plan(hq: int, hkv: int, comm: Optional[RingComm], spec: AttentionSpec) -> RingContext:
+def plan(hq: int, hkv: int, comm: Optional[RingComm], spec: AttentionSpec) -> RingCall:
     """What this rank's ring computes and sends for ``hq`` query and ``hkv`` K/V heads under a checked spec."""
     rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
     budget = message_budget(spec.seq_len, world, hkv) if spec.message_rows is None else spec.message_rows * hkv
@@ -328,10 +333,9 @@ def plan(hq: int, hkv: int, comm: Optional[RingComm], spec: AttentionSpec) -> Ri
     backward_tile = min(BACKWARD_TILE, tile or BACKWARD_TILE)
     if world > 1:
         backward_tile = min(backward_tile, max(MIN_MESSAGE_ROWS, BACKWARD_TILE_PER_MESSAGE * budget // hkv))
-    geo = Geometry(spec.seq_len, world, spec.layout if world > 1 else "contiguous", spec.causal, spec.window,
-                   spec.planned_branches, hq, hkv, tile, spec.documents, spec.head_base)
+    geo = Geometry.from_spec(spec, world, hq, hkv, tile)
     # A tile is set exactly where something besides causality and padding masks (documents, softcap).
-    return RingContext(comm, rank_plan(geo, rank, budget), spec, backward_tile=backward_tile,
+    return RingCall(comm, rank_plan(geo, rank, budget), spec, backward_tile=backward_tile,
                        own_causal=tile is None and local_causal(geo, rank))
 
 

@@ -4,9 +4,8 @@ Pure index math, the same on every rank, so senders and receivers agree on
 every message without asking each other. At step ``s`` rank ``r`` receives from
 ``r - s`` exactly the rows its blocks need and sends ``r + s`` what that rank
 needs. Dense attention is the one-branch pattern ``(N, 1)``: the shards travel
-whole (or the half a causal zigzag rank can use). A dilated branch moves only
-its dilated rows, only between ranks that share a segment; a step in which a
-rank neither sends nor receives is skipped.
+whole (or the half a causal zigzag rank can use). A dilated branch moves only its
+dilated rows, only between ranks that share a segment; an empty step is skipped.
 
 With documents packed into the rows, only tiles whose query and key rows
 share a document are kept, and only the key rows those tiles read travel.
@@ -21,6 +20,7 @@ from .blocks import Rows, classify, default_tile, tiles
 from .documents import Documents, key_span, reach
 from .layout import local_runs, runs_to_local
 from .pattern import Branches, head_groups
+from .spec import AttentionSpec
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,12 @@ class Geometry:
     tile: Optional[int] = None
     documents: Optional[Documents] = None
     head_base: int = 0
+
+    @classmethod
+    def from_spec(cls, spec: AttentionSpec, world_size: int, hq: int, hkv: int, tile: Optional[int]) -> "Geometry":
+        """The geometry of a checked spec whose length is set, over ``world_size`` ranks (one rank: contiguous)."""
+        return cls(spec.seq_len, world_size, spec.layout if world_size > 1 else "contiguous", spec.causal,
+                   spec.window, spec.planned_branches, hq, hkv, tile, spec.documents, spec.head_base)
 
 
 @dataclass(frozen=True)
@@ -339,13 +345,9 @@ def local_causal(geo: Geometry, rank: int) -> bool:
 
 
 MESSAGES_PER_SHARD = 8
-"""Messages a shard's K/V travel in: the peak per rank holds about four messages (the one computed on, the next
-in flight, its returning gradients and the previous one's), so an eighth of a shard each keeps that near half a shard's K/V."""
-
+"""Messages a shard's K/V travel in: a rank holds about four at once (computed on, in flight, gradients both ways)."""
 MIN_MESSAGE_ROWS = 256
-"""Fewest rows of the largest message of a step (a zigzag step's smaller transfer gets half this).
-
-Each message adds a round with its own wait; below this size the rounds cost more than their buffers save."""
+"""Fewest rows of a step's largest message: below it each message's own round and wait cost more than it saves."""
 
 
 def message_budget(seq_len: int, world_size: int, hkv: int) -> int:
@@ -363,11 +365,9 @@ def _size(plan: PairPlan) -> int:
 def messages_per_transfer(geo: Geometry, shift: int, budget: int) -> int:
     """How many messages every transfer of ring step ``shift`` is cut into: enough for the largest.
 
-    All transfers of a step are cut into the same number of messages, so the
-    ranks move in lockstep: message i of every transfer travels in the same
-    round, and a rank that receives twice the rows (and computes half the
-    queries against each) gets messages of twice the size rather than twice
-    as many, which would leave its peer idle for the extra rounds.
+    All transfers of a step are cut alike, so the ranks move in lockstep: a rank that receives twice the rows
+    (and computes half the queries against each) gets messages twice the size rather than twice as many,
+    which would leave its peer idle for the extra rounds.
     """
     world = geo.world_size
     largest = max(_size(pair_plan(geo, r, (r - shift) % world)) for r in range(world))

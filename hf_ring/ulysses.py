@@ -33,7 +33,7 @@ from torch.autograd.function import once_differentiable
 from .comm import Pending, RingComm
 from .merge import sinks_backward
 from .layout import HeadSplit
-from .ring import RingContext, plan, ring_backward, ring_forward, rows_major
+from .ring import RingCall, plan, ring_backward, ring_forward, rows_major
 from .spec import AttentionSpec
 
 Tensor = torch.Tensor
@@ -174,7 +174,7 @@ class _Setup:
     head_comm: RingComm
     sizes: Tuple[int, ...]
     chunks: List[Chunk]
-    rings: List[RingContext]
+    rings: List[RingCall]
     shared_kv: bool  # members share K/V heads (hkv < u): their gradients add up
 
 

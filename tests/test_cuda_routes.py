@@ -135,11 +135,11 @@ def test_whole_ring_runs_fused_kernels(kw, dtype):
                                                       for h in (hq, hkv, hkv, hq)))
         spec = check_options(True, kw.get("window"), kw.get("pattern"), None, d, "contiguous").at(seq_len=n)
         geo = ring.Geometry(n, 1, "contiguous", True, spec.window, spec.branches, hq, hkv)
-        rctx = ring.RingContext(None, ring.rank_plan(geo, 0, 1 << 30), spec, backward_tile=1024)
+        call = ring.RingCall(None, ring.rank_plan(geo, 0, 1 << 30), spec, backward_tile=1024)
         with routes.OpSpy() as fwd:
-            out, lse = ring.ring_forward(q, k, v, rctx)
+            out, lse = ring.ring_forward(q, k, v, call)
         with routes.OpSpy() as bwd:
-            dq, dk, dv = ring.ring_backward(dout, q, k, v, out, lse, rctx)
+            dq, dk, dv = ring.ring_backward(dout, q, k, v, out, lse, call)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     for spy, phase in ((fwd, 0), (bwd, 1)):
         ops = set(spy.ops())

@@ -209,9 +209,9 @@ def test_own_step_backward_in_tiles(tile):
     n, hq, hkv, d = 101, 4, 2, 8
     q, k, v, dout = make_qkv(5, 2, hq, hkv, n, d)
     spec = check_options(True, None, None, None, d, "contiguous").at(seq_len=n)
-    rctx = dataclasses.replace(ring.plan(hq, hkv, None, spec), backward_tile=tile)
+    call = dataclasses.replace(ring.plan(hq, hkv, None, spec), backward_tile=tile)
     out, lse = block_forward(q, k, v, scale=spec.scale, causal=True, mask=None, softcap=None)
-    got = ring._own_backward(rctx, dout, q, k, v, out, lse, torch.float32)
+    got = ring._own_backward(call, dout, q, k, v, out, lse, torch.float32)
     ref = R.with_grads(R.dense_attention, q, k, v, dout, causal=True)
     for name, g, want in zip(("dq", "dk", "dv"), got, ref[1:]):
         assert rel_err(g, want, zero_scale=cancelling_scale(name, q, k, v, dout)) <= FP32_TOL, name
