@@ -1,6 +1,6 @@
 """The ranks' agreement on a ring call: what every rank must share, compared in one small all-gather.
 
-Everything a rank could get wrong on its own is checked first (:mod:`hf_ring.checks`);
+Everything a rank could get wrong on its own is checked first (:mod:`hf_ring.checks`, beside it);
 what the ranks must share (shapes, dtype, layout, causality, window,
 pattern, padding, lengths) is then compared as one row of named integers per
 rank (:class:`Facts`), so a mismatch raises the same error on every rank
@@ -13,40 +13,17 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass, field, fields
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from .checks import DTYPES, check_position_ids, check_seq_len, check_spec
 from .comm import RingComm
-from .documents import Documents, check_documents, document_starts
+from .documents import Documents, document_starts
 from .layout import LAYOUTS, infer_seq_len, local_positions, shard_sizes
-from .relay import caught, error_row, raise_first
-from .spec import AttentionSpec
+from .relay import error_row, raise_first
+from .spec import DTYPES, AttentionSpec
 
 Tensor = torch.Tensor
-
-
-def agreed_spec(comm: Optional[RingComm], q: Tensor, k: Tensor, v: Tensor, options: Mapping[str, Any],
-                key_mask=None, position_ids=None, sinks=None) -> AttentionSpec:
-    """The checked spec of a ring attention call, with the global length, documents and key mask every rank agreed.
-
-    A bad argument on one rank fails every rank at once: its error rides in
-    the agreement (one small all-gather) that precedes any K/V transfer.
-    """
-    spec = None
-    with caught() as check:
-        spec = check_spec(q, k, v, options, key_mask, sinks)
-        position_ids = check_position_ids(position_ids, q)
-        if position_ids is not None and spec.documents is not None:
-            raise ValueError("pass either position_ids (the ranks then learn the documents) or documents, not both")
-    codes = () if check.error is not None else option_codes(spec, position_ids)
-    n, padded = agree(comm, q, k, options.get("seq_len"), spec, codes, check.error)
-    documents = spec.documents
-    if position_ids is not None:
-        documents = gather_documents(comm, position_ids, n, spec.layout, k.device)
-    return spec.at(seq_len=n, documents=check_documents(documents, q.shape[0], n),
-                   key_mask=full_key_mask(spec.key_mask, k, padded))
 
 
 def _digest(value: Any) -> int:
@@ -209,6 +186,12 @@ def global_length(table: Sequence[Facts], seq_len: Optional[int], layout: str, u
             f"seq_len={seq_len} with layout={layout!r}{mode} over {len(lens)} ranks needs shard sizes "
             f"{expected}, but the ranks hold {lens}; shard with hf_ring.local_positions"
         )
+    return seq_len
+
+
+def check_seq_len(seq_len) -> Optional[int]:
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0):
+        raise ValueError(f"seq_len must be a non-negative int or None, got {seq_len!r}")
     return seq_len
 
 

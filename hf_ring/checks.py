@@ -14,12 +14,9 @@ from .arguments import positive_int
 from .kernels import default_scale
 from .layout import check_layout
 from .pattern import DilatedPattern
-from .spec import AttentionSpec
+from .spec import DTYPES, AttentionSpec
 
 Tensor = torch.Tensor
-
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-"""The dtypes ring attention runs in (their index is what the agreement compares)."""
 
 
 def check_qkv(q, k, v) -> None:
@@ -171,12 +168,6 @@ def check_position_ids(position_ids, q: Tensor) -> Optional[Tensor]:
     if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
         raise TypeError(f"position_ids must be an integer tensor (torch.long), got {position_ids.dtype}")
     return position_ids
-
-
-def check_seq_len(seq_len) -> Optional[int]:
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0):
-        raise ValueError(f"seq_len must be a non-negative int or None, got {seq_len!r}")
-    return seq_len
 
 
 def check_message_rows(message_rows) -> Optional[int]:

@@ -21,21 +21,24 @@ kernels on bounded tiles.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .agreement import agreed_spec
-from .blocks import KeyValidity, Rows, band_of, block_mask, default_tile, padding_parts, tiles
+from .agreement import agree, full_key_mask, gather_documents, option_codes
+from .block_args import block_parts, kernel_args
+from .blocks import Rows, default_tile, tiles
+from .checks import check_position_ids, check_spec
 from .comm import Pending, RingComm
-from .documents import dilated_multiplicity, document_tile, same_document, within_one
+from .documents import check_documents, document_tile
 from .groups import resolve_group
 from .kernels import block_backward, block_forward, kv_storage
 from .merge import accumulator_dtype, add_sinks, merge_into, sinks_backward
-from .pattern import head_slice
 from .messages import GRAD_TAG, KV_TAG, covers, kv_traffic, kv_views, numels, piece_view, post, sent_views, unpack
+from .pattern import head_slice
+from .relay import caught
 from .schedule import MIN_MESSAGE_ROWS, Block, Geometry, RankPlan, Step, local_causal, message_budget, rank_plan, sent
 from .spec import AttentionSpec
 
@@ -51,11 +54,6 @@ BACKWARD_TILE_PER_MESSAGE = 2
 """On several ranks the backward's tiles are at most this many messages' rows per side: a tile's dQ and
 the kernel's own buffers for its queries then stay the size of the messages in flight instead of a
 shard's, which at two ranks was the largest thing beside the rank's own tensors."""
-
-PADDED_TILE = 2048
-"""Rows per side of the tiles a block is cut into where padding starts or ends inside it: only those tiles
-need a built mask, which whole-shard blocks would make quadratic in the shard. Blocks whose keys are all
-valid run unmasked and whole, blocks whose keys are all padding are skipped."""
 
 SOFTCAP_TILE = 512
 """Rows per side of blocks with ``softcap``: the exact math kernel holds several score tiles at once."""
@@ -82,53 +80,8 @@ def rows_major(b: int, h: int, s: int, d: int, dtype: torch.dtype, device) -> Te
     return torch.zeros(b, s, h, d, dtype=dtype, device=device).transpose(1, 2)
 
 
-def _block_parts(spec: AttentionSpec, blk: Block, mask: Optional[Tensor], valid: Optional[KeyValidity],
-                 tile: Optional[int]):
-    """What one block computes under the call's padding (:func:`blocks.padding_parts`)."""
-    keys = Rows(blk.k_off * blk.q.stride, blk.k_pos, blk.nk, blk.q.stride)
-    return padding_parts(blk.q, keys, blk.kind, spec.causal, spec.window, valid, mask, tile, PADDED_TILE,
-                         spec.documents is None)
-
-
 def _all_valid(key_mask: Optional[Tensor]) -> bool:
     return key_mask is None or bool(key_mask.all())
-
-
-def _call(causal: bool, mask: Optional[Tensor], softcap: Optional[float], band=None) -> dict:
-    """A block's keywords for the kernels beside ``scale``: the same keys whichever way the block is masked."""
-    return {"causal": causal, "mask": mask, "softcap": softcap, "band": band}
-
-
-def _kernel_args(call: RingCall, q: Rows, k_pos: int, nk: int, kind: str, device,
-                 key_valid: Optional[Tensor] = None, heads: Optional[range] = None) -> Optional[dict]:
-    """Kernel arguments of one block (``heads``: its query heads); ``key_valid`` ``(B, nk)`` adds key padding.
-
-    None when documents leave the block no allowed pair.
-    """
-    spec = call.spec
-    docs = spec.documents
-    if spec.dilated_in_documents:
-        heads = range(heads.start + spec.head_base, heads.stop + spec.head_base, heads.step)
-        m = dilated_multiplicity(docs, q.pos, q.count, k_pos, nk, spec.pattern.branches, heads, spec.causal, device)
-        if key_valid is not None:
-            m = m * key_valid[:, None, None, :]
-        if not bool(m.any()):
-            return None
-        return _call(False, torch.log(m.to(torch.float32)), spec.softcap)
-    doc_mask = None
-    if docs is not None and not within_one(docs, q.pos, q.last_pos, k_pos, k_pos + nk - 1):
-        doc_mask = same_document(docs, q.pos, q.count, k_pos, nk, device)
-    if key_valid is None and doc_mask is None:
-        band = band_of(q, k_pos, spec.causal, spec.window) if kind == "mask" else None
-        return _call(kind == "causal", None, spec.softcap, band)
-    mask = block_mask(q, k_pos, nk, kind, spec.causal, spec.window, device)
-    if key_valid is not None:
-        mask = mask[None, None] & key_valid[:, None, None, :]
-    if doc_mask is not None:
-        mask = mask & doc_mask
-        if not bool(mask.any()):
-            return None
-    return _call(False, mask, spec.softcap)
 
 
 def _single_block(plan: RankPlan, q: Tensor, k: Tensor) -> Optional[Block]:
@@ -163,7 +116,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, call: RingCall, sinks: Optiona
     only = _single_block(plan, q, k)
     if only is not None and own_valid and spec.documents is None:
         out, lse = block_forward(q, k, v, scale=spec.scale,
-                                 **_kernel_args(call, only.q, only.k_pos, only.nk, only.kind, q.device))
+                                 **kernel_args(call.spec, only.q, only.k_pos, only.nk, only.kind, q.device))
         return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
     acc = accumulator_dtype(q)
     own_causal = call.own_causal and own_valid
@@ -173,14 +126,14 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, call: RingCall, sinks: Optiona
     for step, kv in _visits(call, k, v):
         if step.shift == 0 and own_causal:
             # It sees every row's own key, so the accumulators start as its result: no zeros, no first merge.
-            out, lse = block_forward(q, k, v, scale=spec.scale, **_kernel_args(call, _local(s), 0, s, "causal", q.device))
+            out, lse = block_forward(q, k, v, scale=spec.scale, **kernel_args(call.spec, _local(s), 0, s, "causal", q.device))
             out = out.to(acc)
             continue
         for blk in step.recv.blocks:
             hs = head_slice(blk.q_heads)
             pk, pv, pm, valid = kv[blk.piece]
-            for bs, qt, kt, kind, ks, key_valid in _block_parts(spec, blk, pm, valid, None):
-                args = _kernel_args(call, qt, kt.pos, kt.count, kind, q.device, key_valid, blk.q_heads)
+            for bs, qt, kt, kind, ks, key_valid in block_parts(spec, blk, pm, valid, None):
+                args = kernel_args(call.spec, qt, kt.pos, kt.count, kind, q.device, key_valid, blk.q_heads)
                 if args is None:
                     continue
                 rs = qt.slice
@@ -207,13 +160,13 @@ def _own_backward(call: RingCall, dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
     s, scale = q.shape[2], call.spec.scale
     parts = tiles(_local(s), _local(s), True, None, call.backward_tile)
     if len(parts) == 1:
-        grads = block_backward(dout, q, k, v, out, lse, scale=scale, **_kernel_args(call, _local(s), 0, s, "causal", q.device))
+        grads = block_backward(dout, q, k, v, out, lse, scale=scale, **kernel_args(call.spec, _local(s), 0, s, "causal", q.device))
         return tuple(g.to(acc) for g in grads)
     dq, dk, dv = (rows_major(*x.shape, acc, x.device) for x in (q, k, v))
     for qt, kt, kind in parts:
         rs, ks = qt.slice, kt.slice
         g_q, g_k, g_v = block_backward(dout[:, :, rs], q[:, :, rs], k[:, :, ks], v[:, :, ks], out[:, :, rs],
-                                       lse[:, :, rs], scale=scale, **_kernel_args(call, qt, kt.pos, kt.count, kind, q.device))
+                                       lse[:, :, rs], scale=scale, **kernel_args(call.spec, qt, kt.pos, kt.count, kind, q.device))
         dq[:, :, rs].add_(g_q)
         dk[:, :, ks].add_(g_k)
         dv[:, :, ks].add_(g_v)
@@ -240,7 +193,7 @@ def ring_backward(dout, q, k, v, out, lse, call: RingCall) -> Tuple[Tensor, Tens
     only = _single_block(plan, q, k)
     if only is not None and own_valid and spec.documents is None:
         return block_backward(dout, q, k, v, out, lse, scale=spec.scale,
-                              **_kernel_args(call, only.q, only.k_pos, only.nk, only.kind, q.device))
+                              **kernel_args(call.spec, only.q, only.k_pos, only.nk, only.kind, q.device))
     acc = accumulator_dtype(q)
     own_causal = call.own_causal and own_valid
     if not own_causal:
@@ -263,9 +216,9 @@ def ring_backward(dout, q, k, v, out, lse, call: RingCall) -> Tuple[Tensor, Tens
             hs = head_slice(blk.q_heads)
             pk, pv, pm, valid = kv[blk.piece]
             gk, gv = grads[blk.piece]
-            for bs, qt, kt, kind, ks, key_valid in _block_parts(spec, blk, pm, valid, call.backward_tile):
+            for bs, qt, kt, kind, ks, key_valid in block_parts(spec, blk, pm, valid, call.backward_tile):
                 rs = qt.slice
-                args = _kernel_args(call, qt, kt.pos, kt.count, kind, q.device, key_valid, blk.q_heads)
+                args = kernel_args(call.spec, qt, kt.pos, kt.count, kind, q.device, key_valid, blk.q_heads)
                 if args is None:
                     continue
                 dq_b, dk_b, dv_b = block_backward(
@@ -316,7 +269,7 @@ class RingAttentionFunction(torch.autograd.Function):
 
 def _tile(spec: AttentionSpec) -> Optional[int]:
     """Rows per side of the ring's blocks (None: whole blocks, cut only along a window)."""
-    tile = None  # key padding is met block by block (_block_parts), not by tiling every block
+    tile = None  # key padding is met block by block (block_args.block_parts), not by tiling every block
     if spec.documents is not None:
         tile = min(tile or default_tile(spec.window),
                    document_tile(spec.documents, spec.seq_len, spec.dilated_in_documents))
@@ -333,10 +286,33 @@ def plan(hq: int, hkv: int, comm: Optional[RingComm], spec: AttentionSpec) -> Ri
     backward_tile = min(BACKWARD_TILE, tile or BACKWARD_TILE)
     if world > 1:
         backward_tile = min(backward_tile, max(MIN_MESSAGE_ROWS, BACKWARD_TILE_PER_MESSAGE * budget // hkv))
-    geo = Geometry.from_spec(spec, world, hq, hkv, tile)
+    geo = Geometry(spec.seq_len, world, spec.layout if world > 1 else "contiguous", spec.causal, spec.window,
+                   spec.planned_branches, hq, hkv, tile, spec.documents, spec.head_base)
     # A tile is set exactly where something besides causality and padding masks (documents, softcap).
     return RingCall(comm, rank_plan(geo, rank, budget), spec, backward_tile=backward_tile,
                        own_causal=tile is None and local_causal(geo, rank))
+
+
+def agreed_spec(comm: Optional[RingComm], q: Tensor, k: Tensor, v: Tensor, options: Mapping[str, Any],
+                key_mask=None, position_ids=None, sinks=None) -> AttentionSpec:
+    """The checked spec of a ring attention call, with the global length, documents and key mask every rank agreed.
+
+    A bad argument on one rank fails every rank at once: its error rides in
+    the agreement (one small all-gather) that precedes any K/V transfer.
+    """
+    spec = None
+    with caught() as check:
+        spec = check_spec(q, k, v, options, key_mask, sinks)
+        position_ids = check_position_ids(position_ids, q)
+        if position_ids is not None and spec.documents is not None:
+            raise ValueError("pass either position_ids (the ranks then learn the documents) or documents, not both")
+    codes = () if check.error is not None else option_codes(spec, position_ids)
+    n, padded = agree(comm, q, k, options.get("seq_len"), spec, codes, check.error)
+    documents = spec.documents
+    if position_ids is not None:
+        documents = gather_documents(comm, position_ids, n, spec.layout, k.device)
+    return spec.at(seq_len=n, documents=check_documents(documents, q.shape[0], n),
+                   key_mask=full_key_mask(spec.key_mask, k, padded))
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], spec: AttentionSpec) -> Tensor:

@@ -20,7 +20,6 @@ from .blocks import Rows, classify, default_tile, tiles
 from .documents import Documents, key_span, reach
 from .layout import local_runs, runs_to_local
 from .pattern import Branches, head_groups
-from .spec import AttentionSpec
 
 
 @dataclass(frozen=True)
@@ -134,12 +133,6 @@ class Geometry:
     tile: Optional[int] = None
     documents: Optional[Documents] = None
     head_base: int = 0
-
-    @classmethod
-    def from_spec(cls, spec: AttentionSpec, world_size: int, hq: int, hkv: int, tile: Optional[int]) -> "Geometry":
-        """The geometry of a checked spec whose length is set, over ``world_size`` ranks (one rank: contiguous)."""
-        return cls(spec.seq_len, world_size, spec.layout if world_size > 1 else "contiguous", spec.causal,
-                   spec.window, spec.planned_branches, hq, hkv, tile, spec.documents, spec.head_base)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,9 @@ from .pattern import DENSE, Branches, DilatedPattern, branches_of
 
 Tensor = torch.Tensor
 
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""The dtypes ring attention runs in (their index is what the agreement compares)."""
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
