@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .comm import RingComm
 
 
-@dataclass
+@dataclass(frozen=True)
 class SequenceParallel:
     """The groups attention and the data helpers use; made by :func:`setup_sequence_parallel`."""
 

@@ -55,8 +55,13 @@ BACKWARD_TILE_PER_MESSAGE = 2
 the kernel's own buffers for its queries then stay the size of the messages in flight instead of a
 shard's, which at two ranks was the largest thing beside the rank's own tensors."""
 
+FORWARD_MESSAGE_SCALE = 2
+"""The forward's messages carry this many times the backward's rows: it holds no gradients, so larger messages
+(fewer rounds, fewer merges into the output) stay below the backward's peak."""
+
 SOFTCAP_TILE = 512
 """Rows per side of blocks with ``softcap``: the exact math kernel holds several score tiles at once."""
+
 
 @dataclass
 class RingCall:
@@ -67,6 +72,8 @@ class RingCall:
     spec: AttentionSpec
     backward_tile: int = BACKWARD_TILE
     own_causal: bool = False  # the own step is one causal call over all rows (see schedule.local_causal)
+    forward_plan: Optional[RankPlan] = None
+    """The same steps cut into the forward's larger messages (None: ``plan``'s)."""
 
 
 def rows_major(b: int, h: int, s: int, d: int, dtype: torch.dtype, device) -> Tensor:
@@ -94,9 +101,9 @@ def _single_block(plan: RankPlan, q: Tensor, k: Tensor) -> Optional[Block]:
     return blk if whole_q and covers(plan.steps[0].recv.pieces, k) and blk.nk == k.shape[2] else None
 
 
-def _visits(call: RingCall, k: Tensor, v: Tensor) -> Iterator[Tuple[Step, list]]:
+def _visits(call: RingCall, plan: RankPlan, k: Tensor, v: Tensor) -> Iterator[Tuple[Step, list]]:
     """Each step with its K/V pieces; the next step's transfer is posted before a step is handed out."""
-    steps, incoming = call.plan.steps, None
+    steps, incoming = plan.steps, None
     for i, step in enumerate(steps):
         got = incoming.wait() if incoming is not None else None
         incoming = None
@@ -109,7 +116,7 @@ def _visits(call: RingCall, k: Tensor, v: Tensor) -> Iterator[Tuple[Step, list]]
 
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, call: RingCall, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """This rank's rows of the output (``q.dtype``) and their LSE, with the sinks (if any) joined once per row."""
-    plan, spec = call.plan, call.spec
+    plan, spec = call.forward_plan or call.plan, call.spec
     b, hq, s, d = q.shape
     k, v = kv_storage(k), kv_storage(v)
     own_valid = _all_valid(spec.key_mask)  # the own keys, and with one block of them every key
@@ -123,7 +130,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, call: RingCall, sinks: Optiona
     if not own_causal:
         out = rows_major(b, hq, s, d, acc, q.device)
         lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
-    for step, kv in _visits(call, k, v):
+    for step, kv in _visits(call, plan, k, v):
         if step.shift == 0 and own_causal:
             # It sees every row's own key, so the accumulators start as its result: no zeros, no first merge.
             out, lse = block_forward(q, k, v, scale=spec.scale, **kernel_args(call.spec, _local(s), 0, s, "causal", q.device))
@@ -201,7 +208,7 @@ def ring_backward(dout, q, k, v, out, lse, call: RingCall) -> Tuple[Tensor, Tens
         dk = rows_major(*k.shape, acc, q.device)
         dv = rows_major(*k.shape, acc, q.device)
     returning: Optional[Tuple[Step, Pending]] = None
-    for step, kv in _visits(call, k, v):
+    for step, kv in _visits(call, plan, k, v):
         if step.shift == 0 and own_causal:
             dq, dk, dv = _own_backward(call, dout, q, k, v, out, lse, acc)
             continue
@@ -288,9 +295,12 @@ def plan(hq: int, hkv: int, comm: Optional[RingComm], spec: AttentionSpec) -> Ri
         backward_tile = min(backward_tile, max(MIN_MESSAGE_ROWS, BACKWARD_TILE_PER_MESSAGE * budget // hkv))
     geo = Geometry(spec.seq_len, world, spec.layout if world > 1 else "contiguous", spec.causal, spec.window,
                    spec.planned_branches, hq, hkv, tile, spec.documents, spec.head_base)
+    # A message size the caller chose bounds the forward's messages too.
+    forward = None if world == 1 or spec.message_rows is not None else rank_plan(
+        geo, rank, budget * FORWARD_MESSAGE_SCALE)
     # A tile is set exactly where something besides causality and padding masks (documents, softcap).
     return RingCall(comm, rank_plan(geo, rank, budget), spec, backward_tile=backward_tile,
-                       own_causal=tile is None and local_causal(geo, rank))
+                    own_causal=tile is None and local_causal(geo, rank), forward_plan=forward)
 
 
 def agreed_spec(comm: Optional[RingComm], q: Tensor, k: Tensor, v: Tensor, options: Mapping[str, Any],

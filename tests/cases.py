@@ -45,9 +45,10 @@ def ring_case(seed, b, hq, hkv, n, d, *, dtype=torch.float32, layout="zigzag", m
     forward kernel got, ``masked_calls`` and ``calls`` how many forward kernel calls had a mask.
     """
     if padded_tile is not None:
+        import hf_ring.block_args as block_args
         import hf_ring.ring as ring
 
-        saved_tile, saved_forward = ring.PADDED_TILE, ring.block_forward
+        saved_tile, saved_forward = block_args.PADDED_TILE, ring.block_forward
         sides, calls = [0], [0]
 
         def spy(q, k, v, *, mask=None, **kernel_kw):
@@ -56,12 +57,12 @@ def ring_case(seed, b, hq, hkv, n, d, *, dtype=torch.float32, layout="zigzag", m
                 sides.append(max(mask.shape[-2:]))
             return saved_forward(q, k, v, mask=mask, **kernel_kw)
 
-        ring.PADDED_TILE, ring.block_forward = padded_tile, spy
+        block_args.PADDED_TILE, ring.block_forward = padded_tile, spy
         try:
             res = ring_case(seed, b, hq, hkv, n, d, dtype=dtype, layout=layout, message_rows=message_rows, pad=pad,
                             pad_side=pad_side, **kw)
         finally:
-            ring.PADDED_TILE, ring.block_forward = saved_tile, saved_forward
+            block_args.PADDED_TILE, ring.block_forward = saved_tile, saved_forward
         res.update(max_mask=max(sides), masked_calls=len(sides) - 1, calls=calls[0])
         return res
     if message_rows is not None:
