@@ -369,9 +369,9 @@ def ring_attention(
     the global document starts already (per batch row, the ascending rows
     where a document starts, beginning with 0; see
     :func:`hf_ring.documents.document_starts`): no exchange is then needed;
-    ``message_rows`` sets the K/V rows per message on the ring (default: an
-    eighth of a shard, at least 256): smaller messages bound the ring's
-    buffers further, at some speed.
+    ``message_rows`` sets the K/V rows per message on the ring, forward and
+    backward (default: an eighth of a shard, at least 256, and twice that in
+    the forward): smaller messages bound the ring's buffers further, at some speed.
 
     Without a group and without torch.distributed it runs as one process.
     Every argument is validated and the ranks agree on all of them (one small
