@@ -167,3 +167,23 @@ def test_an_engine_with_sequence_parallelism_of_its_own_is_refused():
                    SimpleNamespace(seq_dp_world_size=4, sequence_parallel_size=2)):
         with pytest.raises(ValueError, match="average over all ranks with none of its own"):
             check_engine(engine, *sp)
+
+
+def test_the_cpu_op_compile_is_announced_once_where_it_will_happen(tmp_path, monkeypatch):
+    """DeepSpeed compiles its CPU communication op inside accelerate's state, before any hf_ring call: import hf_ring
+    says so on the CPU DeepSpeed route while the op is not cached, on local rank 0 only, and nowhere else."""
+    import importlib.util
+
+    from hf_ring.zero import SHM_OP, shm_op_cache, shm_op_notice
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "deepspeed" else None)
+    env = {"DS_ACCELERATOR": "cpu", "ACCELERATE_USE_DEEPSPEED": "true", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    line = shm_op_notice(env)
+    assert line is not None and SHM_OP in line and "2.5 minutes" in line and shm_op_cache(env) in line
+    assert shm_op_notice(dict(env, LOCAL_RANK="1")) is None
+    assert shm_op_notice(dict(env, DS_ACCELERATOR="cuda")) is None
+    assert shm_op_notice({k: v for k, v in env.items() if k != "ACCELERATE_USE_DEEPSPEED"}) is None
+    cache = shm_op_cache(env)
+    os.makedirs(cache)
+    open(os.path.join(cache, SHM_OP + ".so"), "w").close()
+    assert shm_op_notice(env) is None  # compiled once, cached afterwards
