@@ -253,3 +253,19 @@ def test_killed_rank_makes_every_survivor_raise(world, victim, phase):
         assert err is not None, f"rank {rank} finished although rank {victim} died"
         assert err[0] == "CommTimeoutError" and "HF_RING_TIMEOUT" in err[1], (rank, err)
         assert elapsed <= FAULT_TIMEOUT_S + SLACK_S, (rank, elapsed)
+
+
+def test_a_relayed_error_names_the_ranks_that_failed_the_same_way():
+    """Pure: the rows every rank sees after the exchange, raised on each rank with one message naming the ranks."""
+    from hf_ring.relay import error_row, raise_first
+
+    bad = ValueError("labels must have the shape (2, 37)")
+    rows = [error_row(None), error_row(bad), error_row(bad), error_row(TypeError("another"))]
+    with pytest.raises(ValueError) as seen:
+        raise_first(rows, 0)  # rank 0 did not fail: it raises the first failure, naming every rank that had it
+    assert str(seen.value).startswith("ranks 1 and 2: labels must") and "rank 3 failed with another error" in str(
+        seen.value)
+    assert seen.value.__cause__ is None and seen.value.__suppress_context__
+    with pytest.raises(TypeError, match="^rank 3: another"):
+        raise_first(rows, 3, TypeError("another"))  # a rank that failed raises its own, under its own rank
+    raise_first([error_row(None)] * 3, 1)  # nobody failed: nothing raised
