@@ -55,7 +55,7 @@ def _leave(timeout: Optional[float], reason: str) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     groups = [mesh.get_group(name) for mesh in _MESHES.values() for name in mesh.mesh_dim_names]
-    try:
+    try:  # an HF_RING_TIMEOUT made unusable after the setup is reported here too, not left to abort the exit
         timeout = comm.comm_timeout() if timeout is None else float(timeout)
         for note in comm.leave(groups + [dist.group.WORLD], reason, timeout):
             print(f"hf_ring.shutdown: {note}; ending the process group without it", file=sys.stderr)
@@ -75,7 +75,7 @@ def _shutdown_at_exit() -> None:
     if error is None:
         shutdown()
         return
-    _leave(min(ERROR_EXIT_S, comm.comm_timeout()), f"{type(error).__name__}: {error}")
+    _leave(ERROR_EXIT_S, f"{type(error).__name__}: {error}")
 
 
 def clear_sequence_parallel() -> None:
