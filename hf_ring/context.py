@@ -133,7 +133,7 @@ class ShardedForward:
         """This rank's checks of a layer's arguments failed: every rank raises that error, not only this one.
 
         The error rides in the agreement exchange the other ranks make for the
-        forward's first layer (see :func:`hf_ring.checks.agree_table`). A layer
+        forward's first layer (see :func:`hf_ring.agreement.agree_table`). A layer
         after an agreement was made (the same arguments passed the checks on
         this rank before) has no exchange to join and raises here alone.
         """

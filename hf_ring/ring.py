@@ -326,7 +326,7 @@ def agreed_spec(comm: Optional[RingComm], q: Tensor, k: Tensor, v: Tensor, optio
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], spec: AttentionSpec) -> Tensor:
-    """The ring over a checked spec the ranks agreed on (``spec.seq_len`` set; see :func:`hf_ring.checks.agreed_spec`).
+    """The ring over a checked spec the ranks agreed on (``spec.seq_len`` set; see :func:`agreed_spec`).
 
     ``spec.key_mask`` only when some rank has padded keys.
     """
