@@ -240,21 +240,23 @@ def _code(what: str) -> int:
     return zlib.crc32(what.encode()) & 0x7FFFFFFF
 
 
+_LEAVING_CODE = _code(LEAVING)
+
+_HEAD = 2 + _WHAT_BYTES
+"""Integers before a control row's values: the exchange's code, then its name as :func:`text_ints`."""
+
+
 def control_row(what: str, values: Sequence[int]) -> List[int]:
     """One rank's row of a control exchange: the exchange's code and name, then ``values``, padded to one size."""
     values = [int(v) for v in values]
-    head = [_code(what)] + text_ints(what, _WHAT_BYTES)
-    if len(head) + len(values) > CONTROL_INTS:
-        raise ValueError(f"{what}: {len(values)} integers do not fit one exchange of {CONTROL_INTS - len(head)}")
-    return head + values + [0] * (CONTROL_INTS - len(head) - len(values))
-
-
-_HEAD = 2 + _WHAT_BYTES
+    if _HEAD + len(values) > CONTROL_INTS:
+        raise ValueError(f"{what}: {len(values)} integers do not fit one exchange of {CONTROL_INTS - _HEAD}")
+    return [_code(what)] + text_ints(what, _WHAT_BYTES) + values + [0] * (CONTROL_INTS - _HEAD - len(values))
 
 
 def _left(rows: Sequence[Sequence[int]], ranks: Sequence[int], what: str, me: int) -> RankLeftError:
     """The error of a rank that waited in ``what`` while the ranks whose rows are :data:`LEAVING` ended."""
-    gone = [(ranks[r], row) for r, row in enumerate(rows) if row[0] == _code(LEAVING)]
+    gone = [(ranks[r], row) for r, row in enumerate(rows) if row[0] == _LEAVING_CODE]
     why = []
     for rank, row in gone:
         reason = ints_text(row[_HEAD:])
@@ -295,7 +297,7 @@ def leave(groups: Sequence[dist.ProcessGroup], reason: str, timeout: float) -> L
             posted.remove(item)
             work.wait()
             elsewhere = [(dist.get_global_rank(group, r), ints_text(p.tolist()[1:])) for r, p in enumerate(parts)
-                         if int(p[0]) != _code(LEAVING)]
+                         if int(p[0]) != _LEAVING_CODE]
             if elsewhere:  # those ranks raise RankLeftError now; the other groups' exits would wait for nothing
                 return [f"rank {rank} was still in {where}" for rank, where in elsewhere]
         if posted and time.monotonic() >= deadline:
@@ -357,7 +359,7 @@ class RingComm:
         codes = {r[0] for r in table}
         if len(codes) > 1:
             ranks = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
-            if _code(LEAVING) in codes:
+            if _LEAVING_CODE in codes:
                 raise _left(table, ranks, what, ranks[self.rank])
             where = "; ".join(f"rank {rank}: {ints_text(r[1:])}" for rank, r in zip(ranks, table))
             raise ValueError(

@@ -69,7 +69,8 @@ def refuse_other_sharding(model: Any, kwargs: Mapping[str, Any]) -> None:
         ctx.fail(ValueError(message))
 
 
-WHY = ("refuses sequence-sharded inputs to a model whose attention is not ring_dilated (other calls pass "
+WHY = ("refuses sequence-sharded inputs to a model whose attention is not ring_dilated, whose saved layout or "
+       "ulysses_size is not the setup's, or that is not sharded over the forward's tp group (other calls pass "
        "through untouched); installed by import hf_ring and kept")
 
 

@@ -23,9 +23,6 @@ from .comm import RingComm, ints_text, text_ints
 MESSAGE_BYTES = 480
 """Bytes of an error's type name and message a row carries (longer messages are cut there)."""
 
-ERROR_INTS = 2 + MESSAGE_BYTES
-"""Integers of one rank's :func:`error_row`."""
-
 _KINDS = {"TypeError": TypeError, "ValueError": ValueError, "NotImplementedError": NotImplementedError}
 
 

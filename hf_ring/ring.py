@@ -123,7 +123,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, call: RingCall, sinks: Optiona
     only = _single_block(plan, q, k)
     if only is not None and own_valid and spec.documents is None:
         out, lse = block_forward(q, k, v, scale=spec.scale,
-                                 **kernel_args(call.spec, only.q, only.k_pos, only.nk, only.kind, q.device))
+                                 **kernel_args(spec, only.q, only.k_pos, only.nk, only.kind, q.device))
         return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
     acc = accumulator_dtype(q)
     own_causal = call.own_causal and own_valid
@@ -133,14 +133,14 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, call: RingCall, sinks: Optiona
     for step, kv in _visits(call, plan, k, v):
         if step.shift == 0 and own_causal:
             # It sees every row's own key, so the accumulators start as its result: no zeros, no first merge.
-            out, lse = block_forward(q, k, v, scale=spec.scale, **kernel_args(call.spec, _local(s), 0, s, "causal", q.device))
+            out, lse = block_forward(q, k, v, scale=spec.scale, **kernel_args(spec, _local(s), 0, s, "causal", q.device))
             out = out.to(acc)
             continue
         for blk in step.recv.blocks:
             hs = head_slice(blk.q_heads)
             pk, pv, pm, valid = kv[blk.piece]
             for bs, qt, kt, kind, ks, key_valid in block_parts(spec, blk, pm, valid, None):
-                args = kernel_args(call.spec, qt, kt.pos, kt.count, kind, q.device, key_valid, blk.q_heads)
+                args = kernel_args(spec, qt, kt.pos, kt.count, kind, q.device, key_valid, blk.q_heads)
                 if args is None:
                     continue
                 rs = qt.slice
@@ -200,7 +200,7 @@ def ring_backward(dout, q, k, v, out, lse, call: RingCall) -> Tuple[Tensor, Tens
     only = _single_block(plan, q, k)
     if only is not None and own_valid and spec.documents is None:
         return block_backward(dout, q, k, v, out, lse, scale=spec.scale,
-                              **kernel_args(call.spec, only.q, only.k_pos, only.nk, only.kind, q.device))
+                              **kernel_args(spec, only.q, only.k_pos, only.nk, only.kind, q.device))
     acc = accumulator_dtype(q)
     own_causal = call.own_causal and own_valid
     if not own_causal:
@@ -225,7 +225,7 @@ def ring_backward(dout, q, k, v, out, lse, call: RingCall) -> Tuple[Tensor, Tens
             gk, gv = grads[blk.piece]
             for bs, qt, kt, kind, ks, key_valid in block_parts(spec, blk, pm, valid, call.backward_tile):
                 rs = qt.slice
-                args = kernel_args(call.spec, qt, kt.pos, kt.count, kind, q.device, key_valid, blk.q_heads)
+                args = kernel_args(spec, qt, kt.pos, kt.count, kind, q.device, key_valid, blk.q_heads)
                 if args is None:
                     continue
                 dq_b, dk_b, dv_b = block_backward(

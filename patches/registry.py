@@ -63,8 +63,10 @@ def is_replaced(owner: Any, name: str) -> bool:
 
 
 def original(owner: Any, name: str) -> Any:
-    """What ``owner.name`` resolved to before hf_ring replaced it (the inherited value when it held none)."""
-    patch = _APPLIED[(id(owner), name)]
+    """What ``owner.name`` resolves to without hf_ring's replacement (the inherited value when it held none)."""
+    patch = _APPLIED.get((id(owner), name))
+    if patch is None:
+        return getattr(owner, name)
     if patch.original is not _ABSENT:
         return patch.original
     return getattr(super(owner, owner), name)  # type: ignore[arg-type]

@@ -68,8 +68,7 @@ _WARNED: set = set()
 def reproduction_problem(cls: type, config: Any = None) -> Optional[str]:
     """Why the tiled loss does not reproduce ``cls.forward``'s loss and gradients, or None when it does
     (measured on a tiny model: :func:`.reproduction.problem`)."""
-    original = registry.original(cls, "forward") if registry.is_replaced(cls, "forward") else cls.forward
-    return reproduction.problem(cls, config, original, _tiled_loss, CONFIG_KEY)
+    return reproduction.problem(cls, config, registry.original(cls, "forward"), _tiled_loss, CONFIG_KEY)
 
 
 def _family(cls: type, config: Any) -> str:
