@@ -32,7 +32,7 @@ import resource
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -113,22 +113,24 @@ def pack_bytes(data: bytes, seq_len: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- model
 
 
-def default_config(seq_len: int):
+def default_config(seq_len: int, heads: int = 4, head_dim: int = 32):
     from transformers import LlamaConfig
 
+    hidden = heads * head_dim
     return LlamaConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(seq_len, 4096),
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), max_position_embeddings=max(seq_len, 4096),
         rope_parameters={"rope_type": "default", "rope_theta": 1e8},
         attention_dropout=0.0, tie_word_embeddings=False, bos_token_id=BOS, eos_token_id=None, pad_token_id=None,
     )
 
 
-def load_model(path: Optional[str], seq_len: int, dtype: torch.dtype):
+def load_model(path: Optional[str], seq_len: int, dtype: torch.dtype, heads: int = 4, head_dim: int = 32):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if path is None:
-        return AutoModelForCausalLM.from_config(default_config(seq_len), attn_implementation="ring_dilated", dtype=dtype)
+        return AutoModelForCausalLM.from_config(default_config(seq_len, heads, head_dim),
+                                                attn_implementation="ring_dilated", dtype=dtype)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"--model {path!r} is not a model directory (no config.json)")
     model_type = AutoConfig.from_pretrained(path).model_type
@@ -175,13 +177,17 @@ def retrieval_accuracy(model, batches: List[Dict[str, torch.Tensor]], sp: hf_rin
 DEPTHS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
 """Where the final evaluation puts the passkey: fractions of the sequence, from its start to its middle."""
 
+DEPTHS_ANYWHERE = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+"""The same over the whole sequence, where the passkey may sit anywhere (``--min-distance`` below half)."""
 
-def accuracy_by_depth(model, sp: hf_ring.SequenceParallel, seq_len: int, per_depth: int, seed: int) -> Dict[str, float]:
-    """Retrieval accuracy with the passkey at each of :data:`DEPTHS` of the sequence (held-out sequences)."""
+
+def accuracy_by_depth(model, sp: hf_ring.SequenceParallel, seq_len: int, per_depth: int, seed: int,
+                      depths: Sequence[float] = DEPTHS, min_distance: Optional[int] = None) -> Dict[str, float]:
+    """Retrieval accuracy with the passkey at each of ``depths`` of the sequence (held-out sequences)."""
     out = {}
-    for i, depth in enumerate(DEPTHS):
+    for i, depth in enumerate(depths):
         gen = torch.Generator().manual_seed(20_000 + 100 * seed + i)
-        batches = [passkey_batch(gen, per_depth, seq_len, depth=depth)]
+        batches = [passkey_batch(gen, per_depth, seq_len, min_distance, depth=depth)]
         out[f"{depth:.1f}"] = retrieval_accuracy(model, batches, sp)
     return out
 
@@ -247,9 +253,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="dilated attention: segment lengths (default: none, dense attention)")
     ap.add_argument("--dilation-rates", type=int, nargs="*",
                     help="dilated attention: dilation rates, one per segment length (default: none)")
-    ap.add_argument("--dilated", action="store_true",
-                    help="the tested dilated recipe: segments --seq-len/4, /2, /1 with rates 1 2 4, 240 steps, the "
-                         "first --dense-frac of the steps dense (default: off)")
+    ap.add_argument("--dilated", nargs="?", const="scaled", default=None, choices=["scaled", "linear"],
+                    help="a tested dilated recipe, 240 steps, the first --dense-frac of them dense. 'scaled' (the "
+                         "flag alone): segments --seq-len/4, /2, /1 with rates 1 2 4, cost still quadratic in n. "
+                         "'linear': segments --base-segment·2^i up to --seq-len with rates 2^i up to the query heads, "
+                         "cost linear in n; with no --model a 16-head model (16 dims a head), the passkey anywhere "
+                         "(default: off)")
+    ap.add_argument("--base-segment", type=int, default=1024,
+                    help="--dilated linear: the first, dense segment (default: %(default)s)")
+    ap.add_argument("--heads", type=int, default=None,
+                    help="query heads of the default model (default: 4; 16 with --dilated linear)")
+    ap.add_argument("--head-dim", type=int, default=None,
+                    help="dimensions a head of the default model (default: 32; 16 with --dilated linear)")
+    ap.add_argument("--min-distance", type=int, default=None,
+                    help="the passkey sits at least this many tokens before the query (default: half of the "
+                         "sequence; 1, anywhere, with --dilated linear)")
     ap.add_argument("--dense-frac", type=float, default=0.25,
                     help="with a dilated pattern: share of the steps trained with dense attention before the "
                          "pattern takes over (default: %(default)s)")
@@ -281,8 +299,19 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error("--dilated sets the pattern itself; give it or --segment-lengths/--dilation-rates, not both")
         if args.seq_len < 16:
             ap.error("--dilated needs --seq-len of at least 16")
-        args.segment_lengths = [args.seq_len // 4, args.seq_len // 2, args.seq_len]
-        args.dilation_rates = [1, 2, 4]
+        if args.dilated == "scaled":
+            args.segment_lengths = [args.seq_len // 4, args.seq_len // 2, args.seq_len]
+            args.dilation_rates = [1, 2, 4]
+    linear = args.dilated == "linear"
+    if args.heads is None:
+        args.heads = 16 if linear else 4
+    if args.head_dim is None:
+        args.head_dim = 16 if linear else 32
+    if args.min_distance is None and linear:
+        args.min_distance = 1
+    for name in ("base_segment", "heads", "head_dim", "min_distance"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
     if args.steps is None:
         args.steps = 240 if args.dilated else 120
     if not 0.0 <= args.dense_frac < 1.0:
@@ -315,10 +344,14 @@ def main(argv=None) -> dict:
     resume_dir = args.output if args.resume else None
     if args.resume and not os.path.isfile(os.path.join(args.output, "trainer_state.pt")):
         raise SystemExit(f"--resume: no checkpoint in {args.output}")
-    model = load_model(resume_dir or args.model, args.seq_len, torch.float32).to(accelerator.device)
+    model = load_model(resume_dir or args.model, args.seq_len, torch.float32, args.heads,
+                       args.head_dim).to(accelerator.device)
     pattern = None
     if args.segment_lengths:
         pattern = hf_ring.DilatedPattern(args.segment_lengths, args.dilation_rates)
+    elif args.dilated == "linear":  # rates up to the query heads, so that every residue is some head's
+        pattern = hf_ring.DilatedPattern.geometric(args.seq_len, args.base_segment,
+                                                   model.config.num_attention_heads)
     if pattern is not None or not resume_dir:
         hf_ring.configure(model, pattern=pattern, layout=args.layout, ulysses_size=args.ulysses_size)
     if args.gradient_checkpointing:
@@ -334,7 +367,7 @@ def main(argv=None) -> dict:
     text = pack_bytes(read_text(args.data), args.seq_len) if args.data else None
     eval_gen = torch.Generator().manual_seed(10_000 + args.seed)
     eval_batches = [] if text is not None else [
-        passkey_batch(eval_gen, args.batch_size, args.seq_len) for _ in range(args.eval_batches)
+        passkey_batch(eval_gen, args.batch_size, args.seq_len, args.min_distance) for _ in range(args.eval_batches)
     ]
 
     def length_at(step: int) -> int:
@@ -356,7 +389,8 @@ def main(argv=None) -> dict:
     def pattern_at(step: int) -> Optional[hf_ring.DilatedPattern]:
         """The pattern a training step runs: dense for the first --dense-frac of the steps (the model first learns
         to retrieve at all), then the pattern with its segments scaled to the curriculum's length, so that the short
-        stages already need the long branches as the full length does (a 32-token stage would otherwise run dense)."""
+        stages already need the long branches as the full length does (a 32-token stage would otherwise run dense;
+        a linear pattern that instead kept its base segment and grew a branch per doubling learned far less)."""
         if pattern is None or step < args.dense_frac * args.steps:
             return None
         length = length_at(step)
@@ -373,7 +407,8 @@ def main(argv=None) -> dict:
         if text is None:
             length = length_at(step)
             # about the same number of tokens per step at every length
-            return passkey_batch(g, max(1, args.batch_size * args.seq_len // length), length)
+            return passkey_batch(g, max(1, args.batch_size * args.seq_len // length), length,
+                                 None if args.min_distance is None else min(args.min_distance, length // 2))
         rows = torch.randint(0, text.shape[0], (args.batch_size,), generator=g)
         return {"input_ids": text[rows], "labels": text[rows]}
 
@@ -428,7 +463,9 @@ def main(argv=None) -> dict:
     use(pattern)
     by_depth = {}
     if eval_batches and args.depth_prompts:
-        by_depth = accuracy_by_depth(model, sp, args.seq_len, args.depth_prompts, args.seed)
+        anywhere = args.min_distance is not None and args.min_distance < args.seq_len // 2
+        by_depth = accuracy_by_depth(model, sp, args.seq_len, args.depth_prompts, args.seed,
+                                     DEPTHS_ANYWHERE if anywhere else DEPTHS, args.min_distance)
         if is_main:
             print("accuracy by passkey depth: " + ", ".join(f"{float(d):.0%} {a:.2f}" for d, a in by_depth.items()))
     # ru_maxrss is in KiB on Linux: the process's resident peak over the whole run, evaluation included
@@ -443,6 +480,7 @@ def main(argv=None) -> dict:
         summary = {"wall_s": round(wall, 1), "steps": reached - start, "world": world, "sp_size": sp_size,
                    "seed": args.seed, "seq_len": args.seq_len,
                    "pattern": None if pattern is None else pattern.to_dict(),
+                   "heads": model.config.num_attention_heads, "min_distance": args.min_distance,
                    "accuracy_before": accs[0] if accs else None, "accuracy_after": accs[-1] if accs else None,
                    "accuracy_by_depth": by_depth, "chance": 1 / N_KEYS,
                    "final_loss": history[-1].get("loss") if history else None,

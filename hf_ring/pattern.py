@@ -63,6 +63,31 @@ class DilatedPattern:
     def branches(self) -> Tuple[Tuple[int, int], ...]:
         return tuple(zip(self.segment_lengths, self.dilation_rates))
 
+    @classmethod
+    def geometric(cls, seq_len: int, base_segment: int, max_rate: int) -> "DilatedPattern":
+        """LongNet's linear-cost pattern: segments ``base_segment·2ⁱ`` up to ``seq_len``, rates ``2ⁱ``.
+
+        Every query of branch i then sees about ``base_segment`` keys, so the cost
+        grows linearly in ``seq_len``. Rates stop at ``max_rate`` (give the query
+        heads, so that :meth:`coverage_gaps` is empty); the branches above it see
+        more keys, and the cost grows as ``seq_len²/max_rate²`` once ``seq_len``
+        passes ``base_segment·max_rate``. The last segment is ``seq_len`` itself.
+
+        >>> DilatedPattern.geometric(16384, 2048, 16)
+        DilatedPattern([2048, 4096, 8192, 16384], [1, 2, 4, 8])
+        """
+        positive_int(seq_len, "seq_len")
+        positive_int(base_segment, "base_segment")
+        positive_int(max_rate, "max_rate")
+        lengths, rates = [], []
+        w, r = base_segment, 1
+        while True:
+            lengths.append(min(w, seq_len))
+            rates.append(min(r, max_rate, lengths[-1]))
+            if w >= seq_len:
+                return cls(lengths, rates)
+            w, r = 2 * w, 2 * r
+
     def to_dict(self) -> Dict[str, List[int]]:
         return {"segment_lengths": list(self.segment_lengths), "dilation_rates": list(self.dilation_rates)}
 

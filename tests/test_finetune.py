@@ -202,3 +202,17 @@ def test_dilated_recipe_runs_dense_first_then_the_pattern_scaled_to_each_stage(t
     with pytest.raises(SystemExit):
         ft.parse_args(["--dilated", "--segment-lengths", "8", "--dilation-rates", "1"])
     assert ft.parse_args(["--dilated", "--seq-len", "4096"]).steps == 240 and ft.parse_args([]).steps == 120
+
+
+def test_linear_preset_runs_the_geometric_pattern_on_a_16_head_model(tmp_path):
+    args = ft.parse_args(["--dilated", "linear"])
+    assert (args.dilated, args.heads, args.head_dim, args.min_distance, args.steps) == ("linear", 16, 16, 1, 240)
+    assert ft.parse_args(["--dilated"]).dilated == "scaled" and ft.parse_args([]).min_distance is None
+    with pytest.raises(SystemExit):
+        ft.parse_args(["--dilated", "linear", "--base-segment", "0"])
+    out = tmp_path / "ckpt"
+    ft.main(["--dilated", "linear", "--base-segment", "16", "--steps", "2", "--seq-len", "64", "--batch-size", "1",
+             "--eval-batches", "1", "--depth-prompts", "1", "--output", str(out)])
+    summary = json.load(open(out / "summary.json"))
+    assert summary["pattern"] == {"segment_lengths": [16, 32, 64], "dilation_rates": [1, 2, 4]}
+    assert summary["heads"] == 16 and len(summary["accuracy_by_depth"]) == len(ft.DEPTHS_ANYWHERE)

@@ -48,6 +48,31 @@ def test_flops_dense_branch_equals_dense_and_dilation_is_linear():
     assert longnet.flops(1 << 16, 8, 64)["ratio"] < 0.1
 
 
+def test_geometric_pattern_costs_linearly_and_every_residue_is_a_heads():
+    """The linear preset (``finetune.py --dilated linear``: base 1024, 16 heads): twice the length costs about twice
+    as much while n <= base × heads, and no position is unread by every head."""
+    costs = {}
+    for n in (1 << 14, 1 << 15, 1 << 16):
+        pattern = DilatedPattern.geometric(n, 1024, 16)
+        assert pattern.segment_lengths[0] == 1024 and pattern.segment_lengths[-1] == n
+        assert max(pattern.dilation_rates) <= 16 and pattern.coverage_gaps(16) == []
+        costs[n] = pattern.flops(n, 16, 16)
+    assert costs[1 << 15]["pattern"] / costs[1 << 14]["pattern"] == pytest.approx(2.0, rel=0.1)
+    assert costs[1 << 16]["pattern"] / costs[1 << 15]["pattern"] < 2.5  # dense: 4
+    assert costs[1 << 15]["ratio"] < 0.1 and costs[1 << 16]["ratio"] < 0.05
+
+
+def test_geometric_pattern_edges():
+    assert DilatedPattern.geometric(16384, 2048, 16) == DilatedPattern([2048, 4096, 8192, 16384], [1, 2, 4, 8])
+    assert DilatedPattern.geometric(100, 64, 4) == DilatedPattern([64, 100], [1, 2])  # the last segment is n
+    assert DilatedPattern.geometric(32, 1024, 4) == DilatedPattern([32], [1])  # shorter than the base: dense
+    assert DilatedPattern.geometric(4096, 512, 2).dilation_rates == (1, 2, 2, 2)  # capped at max_rate
+    for bad in ({"seq_len": 0}, {"base_segment": -1}, {"max_rate": 0}):
+        kwargs = {"seq_len": 64, "base_segment": 8, "max_rate": 4, **bad}
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            DilatedPattern.geometric(**kwargs)
+
+
 def test_head_groups_pair_each_query_head_with_its_kv_head():
     for hq, hkv in [(8, 8), (4, 2), (6, 2), (12, 4), (8, 1)]:
         g = hq // hkv

@@ -5,6 +5,7 @@ import sys
 BENCHES = {"ring": "hf_ring.bench.ring", "dilated": "hf_ring.bench.dilated", "generate": "hf_ring.bench.generate",
            "scale": "hf_ring.bench.scale", "model": "hf_ring.bench.model",
            "gpu": "hf_ring.bench.gpu", "quality": "hf_ring.bench.quality",
+           "linear": "hf_ring.bench.linear",
            "tables": "hf_ring.bench.tables", "plan": "hf_ring.bench.plan", "compat": "hf_ring.bench.compat"}
 
 

@@ -31,7 +31,7 @@ from .common import format_table, save
 EXAMPLE = os.path.join("examples", "finetune.py")
 
 
-def _launch(script: str, ranks: int, args: List[str]) -> Dict:
+def launch(script: str, ranks: int, args: List[str]) -> Dict:
     """One launch of the example as a user makes it; its summary.json."""
     out = args[args.index("--output") + 1]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(ranks)]
@@ -47,12 +47,12 @@ def _launch(script: str, ranks: int, args: List[str]) -> Dict:
         return json.load(f)
 
 
-def _args(ranks: int, n: int, batch: int, out: str) -> List[str]:
+def example_args(ranks: int, n: int, batch: int, out: str) -> List[str]:
     """What every launch of the example here shares: the ranks, the length, sequences per step, where it writes."""
     return ["--sp-size", str(ranks), "--seq-len", str(n), "--batch-size", str(batch), "--output", out]
 
 
-def _by_depth(summary: Dict) -> str:
+def depth_cells(summary: Dict) -> str:
     return " / ".join(f"{v:.2f}" for v in summary["accuracy_by_depth"].values())
 
 
@@ -64,12 +64,12 @@ def run(script: str, sizes: List[int], seeds: List[int], modes: List[str], token
         for seed in seeds:  # the attentions alternate, so a drift of the machine's speed touches both alike
             for mode in modes:
                 out = os.path.join(work, f"{mode}_{n}_{seed}")
-                args = _args(ranks, n, batch, out) + ["--seed", str(seed)] + (["--dilated"] if mode == "dilated" else [])
-                got = _launch(script, ranks, args)
+                args = example_args(ranks, n, batch, out) + ["--seed", str(seed)] + (["--dilated"] if mode == "dilated" else [])
+                got = launch(script, ranks, args)
                 row = {"n": n, "attention": mode, "pattern": "" if got["pattern"] is None else
                        f"{got['pattern']['segment_lengths']} / {got['pattern']['dilation_rates']}",
                        "seed": seed, "steps": got["steps"], "accuracy": got["accuracy_after"],
-                       "by_depth": _by_depth(got), "peak_mb_per_rank": max(got["peak_rss_mb_per_rank"])}
+                       "by_depth": depth_cells(got), "peak_mb_per_rank": max(got["peak_rss_mb_per_rank"])}
                 rows.append(row)
                 print(format_table([row], list(row)), flush=True)
         if convert_steps and "dense" in modes:
@@ -90,10 +90,10 @@ def timing(script: str, sizes: List[int], tokens_per_step: int, ranks: int, step
         for _ in range(repeats):
             for mode in ("dense", "dilated"):
                 out = os.path.join(work, f"timing_{mode}_{n}")
-                args = _args(ranks, n, batch, out) + ["--warmup-len", "0", "--steps", str(steps), "--eval-every",
+                args = example_args(ranks, n, batch, out) + ["--warmup-len", "0", "--steps", str(steps), "--eval-every",
                                                       str(10 * steps), "--eval-batches", "1", "--depth-prompts", "0",
                                                       "--save-every", "0"]
-                got = _launch(script, ranks, args + (["--dilated", "--dense-frac", "0"] if mode == "dilated" else []))
+                got = launch(script, ranks, args + (["--dilated", "--dense-frac", "0"] if mode == "dilated" else []))
                 times[mode].append(got["step_s_at_full_length"])
                 peaks[mode].append(max(got["peak_rss_mb_per_rank"]))
         row = {"n": n, "ranks": ranks, "batch": batch, "dense_step_s": round(statistics.median(times["dense"]), 3),
@@ -111,16 +111,16 @@ def _convert(script: str, n: int, seed: int, batch: int, ranks: int, steps: List
     """The dense checkpoint under the dilated pattern as it is, then fine-tuned with it at full length."""
     out = os.path.join(work, f"convert_{n}")
     every = steps[0]
-    args = _args(ranks, n, batch, out) + [
+    args = example_args(ranks, n, batch, out) + [
         "--seed", str(seed), "--model", os.path.join(work, f"dense_{n}_{seed}"), "--dilated", "--dense-frac", "0",
         "--warmup-len", "0", "--steps", str(max(steps)), "--eval-every", str(every), "--save-every", "0"]
-    got = _launch(script, ranks, args)
+    got = launch(script, ranks, args)
     history = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=True)["history"]
     curve = {h["step"]: h["accuracy"] for h in history if "accuracy" in h}
     row = {"n": n, "dense_accuracy_converted": curve[0]}
     for s in steps:
         row[f"after_{s}_steps"] = curve.get(s)
-    row["by_depth_at_end"] = _by_depth(got)
+    row["by_depth_at_end"] = depth_cells(got)
     return row
 
 

@@ -92,6 +92,20 @@ COLUMNS: Dict[str, Sequence[Column]] = {
     "quality_convert": (("n", "n"), ("dense_accuracy_converted", "dense checkpoint under the pattern"),
                         ("after_10_steps", "after 10 steps"), ("after_20_steps", "after 20 steps"),
                         ("after_40_steps", "after 40 steps"), ("by_depth_at_end", "by depth after 40 steps")),
+    "linear": (("n", "n"), ("heads", "query heads"), ("pattern", "pattern"), ("seed", "seed"), ("steps", "steps"),
+               ("accuracy", "accuracy (8 held-out)"), ("accuracy_over_depths", "accuracy over all depths"),
+               ("by_depth", "by passkey depth 0/10/…/90%"), ("wall_s", "training s"),
+               ("peak_mb_per_rank", "peak MB per rank")),
+    "linear_extension": (("from", "from"), ("to", "to"), ("attention", "attention"), ("pattern", "pattern"),
+                         ("steps", "steps"), ("lr", "peak lr"), ("before", "before, dense"),
+                         ("before_under_pattern", "before, under the pattern"), ("curve", "during"),
+                         ("after", "after"), ("after_over_depths", "after, over all depths"),
+                         ("by_depth", "after, by passkey depth 0/10/…/50%"), ("after_at_from", "after, at the old length"),
+                         ("wall_s", "training s"), ("step_s_at_full_length", "step s at the new length")),
+    "linear_timing": (("n", "n"), ("ranks", "ranks"), ("dense_step_s", "dense ring step s"),
+                      ("linear_step_s", "linear pattern step s"), ("step_over_dense", "linear / dense"),
+                      ("dense_growth", "dense, × per doubling"), ("linear_growth", "linear, × per doubling"),
+                      ("dense_peak_mb", "dense peak MB per rank"), ("linear_peak_mb", "linear peak MB per rank")),
     "race": (("n", "n"), ("batch", "batch"), ("rounds", "rounds"), ("repeats", "steps per round"))
     + tuple((f"{s}_step_s", f"{name} step s") for s, name in _RACE_SIDES)
     + tuple((f"{s}_over_alst", f"{name} / ALST") for s, name in _RACE_SIDES[1:])
@@ -186,6 +200,8 @@ DERIVED: Dict[str, Tuple[str, Callable[[Dict], str]]] = {
     "finetune_runs": ("finetune_summary", render_finetune_runs),
     "quality_timing": ("quality", lambda payload: render("quality_timing", {"rows": payload.get("timing", [])})),
     "quality_convert": ("quality", lambda payload: render("quality_convert", {"rows": payload.get("converted", [])})),
+    "linear_extension": ("linear", lambda payload: render("linear_extension", {"rows": payload.get("extension", [])})),
+    "linear_timing": ("linear", lambda payload: render("linear_timing", {"rows": payload.get("timing", [])})),
 }
 """Tables made from another benchmark's JSON: NAME -> (the JSON's name, its renderer)."""
 
