@@ -25,14 +25,16 @@ from . import config as ring_config
 from . import patches
 from .agreement import full_key_mask, option_codes
 from .checks import check_options, check_qkv, check_sinks, check_softcap
-from .documents import Documents, check_documents, document_starts
-from .context import CONTEXT_KEY, DecodeStep, ShardedForward, layer_head_base, refuse_unsharded
+from .documents import documents_of_call
+from .context import CONTEXT_KEY, DecodeStep, ShardedForward, refuse_unsharded
 from .decode import CachedBlock, cached_attention, cached_blocks, merge_ranks
 from .groups import current
 from .layout import head_split
+from .merge import add_sinks
 from .rows import KEEP_ALL, rule_for
 from .ring import run
 from .spec import AttentionSpec
+from .tp import tensor_parallel_head_base
 from .ulysses import head_parallel
 
 Tensor = torch.Tensor
@@ -124,41 +126,60 @@ def ring_dilated_attention(
     **kwargs: Any,
 ) -> Tuple[Tensor, None]:
     """transformers attention function for ``attn_implementation="ring_dilated"``."""
-    ctx = kwargs.get(CONTEXT_KEY)
+    forward = kwargs.get(CONTEXT_KEY)
     sp = current()
     sharded = sp is not None and sp.sp_size > 1
+    whole = query.shape[2] == key.shape[2]  # else new tokens over a cache
     try:  # under sequence parallelism a rank whose arguments fail makes every rank raise, at once
+        _refuse_unsupported(dropout, module.training, kwargs, sharded, module.config)
+        query, key, value = _autocast_alike(query, key, value)
+        if not query.dtype == key.dtype == value.dtype:
+            raise TypeError(f"q, k, v must share one dtype; got q={query.dtype}, k={key.dtype}, v={value.dtype}")
         # transformers' own backends let an explicit is_causal win over the module's attribute.
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         cfg = ring_config.parse(getattr(module.config, ring_config.CONFIG_KEY, None))
         spec = _layer_spec(module, cfg, query, causal, scaling, sliding_window, kwargs)
         # Under tensor parallelism this rank holds a slice of the heads; dilation offsets count from global heads.
-        spec = spec.at(head_base=layer_head_base(ctx, sp, query.shape[1], key.shape[1], module.config))
-        _refuse_unsupported(dropout, module.training, kwargs, sharded, module.config)
-        query, key, value = _autocast_alike(query, key, value)
-        if not query.dtype == key.dtype == value.dtype:
-            raise TypeError(f"q, k, v must share one dtype; got q={query.dtype}, k={key.dtype}, v={value.dtype}")
-        if isinstance(ctx, ShardedForward) and query.shape[2] == key.shape[2]:
-            spec = _sharded_spec(query, key, value, attention_mask, spec, ctx)
+        tp_place = (forward.tp_rank, forward.tp_size) if isinstance(forward, ShardedForward) else (
+            (0, 1) if sp is None else (sp.tp_rank, sp.tp_size))
+        spec = spec.at(head_base=tensor_parallel_head_base(*tp_place, query.shape[1], key.shape[1], module.config))
+        # the ring's routes: a forward over shards, or whole sequences in one process
+        ring_route = whole and not isinstance(forward, DecodeStep) and (isinstance(forward, ShardedForward)
+                                                                         or not sharded)
+        if ring_route:
+            check_qkv(query, key, value)
+        if isinstance(forward, ShardedForward) and whole:
+            # a forward over shards: its layout, length, documents and this rank's key padding. A model whose saved
+            # layout or ulysses_size differs from the setup's was refused at its call (guard.refuse_other_shape).
+            head_split(query.shape[1], key.shape[1], forward.ulysses)  # the heads must serve the head-parallel groups
+            spec = spec.at(layout=forward.layout, seq_len=forward.seq_len, documents=forward.documents,
+                           key_mask=_key_mask_2d(attention_mask))
+        elif ring_route:
+            key_valid = _key_mask_2d(attention_mask)
+            documents = documents_of_call(query.shape[0], query.shape[2], kwargs.get("position_ids"),
+                                          kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"),
+                                          attention_mask is not None)
+            spec = spec.at(seq_len=query.shape[2], documents=documents,
+                           key_mask=full_key_mask(key_valid, key, key_valid is not None and not bool(key_valid.all())))
     except (TypeError, ValueError, NotImplementedError) as err:
-        if isinstance(ctx, ShardedForward):
-            ctx.fail(err)
+        if isinstance(forward, ShardedForward):
+            forward.fail(err)
         raise
-    if isinstance(ctx, DecodeStep):
-        out = _decode_step(query, key, value, _key_mask_2d(attention_mask), spec, ctx, getattr(module, "layer_idx", None))
-    elif query.shape[2] != key.shape[2]:
+    if isinstance(forward, DecodeStep):
+        out = _decode_step(query, key, value, _key_mask_2d(attention_mask), spec, forward, getattr(module, "layer_idx", None))
+    elif not whole:
         if sharded:
             raise NotImplementedError(
                 "ring_dilated got a KV cache while the sequence is split across ranks; generate with "
                 "hf_ring.generate(model, input_ids, ...), which keeps the cache sharded"
             )
         out = _over_cache(query, key, value, attention_mask, spec)
-    elif isinstance(ctx, ShardedForward):
-        out = _sharded(module, query, key, value, spec, ctx)
+    elif isinstance(forward, ShardedForward):
+        out = _sharded(module, query, key, value, spec, forward)
     elif sharded:
         refuse_unsharded(sp.comm, query, key, spec)
-    else:
-        out = _whole(query, key, value, attention_mask, spec, kwargs)
+    else:  # whole sequences in one process: the ring on this process alone
+        out = run(query, key, value, None, spec)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -171,78 +192,28 @@ def _layer_spec(module, cfg: ring_config.RingConfig, query: Tensor, causal: Any,
     return spec.at(softcap=check_softcap(kwargs.get("softcap")), sinks=check_sinks(kwargs.get("s_aux"), query.shape[1]))
 
 
-def _sharded_spec(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, spec: AttentionSpec,
-                  ctx: ShardedForward) -> AttentionSpec:
-    """The spec of a forward over shards: the forward's layout, length, documents and this rank's key padding.
-
-    A model whose saved layout or ``ulysses_size`` differs from the setup's was refused at its call
-    (:func:`hf_ring.guard.refuse_other_shape`), before any layer."""
-    check_qkv(query, key, value)
-    head_split(query.shape[1], key.shape[1], ctx.ulysses)  # the heads must serve the head-parallel groups
-    return spec.at(layout=ctx.layout, seq_len=ctx.seq_len, documents=ctx.documents,
-                   key_mask=_key_mask_2d(attention_mask))
-
-
-def _whole(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, spec: AttentionSpec,
-           kwargs: dict) -> Tensor:
-    """Whole sequences in one process: the ring on this process alone."""
-    check_qkv(query, key, value)
-    key_valid = _key_mask_2d(attention_mask)
-    key_mask = full_key_mask(key_valid, key, key_valid is not None and not bool(key_valid.all()))
-    return run(query, key, value, None, spec.at(seq_len=query.shape[2], key_mask=key_mask,
-                                                documents=_local_documents(query, attention_mask, kwargs)))
-
-
-def _sharded(module, query: Tensor, key: Tensor, value: Tensor, spec: AttentionSpec, ctx: ShardedForward) -> Tensor:
+def _sharded(module, query: Tensor, key: Tensor, value: Tensor, spec: AttentionSpec, forward: ShardedForward) -> Tensor:
     """The ring (or head parallelism) over the shards of one forward; the ranks agree once per kind of layer.
 
     ``spec.key_mask`` is this rank's rows' padding (None: no padding here). A
     rank that holds no row of the sequence runs the model on a placeholder
     row: the ring gets none of it, and its output there is zero.
     """
-    if ctx.placeholder:
+    if forward.placeholder:
         key_valid = spec.key_mask
         out = _sharded(module, query[:, :, :0], key[:, :, :0], value[:, :, :0],
                        spec.at(key_mask=None if key_valid is None else key_valid[:, :0]),
-                       replace(ctx, placeholder=False))
+                       replace(forward, placeholder=False))
         return torch.cat([out, out.new_zeros(*out.shape[:2], query.shape[2], out.shape[3])], dim=2)
-    codes = option_codes(spec) + [("ulysses_size", ctx.ulysses)]
-    if ctx.agree(query, key, spec, codes) and ctx.world_size > 1:
+    codes = option_codes(spec) + [("ulysses_size", forward.ulysses)]
+    if forward.agree(query, key, spec, codes) and forward.world_size > 1:
         patches.check_supported(module.config)  # once per forward: the family does not change between layers
-    key_mask = full_key_mask(spec.key_mask, key, ctx.padded)
-    if ctx.ulysses > 1:
-        spec = spec.at(key_mask=None if key_mask is None else ctx.group_key_mask(key_mask))
-        return head_parallel(query, key, value, ctx.head_comm, ctx.ring_comm,
-                             head_split(query.shape[1], key.shape[1], ctx.ulysses), ctx.group_sizes(), spec)
-    return run(query, key, value, ctx.comm, spec.at(key_mask=key_mask))
-
-
-def _local_documents(query: Tensor, attention_mask: Any, kwargs: dict) -> Optional[Documents]:
-    """Documents packed into the rows of a one-process whole-sequence forward, as transformers finds them.
-
-    Runs of ``position_ids`` that increase by one are documents when the
-    model was given no attention mask; flash-style ``cu_seq_lens_q/k`` say the
-    same for a flattened row and must agree with them.
-    """
-    b, n = query.shape[0], query.shape[2]
-    found = None
-    cu = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seq_lens_k"))
-    if cu is not None:
-        offsets = [int(x) for x in cu.reshape(-1).tolist()]
-        cu_k = kwargs.get("cu_seq_lens_k")
-        if cu_k is not None and [int(x) for x in cu_k.reshape(-1).tolist()] != offsets:
-            raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; packed causal rows need the same offsets for both")
-        if b != 1 or len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != n:
-            raise ValueError(f"cu_seq_lens_q must rise from 0 to the row length {n} of a single flattened row "
-                             f"(batch size {b}), got {offsets[:8]}")
-        found = (tuple(offsets[:-1]),)
-    positions = kwargs.get("position_ids")
-    if attention_mask is None and isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[-1] == n:
-        from_positions = document_starts(positions.expand(b, n))
-        if found is not None and found != from_positions:
-            raise ValueError("position_ids and cu_seq_lens_q mark different documents; pass the ones the collator made")
-        found = from_positions
-    return check_documents(found, b, n)
+    key_mask = full_key_mask(spec.key_mask, key, forward.padded)
+    if forward.ulysses > 1:
+        spec = spec.at(key_mask=None if key_mask is None else forward.group_key_mask(key_mask))
+        return head_parallel(query, key, value, forward.head_comm, forward.ring_comm,
+                             head_split(query.shape[1], key.shape[1], forward.ulysses), forward.group_sizes(), spec)
+    return run(query, key, value, forward.comm, spec.at(key_mask=key_mask))
 
 
 def _is_cache_mask(attention_mask: Any) -> bool:
@@ -281,18 +252,20 @@ def _over_cache(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, 
         blocks = cached_blocks(k_pos[kv_len - q_len:], k_pos, hq=query.shape[1], hkv=key.shape[1], causal=spec.causal,
                                window=spec.window, branches=spec.branches, head_offset=spec.head_base)
     out, lse = cached_attention(query, key, value, blocks, scale=spec.scale, pair_mask=mask, softcap=spec.softcap)
-    return merge_ranks(out, lse, None, spec.sinks).to(query.dtype)
+    if spec.sinks is not None:  # one process: nothing to merge across ranks, only the sinks to join
+        out, lse = add_sinks(out, lse, spec.sinks)
+    return out.to(query.dtype)
 
 
 def _decode_step(query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[Tensor], spec: AttentionSpec,
-                 ctx: DecodeStep, layer_idx: Optional[int]) -> Tensor:
+                 forward: DecodeStep, layer_idx: Optional[int]) -> Tensor:
     """New tokens of :func:`hf_ring.generate` over this rank's cache rows, merged across the ranks.
 
     Each row set of the layer (all its K/V heads, or one K/V head of a
     dilated layer that keeps rows per head) is attended by its query heads
     over its own rows and positions.
     """
-    cache = ctx.cache
+    cache = forward.cache
     layer_idx = 0 if layer_idx is None else layer_idx
     rule = cache.rule_of(layer_idx)
     branches = spec.branches
@@ -312,14 +285,13 @@ def _decode_step(query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[
     outs, lses = [], []
     for s, (k_pos, k_rows, v_rows) in enumerate(sets):
         q = query if len(sets) == 1 else query[:, s * per:(s + 1) * per]
-        blocks = ctx.blocks((rule, s), k_pos, per, k_rows.shape[1], spec.causal, spec.window, branches,
-                            query.device, head_offset=s * per)
+        blocks = forward.blocks((rule, s), k_pos, per, k_rows.shape[1], spec, query.device, head_offset=s * per)
         out, lse = cached_attention(q, k_rows, v_rows, blocks, scale=spec.scale,
-                                    key_mask=ctx.key_mask(key_valid, (rule, s), k_pos), softcap=spec.softcap)
+                                    key_mask=forward.key_mask(key_valid, (rule, s), k_pos), softcap=spec.softcap)
         outs.append(out)
         lses.append(lse)
     out, lse = (outs[0], lses[0]) if len(sets) == 1 else (torch.cat(outs, 1), torch.cat(lses, 1))
-    return merge_ranks(out, lse, ctx.comm, spec.sinks, same_ids=ctx.take_check()).to(query.dtype)
+    return merge_ranks(out, lse, forward.comm, spec.sinks, same_ids=forward.take_check()).to(query.dtype)
 
 
 def ring_dilated_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,

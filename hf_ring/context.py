@@ -19,7 +19,6 @@ import torch
 from .agreement import agree_table, facts, global_length, unsharded_message
 from .cache import ShardedCache
 from .comm import RingComm
-from .config import model_heads
 from .decode import CachedBlock, cached_blocks
 from .documents import Documents
 from .groups import SequenceParallel
@@ -52,7 +51,7 @@ class ShardedForward:
     ``head_comm`` while the ring runs over ``ring_comm`` (see
     :func:`hf_ring.setup_sequence_parallel`); ``tp_rank``/``tp_size``: this
     rank's place in its tensor-parallel group, which decides the global index
-    of its first head (:meth:`head_base`).
+    of its first head (:func:`hf_ring.tp.tensor_parallel_head_base`).
     """
 
     seq_len: int
@@ -87,10 +86,6 @@ class ShardedForward:
     @property
     def world_size(self) -> int:
         return 1 if self.comm is None else self.comm.world_size
-
-    def head_base(self, hq_local: int, hkv_local: int, config: Any) -> int:
-        """The global index of this rank's first query head (see :func:`tensor_parallel_head_base`)."""
-        return tensor_parallel_head_base(self.tp_rank, self.tp_size, hq_local, hkv_local, config)
 
     def group_sizes(self) -> List[int]:
         """Rows each member of this rank's head-parallel group holds."""
@@ -147,41 +142,6 @@ class ShardedForward:
         return 0 if self.world_size == 1 else len(self._agreed)
 
 
-def tensor_parallel_head_base(tp_rank: int, tp_size: int, hq_local: int, hkv_local: int, config: Any) -> int:
-    """The global index of the first of this rank's ``hq_local`` query heads: ``tp_rank·hq_local`` (0 without tp).
-
-    transformers' tensor-parallel plan gives tp rank r the r-th contiguous
-    slice of the heads; a dilated head's offset counts from its global index,
-    so the ring must know where the slice starts. A layer whose local head
-    counts are not the model's (``config``) split over ``tp_size`` ranks was
-    sharded over another group, or not at all, and is refused.
-    """
-    if tp_size == 1:
-        return 0
-    heads = model_heads(config)
-    if heads is not None and (hq_local * tp_size, hkv_local * tp_size) != heads:
-        raise ValueError(
-            f"tp_size={tp_size}: this rank's attention runs {hq_local} query and {hkv_local} key/value heads, but "
-            f"the model's {heads[0]} query and {heads[1]} key/value heads over {tp_size} tensor-parallel ranks are "
-            f"{heads[0] / tp_size:g} and {heads[1] / tp_size:g} each: the model is not sharded over this setup's "
-            "tensor-parallel groups. Shard it with hf_ring.tensor_parallel(model) after "
-            "hf_ring.setup_sequence_parallel(..., tp_size=...) (from_pretrained(tp_plan=...) shards over every "
-            "process, whatever device_mesh it is given), or load it with distributed_config=DistributedConfig("
-            "tp_size=..., fsdp_size=...) whose tp_size is the setup's"
-        )
-    return tp_rank * hq_local
-
-
-def layer_head_base(ctx: Any, sp: Optional[SequenceParallel], hq_local: int, hkv_local: int, config: Any) -> int:
-    """:func:`tensor_parallel_head_base` of a layer call: the forward's own group decides (a ShardedForward),
-    else the active setup ``sp`` (whole sequences, or a one-process cache, under tensor parallelism)."""
-    if isinstance(ctx, ShardedForward):
-        return ctx.head_base(hq_local, hkv_local, config)
-    if sp is None:
-        return 0
-    return tensor_parallel_head_base(sp.tp_rank, sp.tp_size, hq_local, hkv_local, config)
-
-
 def refuse_unsharded(comm: RingComm, q: Tensor, k: Tensor, opts: AttentionSpec) -> None:
     """A whole-sequence forward under sequence parallelism without sharded inputs: the same error on every rank.
 
@@ -231,14 +191,15 @@ class DecodeStep:
         self._key_masks.append((key_valid, rows, found))
         return found
 
-    def blocks(self, rows: Any, k_pos: Tensor, hq: int, hkv: int, causal: bool, window: Optional[int],
-               branches: Sequence[Tuple[int, int]], device: torch.device, head_offset: int = 0) -> List[CachedBlock]:
-        """This step's kernel calls over the cache rows ``k_pos`` of row set ``rows``.
+    def blocks(self, rows: Any, k_pos: Tensor, hq: int, hkv: int, spec: AttentionSpec, device: torch.device,
+               head_offset: int = 0) -> List[CachedBlock]:
+        """This step's kernel calls of the layer's attention ``spec`` over the cache rows ``k_pos`` of row set ``rows``.
 
         Computed by the first layer of the row set, reused by the others.
         ``head_offset``: the first query head's number (a row set of one K/V head).
         """
-        key = (rows, hq, hkv, causal, window, tuple(branches), head_offset, str(device))
+        causal, window, branches = spec.causal, spec.window, spec.branches
+        key = (rows, hq, hkv, causal, window, branches, head_offset, str(device))
         found = self._blocks.get(key)
         if found is None:
             found = self._blocks[key] = [

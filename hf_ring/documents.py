@@ -11,7 +11,7 @@ are counted from the document's start.
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
@@ -54,6 +54,33 @@ def check_documents(documents, batch: int, seq_len: int) -> Optional[Documents]:
     if all(len(starts) == 1 for starts in documents):
         return None
     return documents
+
+
+def documents_of_call(batch: int, seq_len: int, position_ids: Any, cu_seq_lens_q: Any, cu_seq_lens_k: Any,
+                      masked: bool) -> Optional[Documents]:
+    """Documents packed into the rows of a one-process whole-sequence forward, as transformers marks them.
+
+    Runs of ``position_ids`` that increase by one are documents when the
+    model was given no attention mask (``masked`` False); flash-style
+    ``cu_seq_lens_q/k`` say the same for a flattened row and must agree with them.
+    """
+    b, n = batch, seq_len
+    found = None
+    cu = cu_seq_lens_k if cu_seq_lens_q is None else cu_seq_lens_q
+    if cu is not None:
+        offsets = [int(x) for x in cu.reshape(-1).tolist()]
+        if cu_seq_lens_k is not None and [int(x) for x in cu_seq_lens_k.reshape(-1).tolist()] != offsets:
+            raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; packed causal rows need the same offsets for both")
+        if b != 1 or len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != n:
+            raise ValueError(f"cu_seq_lens_q must rise from 0 to the row length {n} of a single flattened row "
+                             f"(batch size {b}), got {offsets[:8]}")
+        found = (tuple(offsets[:-1]),)
+    if not masked and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and position_ids.shape[-1] == n:
+        from_positions = document_starts(position_ids.expand(b, n))
+        if found is not None and found != from_positions:
+            raise ValueError("position_ids and cu_seq_lens_q mark different documents; pass the ones the collator made")
+        found = from_positions
+    return check_documents(found, b, n)
 
 
 def longest(documents: Documents, seq_len: int) -> int:

@@ -33,40 +33,40 @@ def other_attention_message(model: Any) -> str:
 
 def refuse_other_attention(model: Any, kwargs: Mapping[str, Any]) -> None:
     """Raise ValueError on every rank when ``kwargs`` are sharded inputs and ``model`` does not run the ring."""
-    ctx = kwargs.get(CONTEXT_KEY)
-    if not isinstance(ctx, (ShardedForward, DecodeStep)) or runs_ring(getattr(model, "config", None)):
+    forward = kwargs.get(CONTEXT_KEY)
+    if not isinstance(forward, (ShardedForward, DecodeStep)) or runs_ring(getattr(model, "config", None)):
         return
     error = ValueError(other_attention_message(model))
-    if isinstance(ctx, ShardedForward):
-        ctx.fail(error)  # rides the forward's agreement exchange, so a rank running the ring model raises too
+    if isinstance(forward, ShardedForward):
+        forward.fail(error)  # rides the forward's agreement exchange, so a rank running the ring model raises too
     raise error
 
 
 def refuse_other_shape(model: Any, kwargs: Mapping[str, Any]) -> None:
     """Raise ValueError on every rank when sharded inputs reach a model whose saved ``config.ring_dilated`` has
     another layout or ``ulysses_size`` than the setup that sharded them (before any layer runs)."""
-    ctx = kwargs.get(CONTEXT_KEY)
-    if not isinstance(ctx, ShardedForward) or ctx.world_size == 1:
+    forward = kwargs.get(CONTEXT_KEY)
+    if not isinstance(forward, ShardedForward) or forward.world_size == 1:
         return
     try:
         saved = parse(getattr(getattr(model, "config", None), CONFIG_KEY, None))
     except (TypeError, ValueError) as err:
-        ctx.fail(err)
+        forward.fail(err)
         raise
-    message = shape_conflict(saved, ctx.layout, ctx.ulysses)
+    message = shape_conflict(saved, forward.layout, forward.ulysses)
     if message is not None:
-        ctx.fail(ValueError(message))
+        forward.fail(ValueError(message))
 
 
 def refuse_other_sharding(model: Any, kwargs: Mapping[str, Any]) -> None:
     """Raise ValueError on every rank when sharded inputs reach a model not sharded over the forward's tp group
     (transformers' own layers would otherwise fail on half-heads, or run every head on every tp rank)."""
-    ctx = kwargs.get(CONTEXT_KEY)
-    if not isinstance(ctx, ShardedForward):
+    forward = kwargs.get(CONTEXT_KEY)
+    if not isinstance(forward, ShardedForward):
         return
-    message = sharding_error(model, ctx.tp_rank, ctx.tp_size)
+    message = sharding_error(model, forward.tp_rank, forward.tp_size)
     if message is not None:
-        ctx.fail(ValueError(message))
+        forward.fail(ValueError(message))
 
 
 WHY = ("refuses sequence-sharded inputs to a model whose attention is not ring_dilated, whose saved layout or "

@@ -6,7 +6,7 @@ a group of t holds query heads ``r·Hq/t`` to ``(r+1)·Hq/t`` and the K/V heads
 they use. The ring (and head parallelism) then attends those local heads over
 the rank's sp group; the only thing it must know is where its heads start,
 because a dilated head's offset counts from its global index
-(:func:`hf_ring.context.tensor_parallel_head_base`).
+(:func:`tensor_parallel_head_base`).
 
 ``from_pretrained(tp_plan=..., device_mesh=...)`` in transformers 5 builds
 its own tensor-parallel group over every process, whatever mesh it is
@@ -204,3 +204,28 @@ def check_trainer_model(model: Any, tp_size: int, deepspeed: bool) -> None:
         error = sharding_error(model, rank % tp_size, tp_size)  # tp innermost: this rank's place in its tp group
         if error is not None:
             raise ValueError(error)
+
+
+def tensor_parallel_head_base(tp_rank: int, tp_size: int, hq_local: int, hkv_local: int, config: Any) -> int:
+    """The global index of the first of this rank's ``hq_local`` query heads: ``tp_rank·hq_local`` (0 without tp).
+
+    transformers' tensor-parallel plan gives tp rank r the r-th contiguous
+    slice of the heads; a dilated head's offset counts from its global index,
+    so the ring must know where the slice starts. A layer whose local head
+    counts are not the model's (``config``) split over ``tp_size`` ranks was
+    sharded over another group, or not at all, and is refused.
+    """
+    if tp_size == 1:
+        return 0
+    heads = model_heads(config)
+    if heads is not None and (hq_local * tp_size, hkv_local * tp_size) != heads:
+        raise ValueError(
+            f"tp_size={tp_size}: this rank's attention runs {hq_local} query and {hkv_local} key/value heads, but "
+            f"the model's {heads[0]} query and {heads[1]} key/value heads over {tp_size} tensor-parallel ranks are "
+            f"{heads[0] / tp_size:g} and {heads[1] / tp_size:g} each: the model is not sharded over this setup's "
+            "tensor-parallel groups. Shard it with hf_ring.tensor_parallel(model) after "
+            "hf_ring.setup_sequence_parallel(..., tp_size=...) (from_pretrained(tp_plan=...) shards over every "
+            "process, whatever device_mesh it is given), or load it with distributed_config=DistributedConfig("
+            "tp_size=..., fsdp_size=...) whose tp_size is the setup's"
+        )
+    return tp_rank * hq_local
