@@ -75,27 +75,24 @@ def _evaluate(script: str, ranks: int, model: str, n: int, batch: int, pattern: 
 
 
 def extension(script: str, ranks: int, short: int, long: int, steps: int, lr: float, every: int,
-              base_segment: int, warmup_len: int, seed: int, work: str) -> List[Dict]:
+              base_segment: int, warmup_len: int, modes: List[str], work: str) -> List[Dict]:
     """The dense demo checkpoint extended from ``short`` to ``long`` tokens, linear pattern and dense side by side.
 
     Both keep the demo's task, the passkey in the first half of the sequence, at every length."""
     demo = os.path.join(work, f"demo_{short}")
-    launch(script, ranks, example_args(ranks, short, 4, demo) + ["--seed", str(seed)])
+    launch(script, ranks, example_args(ranks, short, 4, demo) + ["--seed", "0"])
     rows = []
-    for attention in ("linear", "dense"):
+    for attention in modes:
         out = os.path.join(work, f"extend_{attention}_{long}")
         extra = ["--dilated", "linear", "--base-segment", str(base_segment), "--dense-frac", "0"] \
             if attention == "linear" else []
         got = launch(script, ranks, example_args(ranks, long, 1, out) + [
-            "--seed", str(seed), "--model", demo, "--steps", str(steps), "--lr", str(lr), "--eval-every", str(every),
+            "--seed", "0", "--model", demo, "--steps", str(steps), "--lr", str(lr), "--eval-every", str(every),
             "--warmup-len", str(warmup_len), "--save-every", "0", "--min-distance", str(long // 2)] + extra)
         history = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=True)["history"]
         curve = {h["step"]: h["accuracy"] for h in history if "accuracy" in h}
         row = {"from": short, "to": long, "attention": attention, "pattern": _pattern_cell(got), "steps": got["steps"],
-               "lr": lr, "before": curve[0]}
-        if got["pattern"] is not None:  # the dense checkpoint under the pattern, untrained
-            row["before_under_pattern"] = _evaluate(script, ranks, demo, long, 1, got["pattern"],
-                                                    os.path.join(work, "eval_demo_pattern"))
+               "lr": lr, "before": curve[0]}  # the dense checkpoint at the new length under this run's attention
         row["curve"] = " / ".join(f"{curve[s]:.2f}" for s in sorted(curve) if s)
         row["after"] = got["accuracy_after"]
         row["by_depth"] = depth_cells(got)
@@ -185,6 +182,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="extension: the pattern's first segment (default: --extend-from, the length the model knows)")
     ap.add_argument("--extend-warmup-len", type=int, default=None,
                     help="extension: the curriculum's first length (default: 2 × --extend-from)")
+    ap.add_argument("--extend-modes", nargs="+", default=["linear", "dense"], choices=["linear", "dense"],
+                    help="extension: the attentions, one run each (default: %(default)s)")
     ap.add_argument("--timing-sizes", type=int, nargs="+", default=[16384, 32768, 65536],
                     help="timing: lengths (default: %(default)s)")
     ap.add_argument("--timing-steps", type=int, default=3, help="timing: steps per run (default: %(default)s)")
@@ -202,7 +201,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             got["extension"] = extension(
                 args.script, args.ranks, args.extend_from, args.extend_to, args.extend_steps, args.extend_lr,
                 args.extend_every, args.extend_base_segment or args.extend_from,
-                args.extend_warmup_len or 2 * args.extend_from, 0, work)
+                args.extend_warmup_len or 2 * args.extend_from, args.extend_modes, work)
         if "timing" in args.parts:
             got["timing"] = timing(args.script, args.timing_sizes, args.ranks, args.timing_steps,
                                    args.timing_repeats, args.base_segment, work)
