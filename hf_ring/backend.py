@@ -148,19 +148,21 @@ def ring_dilated_attention(
                                                                          or not sharded)
         if ring_route:
             check_qkv(query, key, value)
-        if isinstance(forward, ShardedForward) and whole:
-            # a forward over shards: its layout, length, documents and this rank's key padding. A model whose saved
-            # layout or ulysses_size differs from the setup's was refused at its call (guard.refuse_other_shape).
-            head_split(query.shape[1], key.shape[1], forward.ulysses)  # the heads must serve the head-parallel groups
-            spec = spec.at(layout=forward.layout, seq_len=forward.seq_len, documents=forward.documents,
-                           key_mask=_key_mask_2d(attention_mask))
-        elif ring_route:
-            key_valid = _key_mask_2d(attention_mask)
-            documents = documents_of_call(query.shape[0], query.shape[2], kwargs.get("position_ids"),
-                                          kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"),
-                                          attention_mask is not None)
-            spec = spec.at(seq_len=query.shape[2], documents=documents,
-                           key_mask=full_key_mask(key_valid, key, key_valid is not None and not bool(key_valid.all())))
+            if isinstance(forward, ShardedForward):
+                # a forward over shards: its layout, length, documents and this rank's key padding. A model whose
+                # saved layout or ulysses_size differs from the setup's was refused at its call
+                # (guard.refuse_other_shape). The heads must serve the head-parallel groups:
+                head_split(query.shape[1], key.shape[1], forward.ulysses)
+                spec = spec.at(layout=forward.layout, seq_len=forward.seq_len, documents=forward.documents,
+                               key_mask=_key_mask_2d(attention_mask))
+            else:
+                key_valid = _key_mask_2d(attention_mask)
+                documents = documents_of_call(query.shape[0], query.shape[2], kwargs.get("position_ids"),
+                                              kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"),
+                                              attention_mask is not None)
+                any_padded = key_valid is not None and not bool(key_valid.all())
+                spec = spec.at(seq_len=query.shape[2], documents=documents,
+                               key_mask=full_key_mask(key_valid, key, any_padded))
     except (TypeError, ValueError, NotImplementedError) as err:
         if isinstance(forward, ShardedForward):
             forward.fail(err)

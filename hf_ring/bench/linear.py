@@ -30,14 +30,9 @@ from typing import Dict, List, Optional
 import torch
 
 from .common import finish_figure, format_table, save
-from .quality import EXAMPLE, depth_cells, example_args, launch
+from .quality import EXAMPLE, depth_cells, example_args, launch, pattern_cell
 
 PARTS = ("retrieval", "extension", "timing")
-
-
-def _pattern_cell(summary: Dict) -> str:
-    p = summary["pattern"]
-    return "" if p is None else f"{p['segment_lengths']} / {p['dilation_rates']}"
 
 
 def _over_depths(summary: Dict) -> float:
@@ -55,7 +50,7 @@ def retrieval(script: str, sizes: List[int], seeds: List[int], ranks: int, token
             out = os.path.join(work, f"linear_{n}_{seed}")
             got = launch(script, ranks, example_args(ranks, n, max(1, tokens_per_step // n), out) + [
                 "--seed", str(seed), "--dilated", "linear", "--base-segment", str(base_segment)])
-            row = {"n": n, "heads": got["heads"], "pattern": _pattern_cell(got), "seed": seed, "steps": got["steps"],
+            row = {"n": n, "heads": got["heads"], "pattern": pattern_cell(got), "seed": seed, "steps": got["steps"],
                    "accuracy": got["accuracy_after"], "by_depth": depth_cells(got),
                    "accuracy_over_depths": _over_depths(got), "wall_s": got["wall_s"],
                    "peak_mb_per_rank": max(got["peak_rss_mb_per_rank"])}
@@ -91,7 +86,7 @@ def extension(script: str, ranks: int, short: int, long: int, steps: int, lr: fl
             "--warmup-len", str(warmup_len), "--save-every", "0", "--min-distance", str(long // 2)] + extra)
         history = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=True)["history"]
         curve = {h["step"]: h["accuracy"] for h in history if "accuracy" in h}
-        row = {"from": short, "to": long, "attention": attention, "pattern": _pattern_cell(got), "steps": got["steps"],
+        row = {"from": short, "to": long, "attention": attention, "pattern": pattern_cell(got), "steps": got["steps"],
                "lr": lr, "before": curve[0]}  # the dense checkpoint at the new length under this run's attention
         row["curve"] = " / ".join(f"{curve[s]:.2f}" for s in sorted(curve) if s)
         row["after"] = got["accuracy_after"]

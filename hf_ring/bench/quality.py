@@ -52,6 +52,12 @@ def example_args(ranks: int, n: int, batch: int, out: str) -> List[str]:
     return ["--sp-size", str(ranks), "--seq-len", str(n), "--batch-size", str(batch), "--output", out]
 
 
+def pattern_cell(summary: Dict) -> str:
+    """A run's pattern as a table cell: its segment lengths / its dilation rates ("" for dense attention)."""
+    p = summary["pattern"]
+    return "" if p is None else f"{p['segment_lengths']} / {p['dilation_rates']}"
+
+
 def depth_cells(summary: Dict) -> str:
     return " / ".join(f"{v:.2f}" for v in summary["accuracy_by_depth"].values())
 
@@ -66,9 +72,7 @@ def run(script: str, sizes: List[int], seeds: List[int], modes: List[str], token
                 out = os.path.join(work, f"{mode}_{n}_{seed}")
                 args = example_args(ranks, n, batch, out) + ["--seed", str(seed)] + (["--dilated"] if mode == "dilated" else [])
                 got = launch(script, ranks, args)
-                row = {"n": n, "attention": mode, "pattern": "" if got["pattern"] is None else
-                       f"{got['pattern']['segment_lengths']} / {got['pattern']['dilation_rates']}",
-                       "seed": seed, "steps": got["steps"], "accuracy": got["accuracy_after"],
+                row = {"n": n, "attention": mode, "pattern": pattern_cell(got), "seed": seed, "steps": got["steps"], "accuracy": got["accuracy_after"],
                        "by_depth": depth_cells(got), "peak_mb_per_rank": max(got["peak_rss_mb_per_rank"])}
                 rows.append(row)
                 print(format_table([row], list(row)), flush=True)
