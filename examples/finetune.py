@@ -259,8 +259,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "'linear': segments --base-segment·2^i up to --seq-len with rates 2^i up to the query heads, "
                          "cost linear in n; with no --model a 16-head model (16 dims a head), the passkey anywhere "
                          "(default: off)")
-    ap.add_argument("--base-segment", type=int, default=1024,
-                    help="--dilated linear: the first, dense segment (default: %(default)s)")
+    ap.add_argument("--base-segment", type=int, default=None,
+                    help="--dilated linear: the first, dense segment (default: 1024)")
     ap.add_argument("--heads", type=int, default=None,
                     help="query heads of the default model (default: 4; 16 with --dilated linear)")
     ap.add_argument("--head-dim", type=int, default=None,
@@ -303,6 +303,14 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.segment_lengths = [args.seq_len // 4, args.seq_len // 2, args.seq_len]
             args.dilation_rates = [1, 2, 4]
     linear = args.dilated == "linear"
+    if args.base_segment is not None and not linear:
+        ap.error("--base-segment sets the first segment of --dilated linear; give both or neither")
+    if linear and args.base_segment is None:
+        args.base_segment = 1024
+    for name in ("heads", "head_dim"):
+        if getattr(args, name) is not None and (args.model or args.resume):
+            ap.error(f"--{name.replace('_', '-')} shapes the default model; a --model or --resume checkpoint "
+                     "keeps its own heads")
     if args.heads is None:
         args.heads = 16 if linear else 4
     if args.head_dim is None:

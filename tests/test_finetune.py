@@ -208,8 +208,12 @@ def test_linear_preset_runs_the_geometric_pattern_on_a_16_head_model(tmp_path):
     args = ft.parse_args(["--dilated", "linear"])
     assert (args.dilated, args.heads, args.head_dim, args.min_distance, args.steps) == ("linear", 16, 16, 1, 240)
     assert ft.parse_args(["--dilated"]).dilated == "scaled" and ft.parse_args([]).min_distance is None
-    with pytest.raises(SystemExit):
-        ft.parse_args(["--dilated", "linear", "--base-segment", "0"])
+    for bad in (["--dilated", "linear", "--base-segment", "0"], ["--base-segment", "512"],
+                ["--dilated", "--base-segment", "512"], ["--model", "ckpt", "--heads", "8"],
+                ["--resume", "--head-dim", "8"]):
+        with pytest.raises(SystemExit):
+            ft.parse_args(bad)
+    assert ft.parse_args(["--dilated", "linear"]).base_segment == 1024
     out = tmp_path / "ckpt"
     ft.main(["--dilated", "linear", "--base-segment", "16", "--steps", "2", "--seq-len", "64", "--batch-size", "1",
              "--eval-batches", "1", "--depth-prompts", "1", "--output", str(out)])
