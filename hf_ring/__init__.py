@@ -3,9 +3,16 @@
 ``import hf_ring`` registers ``attn_implementation="ring_dilated"`` with transformers.
 """
 import sys as _sys
+from importlib.util import find_spec as _find_spec
 
 from .versions import check_installed as _check_installed
 
+if _find_spec(__name__ + ".patches") is None:
+    # pyproject maps the top-level patches/ folder to hf_ring.patches, so a checkout imports only once installed;
+    # without this, Python reports a circular import.
+    raise ImportError("hf_ring is imported from a checkout that is not installed for this Python "
+                      f"({_sys.executable}): hf_ring.patches is mapped at install; fix: "
+                      f"{_sys.executable} -m pip install -e . in the checkout")
 _check_installed()  # before anything imports transformers: an untested release is refused in one line
 
 from . import patches  # noqa: E402

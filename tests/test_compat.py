@@ -85,6 +85,18 @@ def test_an_untested_release_can_be_tried_with_a_warning(tmp_path):
     assert "hf_ring needs accelerate>=1.10.1,<1.16" in run.stderr and "importing anyway" in run.stderr
 
 
+def test_an_uninstalled_checkout_says_how_to_install_it():
+    # -S: no site-packages, so no editable install maps hf_ring.patches; hf_ring itself comes from the checkout
+    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import hf_ring"
+    run = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last == (f"ImportError: hf_ring is imported from a checkout that is not installed for this Python "
+                    f"({sys.executable}): hf_ring.patches is mapped at install; fix: {sys.executable} -m pip install "
+                    "-e . in the checkout"), run.stderr
+    assert "circular import" not in run.stderr
+
+
 # ---- the loss patch measures instead of reading the source ------------------------------------------------------
 
 def _llama_with(forward):
