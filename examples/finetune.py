@@ -113,23 +113,24 @@ def pack_bytes(data: bytes, seq_len: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- model
 
 
-def default_config(seq_len: int, heads: int = 4, head_dim: int = 32):
+def default_config(seq_len: int, heads: int = 4, head_dim: int = 32, layers: int = 2):
     from transformers import LlamaConfig
 
     hidden = heads * head_dim
     return LlamaConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), max_position_embeddings=max(seq_len, 4096),
         rope_parameters={"rope_type": "default", "rope_theta": 1e8},
         attention_dropout=0.0, tie_word_embeddings=False, bos_token_id=BOS, eos_token_id=None, pad_token_id=None,
     )
 
 
-def load_model(path: Optional[str], seq_len: int, dtype: torch.dtype, heads: int = 4, head_dim: int = 32):
+def load_model(path: Optional[str], seq_len: int, dtype: torch.dtype, heads: int = 4, head_dim: int = 32,
+               layers: int = 2):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if path is None:
-        return AutoModelForCausalLM.from_config(default_config(seq_len, heads, head_dim),
+        return AutoModelForCausalLM.from_config(default_config(seq_len, heads, head_dim, layers),
                                                 attn_implementation="ring_dilated", dtype=dtype)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"--model {path!r} is not a model directory (no config.json)")
@@ -156,17 +157,19 @@ def train_step(model, batch: Dict[str, torch.Tensor], sp: hf_ring.SequenceParall
 def retrieval_accuracy(model, batches: List[Dict[str, torch.Tensor]], sp: hf_ring.SequenceParallel) -> float:
     """Share of sequences whose prediction after the query token is the passkey."""
     model.eval()
+    device = next(model.parameters()).device  # also the counts': NCCL reduces GPU tensors only
     correct = total = 0
     for batch in batches:
         n = batch["input_ids"].shape[1]
-        sharded = hf_ring.shard_batch({"input_ids": batch["input_ids"]}, sp)
+        sharded = hf_ring.shard_batch({"input_ids": batch["input_ids"].to(device)}, sp)
         logits = model(**sharded).logits
         pos = hf_ring.local_positions(n, sp.sp_rank, sp.sp_size, sp.layout, sp.ulysses_size) if sp.sp_size > 1 else torch.arange(n)
-        hit = torch.zeros(2)
+        hit = torch.zeros(2, device=device)
         rows = (pos == n - 2).nonzero()
         if len(rows):  # this rank holds the query token
             pred = logits[:, int(rows[0])].argmax(-1)
-            hit = torch.tensor([float((pred == batch["input_ids"][:, -1].to(pred.device)).sum()), float(len(pred))])
+            hit = torch.tensor([float((pred == batch["input_ids"][:, -1].to(device)).sum()), float(len(pred))],
+                               device=device)
         if sp.sp_size > 1:
             hf_ring.comm.all_reduce(hit, sp.sp_group, "the retrieval count over the sequence-parallel group")
         correct, total = correct + hit[0].item(), total + hit[1].item()
@@ -265,6 +268,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="query heads of the default model (default: 4; 16 with --dilated linear)")
     ap.add_argument("--head-dim", type=int, default=None,
                     help="dimensions a head of the default model (default: 32; 16 with --dilated linear)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers of the default model (default: 2)")
     ap.add_argument("--min-distance", type=int, default=None,
                     help="the passkey sits at least this many tokens before the query (default: half of the "
                          "sequence; 1, anywhere, with --dilated linear)")
@@ -276,6 +280,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ulysses-size", type=int, default=1,
                     help="ranks per head-parallel group: 1 the ring, --sp-size head parallelism, between both "
                          "(default: %(default)s)")
+    ap.add_argument("--mixed-precision", default="auto", choices=["auto", "no", "bf16"],
+                    help="'auto': bf16 autocast on GPUs, fp32 on CPUs; 'no': fp32 everywhere (default: %(default)s)")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="recompute each layer in the backward (default: off)")
     ap.add_argument("--output", default="checkpoints/passkey",
@@ -307,17 +313,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--base-segment sets the first segment of --dilated linear; give both or neither")
     if linear and args.base_segment is None:
         args.base_segment = 1024
-    for name in ("heads", "head_dim"):
+    for name in ("heads", "head_dim", "layers"):
         if getattr(args, name) is not None and (args.model or args.resume):
             ap.error(f"--{name.replace('_', '-')} shapes the default model; a --model or --resume checkpoint "
-                     "keeps its own heads")
+                     "keeps its own shape")
     if args.heads is None:
         args.heads = 16 if linear else 4
     if args.head_dim is None:
         args.head_dim = 16 if linear else 32
+    if args.layers is None:
+        args.layers = 2
     if args.min_distance is None and linear:
         args.min_distance = 1
-    for name in ("base_segment", "heads", "head_dim", "min_distance"):
+    for name in ("base_segment", "heads", "head_dim", "layers", "min_distance"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if args.steps is None:
@@ -337,7 +345,10 @@ def main(argv=None) -> dict:
 
     cuda = torch.cuda.is_available()
     # cpu=True lets accelerate build a gloo group from torchrun's environment when there is no GPU.
-    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no")
+    mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if cuda else "no")
+    if mixed == "bf16" and not cuda:
+        raise SystemExit("--mixed-precision bf16 needs a GPU; on CPUs the example trains in fp32")
+    accelerator = Accelerator(cpu=not cuda, mixed_precision=mixed)
     world = accelerator.num_processes
     sp_size = args.sp_size or world
     if world % sp_size:
@@ -353,7 +364,7 @@ def main(argv=None) -> dict:
     if args.resume and not os.path.isfile(os.path.join(args.output, "trainer_state.pt")):
         raise SystemExit(f"--resume: no checkpoint in {args.output}")
     model = load_model(resume_dir or args.model, args.seq_len, torch.float32, args.heads,
-                       args.head_dim).to(accelerator.device)
+                       args.head_dim, args.layers).to(accelerator.device)
     pattern = None
     if args.segment_lengths:
         pattern = hf_ring.DilatedPattern(args.segment_lengths, args.dilation_rates)
@@ -477,7 +488,8 @@ def main(argv=None) -> dict:
         if is_main:
             print("accuracy by passkey depth: " + ", ".join(f"{float(d):.0%} {a:.2f}" for d, a in by_depth.items()))
     # ru_maxrss is in KiB on Linux: the process's resident peak over the whole run, evaluation included
-    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64,
+                        device=accelerator.device)
     peaks = hf_ring.comm.all_gather(peak, None, "the peak memory report").flatten().tolist() if world > 1 else [
         float(peak)]
     if is_main:
@@ -488,7 +500,8 @@ def main(argv=None) -> dict:
         summary = {"wall_s": round(wall, 1), "steps": reached - start, "world": world, "sp_size": sp_size,
                    "seed": args.seed, "seq_len": args.seq_len,
                    "pattern": None if pattern is None else pattern.to_dict(),
-                   "heads": model.config.num_attention_heads, "min_distance": args.min_distance,
+                   "heads": model.config.num_attention_heads, "layers": model.config.num_hidden_layers,
+                   "mixed_precision": mixed, "min_distance": args.min_distance,
                    "accuracy_before": accs[0] if accs else None, "accuracy_after": accs[-1] if accs else None,
                    "accuracy_by_depth": by_depth, "chance": 1 / N_KEYS,
                    "final_loss": history[-1].get("loss") if history else None,

@@ -210,7 +210,8 @@ def test_linear_preset_runs_the_geometric_pattern_on_a_16_head_model(tmp_path):
     assert ft.parse_args(["--dilated"]).dilated == "scaled" and ft.parse_args([]).min_distance is None
     for bad in (["--dilated", "linear", "--base-segment", "0"], ["--base-segment", "512"],
                 ["--dilated", "--base-segment", "512"], ["--model", "ckpt", "--heads", "8"],
-                ["--resume", "--head-dim", "8"]):
+                ["--resume", "--head-dim", "8"], ["--model", "ckpt", "--layers", "3"], ["--layers", "0"],
+                ["--mixed-precision", "fp16"]):
         with pytest.raises(SystemExit):
             ft.parse_args(bad)
     assert ft.parse_args(["--dilated", "linear"]).base_segment == 1024
@@ -220,3 +221,15 @@ def test_linear_preset_runs_the_geometric_pattern_on_a_16_head_model(tmp_path):
     summary = json.load(open(out / "summary.json"))
     assert summary["pattern"] == {"segment_lengths": [16, 32, 64], "dilation_rates": [1, 2, 4]}
     assert summary["heads"] == 16 and len(summary["accuracy_by_depth"]) == len(ft.DEPTHS_ANYWHERE)
+    assert (summary["layers"], summary["mixed_precision"]) == (2, "no")
+
+
+def test_layers_and_precision_of_the_default_model(tmp_path):
+    out = tmp_path / "ckpt"
+    ft.main(["--layers", "3", "--mixed-precision", "no", "--steps", "1", "--seq-len", "32", "--batch-size", "1",
+             "--eval-batches", "1", "--depth-prompts", "0", "--output", str(out)])
+    assert json.load(open(out / "config.json"))["num_hidden_layers"] == 3
+    assert json.load(open(out / "summary.json"))["layers"] == 3
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="bf16 needs a GPU"):
+            ft.main(["--mixed-precision", "bf16", "--steps", "1", "--seq-len", "32", "--output", str(out)])
