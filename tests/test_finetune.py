@@ -215,6 +215,8 @@ def test_linear_preset_runs_the_geometric_pattern_on_a_16_head_model(tmp_path):
         with pytest.raises(SystemExit):
             ft.parse_args(bad)
     assert ft.parse_args(["--dilated", "linear"]).base_segment == 1024
+    assert ft.parse_args(["--dilated", "linear", "--seq-len", "16384"]).base_segment == 1024
+    assert ft.parse_args(["--dilated", "linear", "--seq-len", "32768"]).base_segment == 2048
     out = tmp_path / "ckpt"
     ft.main(["--dilated", "linear", "--base-segment", "16", "--steps", "2", "--seq-len", "64", "--batch-size", "1",
              "--eval-batches", "1", "--depth-prompts", "1", "--output", str(out)])

@@ -41,15 +41,20 @@ def _over_depths(summary: Dict) -> float:
     return round(sum(values) / len(values), 3)
 
 
+def _base(base_segment: Optional[int]) -> List[str]:
+    """The linear pattern's first segment as finetune.py takes it (none: the preset's, by length)."""
+    return [] if base_segment is None else ["--base-segment", str(base_segment)]
+
+
 def retrieval(script: str, sizes: List[int], seeds: List[int], ranks: int, tokens_per_step: int,
-              base_segment: int, work: str) -> List[Dict]:
+              base_segment: Optional[int], work: str) -> List[Dict]:
     """The linear preset trained from scratch at each length and seed."""
     rows = []
     for n in sizes:
         for seed in seeds:
             out = os.path.join(work, f"linear_{n}_{seed}")
             got = launch(script, ranks, example_args(ranks, n, max(1, tokens_per_step // n), out) + [
-                "--seed", str(seed), "--dilated", "linear", "--base-segment", str(base_segment)])
+                "--seed", str(seed), "--dilated", "linear"] + _base(base_segment))
             row = {"n": n, "heads": got["heads"], "pattern": pattern_cell(got), "seed": seed, "steps": got["steps"],
                    "accuracy": got["accuracy_after"], "by_depth": depth_cells(got),
                    "accuracy_over_depths": _over_depths(got), "wall_s": got["wall_s"],
@@ -101,13 +106,14 @@ def extension(script: str, ranks: int, short: int, long: int, steps: int, lr: fl
     return rows
 
 
-def timing(script: str, sizes: List[int], ranks: int, steps: int, repeats: int, base_segment: int,
+def timing(script: str, sizes: List[int], ranks: int, steps: int, repeats: int, base_segment: Optional[int],
            work: str) -> List[Dict]:
     """Full-length training steps, the linear pattern and the dense ring on the preset's model, alternating."""
     rows = []
     for n in sizes:
         times: Dict[str, List[float]] = {"dense": [], "linear": []}
         peaks: Dict[str, List[float]] = {"dense": [], "linear": []}
+        base = None
         for _ in range(repeats):
             for mode in ("dense", "linear"):
                 out = os.path.join(work, f"timing_{mode}_{n}")
@@ -116,11 +122,13 @@ def timing(script: str, sizes: List[int], ranks: int, steps: int, repeats: int, 
                     "--depth-prompts", "0", "--save-every", "0"]
                 # dense: the linear preset's model and task, without the pattern
                 got = launch(script, ranks, args + (
-                    ["--dilated", "linear", "--base-segment", str(base_segment), "--dense-frac", "0"]
+                    ["--dilated", "linear", "--dense-frac", "0"] + _base(base_segment)
                     if mode == "linear" else ["--heads", "16", "--head-dim", "16", "--min-distance", "1"]))
+                if mode == "linear":
+                    base = got["pattern"]["segment_lengths"][0]
                 times[mode].append(got["step_s_at_full_length"])
                 peaks[mode].append(max(got["peak_rss_mb_per_rank"]))
-        row = {"n": n, "ranks": ranks, "dense_step_s": round(statistics.median(times["dense"]), 3),
+        row = {"n": n, "ranks": ranks, "base_segment": base, "dense_step_s": round(statistics.median(times["dense"]), 3),
                "linear_step_s": round(statistics.median(times["linear"]), 3)}
         row["step_over_dense"] = round(row["linear_step_s"] / row["dense_step_s"], 3)
         row["dense_peak_mb"] = round(max(peaks["dense"]), 1)
@@ -165,8 +173,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="retrieval: seeds (default: %(default)s)")
     ap.add_argument("--tokens-per-step", type=int, default=16384,
                     help="retrieval: sequences per step are this over the length, at least one (default: %(default)s)")
-    ap.add_argument("--base-segment", type=int, default=1024,
-                    help="the linear pattern's first, dense segment (default: %(default)s)")
+    ap.add_argument("--base-segment", type=int, default=None,
+                    help="the linear pattern's first, dense segment (default: the preset's, 1024 up to 16K tokens, "
+                         "2048 above)")
     ap.add_argument("--extend-from", type=int, default=4096, help="extension: the demo's length (default: %(default)s)")
     ap.add_argument("--extend-to", type=int, default=32768, help="extension: the new length (default: %(default)s)")
     ap.add_argument("--extend-steps", type=int, default=60, help="extension: steps (default: %(default)s)")
