@@ -150,9 +150,12 @@ def _plot(payload: Dict):
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        ns = [r["n"] for r in rows]
-        ax.plot(ns, [r["dense_step_s"] for r in rows], marker="s", color="black", label="dense ring")
-        ax.plot(ns, [r["linear_step_s"] for r in rows], marker="o", label="linear dilated pattern")
+        dense = {r["n"]: r["dense_step_s"] for r in rows}  # the same model and run whatever the base
+        ax.plot(sorted(dense), [dense[n] for n in sorted(dense)], marker="s", color="black", label="dense ring")
+        for base in sorted({r.get("base_segment") or 0 for r in rows}):
+            mine = [r for r in rows if (r.get("base_segment") or 0) == base]
+            ax.plot([r["n"] for r in mine], [r["linear_step_s"] for r in mine], marker="o",
+                    label=f"linear dilated pattern, base {base}" if base else "linear dilated pattern")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
         ax.set_xlabel("tokens per sequence (2 ranks)")
