@@ -72,7 +72,8 @@ def run(script: str, sizes: List[int], seeds: List[int], modes: List[str], token
                 out = os.path.join(work, f"{mode}_{n}_{seed}")
                 args = example_args(ranks, n, batch, out) + ["--seed", str(seed)] + (["--dilated"] if mode == "dilated" else [])
                 got = launch(script, ranks, args)
-                row = {"n": n, "attention": mode, "pattern": pattern_cell(got), "seed": seed, "steps": got["steps"], "accuracy": got["accuracy_after"],
+                row = {"n": n, "attention": mode, "pattern": pattern_cell(got), "seed": seed, "steps": got["steps"],
+                       "accuracy": got["accuracy_after"],
                        "by_depth": depth_cells(got), "peak_mb_per_rank": max(got["peak_rss_mb_per_rank"])}
                 rows.append(row)
                 print(format_table([row], list(row)), flush=True)
