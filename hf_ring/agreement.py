@@ -136,6 +136,7 @@ def option_codes(spec: AttentionSpec, position_ids: Optional[Tensor] = None) -> 
     return [("softcap", _float_code(spec.softcap)), ("sinks", _NONE if spec.sinks is None else 1),
             ("position_ids", _NONE if position_ids is None else 1),
             ("documents", _NONE if documents is None else hash(documents) & ((1 << 61) - 1)),
+            ("spans", _NONE if spec.spans is None else hash(spec.spans) & ((1 << 61) - 1)),
             ("message_rows", _NONE if spec.message_rows is None else spec.message_rows)]
 
 

@@ -2,8 +2,9 @@
 
 A block's mask comes from causality and a window (a band where the kernel takes
 one), packed documents (a same-document mask, or for dilation inside documents
-the bias ``log m``, m the branches allowing a pair) and the keys' padding. Every
-block gets the same keywords whichever of these apply.
+the bias ``log m``, m the branches allowing a pair), bidirectional spans (a
+span's block holds only the pairs causality leaves out) and the keys' padding.
+Every block gets the same keywords whichever of these apply.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from .blocks import KeyValidity, Rows, band_of, block_mask, padding_parts
 from .documents import dilated_multiplicity, same_document, within_one
 from .schedule import Block
+from .spans import extra_pairs
 from .spec import AttentionSpec
 
 Tensor = torch.Tensor
@@ -44,6 +46,13 @@ def kernel_args(spec: AttentionSpec, q: Rows, k_pos: int, nk: int, kind: str, de
     None when documents leave the block no allowed pair.
     """
     docs = spec.documents
+    if kind == "span":  # spans lie inside documents: only the key padding joins their pairs
+        step = q.stride
+        mask = extra_pairs(spec.spans, torch.arange(q.pos, q.pos + q.count * step, step, device=device),
+                           torch.arange(k_pos, k_pos + nk * step, step, device=device), spec.causal, spec.window)
+        if key_valid is not None:
+            mask = mask & key_valid[:, None, None, :]
+        return _call(False, mask, spec.softcap) if bool(mask.any()) else None
     if spec.dilated_in_documents:
         heads = range(heads.start + spec.head_base, heads.stop + spec.head_base, heads.step)
         m = dilated_multiplicity(docs, q.pos, q.count, k_pos, nk, spec.pattern.branches, heads, spec.causal, device)

@@ -232,6 +232,9 @@ def padding_parts(q: Rows, keys: Rows, kind: str, causal: bool, window: Optional
     are all padding not at all, and only the others carry a mask.
     """
     stride, every = q.stride, slice(None)
+    spanned = kind == "span"  # a span's extra pairs: no causal cut, and every part keeps its kind
+    if spanned:
+        causal, window = False, None
     whole = (keys.local // stride, keys.local // stride + keys.count)
     runs = [(*whole, "all")] if valid is None else valid.key_runs(*whole)
     if runs == [(*whole, "all")] and tile is None:
@@ -247,10 +250,11 @@ def padding_parts(q: Rows, keys: Rows, kind: str, causal: bool, window: Optional
             if state == "all" and tile is None:
                 part_kind = classify(qr, kr, causal, window)
                 if part_kind is not None:
-                    yield every, qr, kr, part_kind, slice(first, end), None
+                    yield every, qr, kr, "span" if spanned else part_kind, slice(first, end), None
                 continue
             side = tile if state == "all" else min(tile or padded_tile, padded_tile)
             for qt, kt, part_kind in tiles(qr, kr, causal, window, side):
+                part_kind = "span" if spanned else part_kind
                 start = kt.local // stride
                 ks = slice(start, start + kt.count)
                 if state == "all":

@@ -14,6 +14,7 @@ from .arguments import positive_int
 from .kernels import default_scale
 from .layout import check_layout
 from .pattern import DilatedPattern
+from .spans import Spans, check_spans
 from .spec import DTYPES, AttentionSpec
 
 Tensor = torch.Tensor
@@ -141,7 +142,7 @@ def check_options(causal, window, pattern, scale, head_dim: int, layout: str = "
 
 
 OPTIONS = {"layout": "zigzag", "seq_len": None, "causal": True, "window": None, "pattern": None, "scale": None,
-           "softcap": None, "documents": None, "message_rows": None}
+           "softcap": None, "documents": None, "spans": None, "message_rows": None}
 """The options :func:`hf_ring.ring_attention` takes by keyword, with their defaults."""
 
 
@@ -155,8 +156,21 @@ def check_spec(q, k, v, options: Mapping[str, Any], key_mask=None, sinks=None) -
     o = {**OPTIONS, **options}
     spec = check_options(o["causal"], o["window"], o["pattern"], o["scale"], q.shape[-1], o["layout"])
     return spec.at(softcap=check_softcap(o["softcap"]), documents=o["documents"],
+                   spans=check_spans_option(o["spans"], spec, q.shape[0], o["seq_len"]),
                    message_rows=check_message_rows(o["message_rows"]), key_mask=check_key_mask(key_mask, k),
                    sinks=check_sinks(sinks, q.shape[1]))
+
+
+def check_spans_option(spans, spec: AttentionSpec, batch: int, seq_len: Optional[int]) -> Optional[Spans]:
+    """Bidirectional spans for ``spec`` (checked): None where they add nothing (no span of two rows, or
+    attention that is not causal, where every pair of a span is allowed anyway)."""
+    spans = check_spans(spans, batch, seq_len)
+    if spans is None or not spec.causal:
+        return None
+    if spec.pattern is not None:
+        raise NotImplementedError("bidirectional spans inside a dilated pattern are not implemented; use dense "
+                                  "attention (pattern=None) with spans")
+    return spans
 
 
 def check_position_ids(position_ids, q: Tensor) -> Optional[Tensor]:

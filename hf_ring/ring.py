@@ -14,7 +14,9 @@ about half the longest document: tiles whose rows share no document are
 never computed nor sent, and a tile that straddles a document border gets a
 same-document mask. Dilation inside documents counts segments and residues
 from each document's start, so it runs on the dense tiled schedule with a
-per-tile bias ``log m`` (m = branches allowing the pair). Attention sinks
+per-tile bias ``log m`` (m = branches allowing the pair). Bidirectional spans
+(an image's tokens) add, beside the causal blocks, blocks of the pairs only
+a span allows, masked to exactly those. Attention sinks
 join the merged result once per query row; ``softcap`` runs the exact math
 kernels on bounded tiles.
 """
@@ -39,6 +41,7 @@ from .merge import accumulator_dtype, add_sinks, merge_into, sinks_backward
 from .messages import GRAD_TAG, KV_TAG, covers, kv_traffic, kv_views, numels, piece_view, post, sent_views, unpack
 from .pattern import head_slice
 from .relay import caught
+from .spans import check_spans, within_documents
 from .schedule import MIN_MESSAGE_ROWS, Block, Geometry, RankPlan, Step, local_causal, message_budget, rank_plan, sent
 from .spec import AttentionSpec
 
@@ -131,12 +134,13 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, call: RingCall, sinks: Optiona
         out = rows_major(b, hq, s, d, acc, q.device)
         lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
     for step, kv in _visits(call, plan, k, v):
+        blocks = step.recv.blocks
         if step.shift == 0 and own_causal:
             # It sees every row's own key, so the accumulators start as its result: no zeros, no first merge.
             out, lse = block_forward(q, k, v, scale=spec.scale, **kernel_args(spec, _local(s), 0, s, "causal", q.device))
             out = out.to(acc)
-            continue
-        for blk in step.recv.blocks:
+            blocks = _span_blocks(blocks)
+        for blk in blocks:
             hs = head_slice(blk.q_heads)
             pk, pv, pm, valid = kv[blk.piece]
             for bs, qt, kt, kind, ks, key_valid in block_parts(spec, blk, pm, valid, None):
@@ -150,6 +154,11 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, call: RingCall, sinks: Optiona
     if sinks is not None:
         out, lse = add_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
+
+
+def _span_blocks(blocks) -> list:
+    """The blocks of bidirectional spans' extra pairs, which run beside a rank's one causal call on its own rows."""
+    return [blk for blk in blocks if blk.kind == "span"]
 
 
 def _local(rows: int) -> Rows:
@@ -209,9 +218,10 @@ def ring_backward(dout, q, k, v, out, lse, call: RingCall) -> Tuple[Tensor, Tens
         dv = rows_major(*k.shape, acc, q.device)
     returning: Optional[Tuple[Step, Pending]] = None
     for step, kv in _visits(call, plan, k, v):
+        blocks = step.recv.blocks
         if step.shift == 0 and own_causal:
             dq, dk, dv = _own_backward(call, dout, q, k, v, out, lse, acc)
-            continue
+            blocks = _span_blocks(blocks)
         if step.shift == 0:
             grads = [(piece_view(dk, p), piece_view(dv, p)) for p in step.recv.pieces]
             flat = None
@@ -219,7 +229,7 @@ def ring_backward(dout, q, k, v, out, lse, call: RingCall) -> Tuple[Tensor, Tens
             total = sum(numels(step.recv.pieces, b, d))
             flat = [torch.zeros(total, dtype=acc, device=q.device) for _ in range(2)]
             grads = list(zip(unpack(flat[0], step.recv.pieces, b, d), unpack(flat[1], step.recv.pieces, b, d)))
-        for blk in step.recv.blocks:
+        for blk in blocks:
             hs = head_slice(blk.q_heads)
             pk, pv, pm, valid = kv[blk.piece]
             gk, gv = grads[blk.piece]
@@ -294,7 +304,7 @@ def plan(hq: int, hkv: int, comm: Optional[RingComm], spec: AttentionSpec) -> Ri
     if world > 1:
         backward_tile = min(backward_tile, max(MIN_MESSAGE_ROWS, BACKWARD_TILE_PER_MESSAGE * budget // hkv))
     geo = Geometry(spec.seq_len, world, spec.layout if world > 1 else "contiguous", spec.causal, spec.window,
-                   spec.planned_branches, hq, hkv, tile, spec.documents, spec.head_base)
+                   spec.planned_branches, hq, hkv, tile, spec.documents, spec.head_base, spec.spans)
     # A message size the caller chose bounds the forward's messages too.
     forward = None if world == 1 or spec.message_rows is not None else rank_plan(
         geo, rank, budget * FORWARD_MESSAGE_SCALE)
@@ -321,7 +331,9 @@ def agreed_spec(comm: Optional[RingComm], q: Tensor, k: Tensor, v: Tensor, optio
     documents = spec.documents
     if position_ids is not None:
         documents = gather_documents(comm, position_ids, n, spec.layout, k.device)
-    return spec.at(seq_len=n, documents=check_documents(documents, q.shape[0], n),
+    documents = check_documents(documents, q.shape[0], n)
+    return spec.at(seq_len=n, documents=documents, spans=within_documents(check_spans(spec.spans, q.shape[0], n),
+                                                                         documents, n),
                    key_mask=full_key_mask(spec.key_mask, k, padded))
 
 
@@ -369,6 +381,10 @@ def ring_attention(
     the global document starts already (per batch row, the ascending rows
     where a document starts, beginning with 0; see
     :func:`hf_ring.documents.document_starts`): no exchange is then needed;
+    ``spans`` (causal dense attention): per batch row, ``(start, stop)`` runs
+    of global rows whose tokens also see each other's later tokens, as an
+    image's tokens do in Gemma 3 or a prefix in PaliGemma (see
+    :func:`hf_ring.spans.spans_of_ids`);
     ``message_rows`` sets the K/V rows per message on the ring, forward and
     backward (default: an eighth of a shard, at least 256, and twice that in
     the forward): smaller messages bound the ring's buffers further, at some speed.

@@ -9,6 +9,8 @@ dilated rows, only between ranks that share a segment; an empty step is skipped.
 
 With documents packed into the rows, only tiles whose query and key rows
 share a document are kept, and only the key rows those tiles read travel.
+Bidirectional spans add blocks of kind ``"span"`` over each span's rows for
+the pairs causality leaves out (:mod:`hf_ring.spans`), and the keys they read travel too.
 """
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ from .blocks import Rows, classify, default_tile, tiles
 from .documents import Documents, key_span, reach
 from .layout import local_runs, runs_to_local
 from .pattern import Branches, head_groups
+from .spans import Spans, extra_pairs_possible, merged, touching
+
+SPAN_TILE = 1024
+"""Most rows per side of a span's extra blocks: each carries a mask built from positions."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,8 @@ class Geometry:
     is counted from each document's start, not from row 0); ``head_base``:
     the global index of local query head 0 (head and tensor parallelism hand
     a rank a slice of the heads; a head's dilation offset is its global index
-    mod the rate, so each branch reads the rows it reads in one process).
+    mod the rate, so each branch reads the rows it reads in one process);
+    ``spans``: bidirectional runs of rows per batch row (the one dense branch, like documents).
     """
 
     seq_len: int
@@ -133,6 +140,7 @@ class Geometry:
     tile: Optional[int] = None
     documents: Optional[Documents] = None
     head_base: int = 0
+    spans: Optional[Spans] = None
 
 
 @dataclass(frozen=True)
@@ -186,13 +194,34 @@ def _document_tiles(q_progs: List[Rows], kp: Rows, tile: int, documents: Documen
     return kept
 
 
+def _span_tiles(q_progs: List[Rows], kp: Rows, runs, window: Optional[int],
+                tile: int) -> List[Tuple[Rows, Tuple[Rows, Rows, str]]]:
+    """Blocks of kind ``"span"``: each span's query rows against its key rows, where they can hold a pair that
+    causality (with the window) leaves out; the kernel call masks all other pairs."""
+    found = []
+    for start, stop in runs:
+        keys = kp.clip(start, stop - 1)
+        if keys is None:
+            continue
+        for qp in q_progs:
+            rows = qp.clip(start, stop - 1)
+            if rows is None:
+                continue
+            for qt, kt, _ in tiles(rows, keys, False, None, min(tile, SPAN_TILE)):
+                if extra_pairs_possible(qt.pos, qt.last_pos, kt.pos, kt.last_pos, window):
+                    found.append((qp, (qt, kt, "span")))
+    return found
+
+
 @lru_cache(maxsize=4096)
 def pair_plan(geo: Geometry, dst: int, src: int) -> PairPlan:
     """What rank ``dst`` computes with the K/V rows of rank ``src``; blocks of at most ``geo.tile`` rows a side."""
     seq_len, world_size, layout, causal, window = geo.seq_len, geo.world_size, geo.layout, geo.causal, geo.window
     branches, documents, tile = geo.branches, geo.documents, geo.tile
-    if documents is not None and (len(branches) != 1 or branches[0][1] != 1 or branches[0][0] < seq_len):
-        raise ValueError(f"a plan over documents takes the one dense branch (seq_len, 1), got {branches}")
+    runs = merged(geo.spans) if geo.spans is not None and causal else []
+    dense = len(branches) == 1 and branches[0][1] == 1 and branches[0][0] >= seq_len
+    if (documents is not None or runs) and not dense:
+        raise ValueError(f"a plan over documents or spans takes the one dense branch (seq_len, 1), got {branches}")
     q_runs = runs_to_local(local_runs(seq_len, dst, world_size, layout))
     k_runs = runs_to_local(local_runs(seq_len, src, world_size, layout))
     tile = default_tile(window) if tile is None else tile
@@ -216,6 +245,9 @@ def pair_plan(geo: Geometry, dst: int, src: int) -> PairPlan:
                 q_last = max(p.last_pos for p in q_progs)
                 need_lo = q_first - window + 1 if (causal and window is not None) else lo
                 need_hi = q_last if causal else hi - 1
+                near = touching(runs, q_first, q_last)
+                if near:  # a span reads its later keys, and keys the window leaves out
+                    need_lo, need_hi = min(need_lo, near[0][0]), max(need_hi, near[-1][1] - 1)
                 for run in k_runs:
                     kp = _class_prog(run, lo, hi, offset, rate)
                     kp = kp.clip(need_lo, need_hi) if kp else None
@@ -225,8 +257,9 @@ def pair_plan(geo: Geometry, dst: int, src: int) -> PairPlan:
                         found = [(qp, t) for qp in q_progs for t in tiles(qp, kp, causal, window, tile)]
                     else:
                         found = _document_tiles(q_progs, kp, tile, documents, seq_len, causal, window)
-                        if found:  # send only the key rows the kept tiles read
-                            kp = kp.clip(min(t[1].pos for _, t in found), max(t[1].last_pos for _, t in found))
+                    found += _span_tiles(q_progs, kp, near, window, tile)
+                    if found and (documents is not None or near):  # send only the key rows the blocks read
+                        kp = kp.clip(min(t[1].pos for _, t in found), max(t[1].last_pos for _, t in found))
                     if not found:
                         continue
                     for q_heads, kv_heads in groups:
@@ -296,7 +329,8 @@ def chunk_pair(plan: PairPlan, budget: int, causal: bool, window: Optional[int])
                 if lo >= hi:
                     continue
                 k_pos = blk.k_pos + (lo - blk.k_off) * blk.q.stride
-                kind = classify(blk.q, Rows(0, k_pos, hi - lo, blk.q.stride), causal, window)
+                kind = "span" if blk.kind == "span" else classify(blk.q, Rows(0, k_pos, hi - lo, blk.q.stride),
+                                                                   causal, window)
                 if kind is not None:
                     blocks.append(Block(blk.q, blk.q_heads, new_id, lo - first, hi - lo, k_pos, kind))
         out.append(PairPlan(tuple(pieces), tuple(blocks)))
@@ -323,6 +357,8 @@ def local_causal(geo: Geometry, rank: int) -> bool:
         return False
     area = 0
     for blk in own.blocks:
+        if blk.kind == "span":  # a span's extra pairs run beside the causal call
+            continue
         piece = own.pieces[blk.piece]
         if (blk.q.stride != 1 or piece.rows.stride != 1 or piece.within is not None
                 or blk.q_heads != range(geo.hq) or piece.heads != range(geo.hkv)):

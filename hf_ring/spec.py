@@ -16,6 +16,7 @@ import torch
 
 from .documents import Documents
 from .pattern import DENSE, Branches, DilatedPattern, branches_of
+from .spans import Spans
 
 Tensor = torch.Tensor
 
@@ -33,7 +34,9 @@ class AttentionSpec:
     joins the softmax denominator; ``key_mask`` ``(B, S_local)`` bool: the keys
     that may be attended (None when no rank has padding); ``documents``: the
     global start rows of the documents packed into each batch row (None: one
-    sequence per row); ``layout``: how the rows are spread over the ranks;
+    sequence per row); ``spans``: per batch row, the runs of global rows
+    whose pairs attend both ways on top of causality (an image's tokens, a
+    prefix; see :mod:`hf_ring.spans`); ``layout``: how the rows are spread over the ranks;
     ``seq_len``: the global rows (None until the ranks agree on it);
     ``message_rows``: K/V rows per ring message (None: the default);
     ``head_base``: the global index of the first local query head (head and
@@ -49,6 +52,7 @@ class AttentionSpec:
     layout: str = "contiguous"
     seq_len: Optional[int] = None
     documents: Optional[Documents] = None
+    spans: Optional[Spans] = None
     message_rows: Optional[int] = None
     head_base: int = 0
     key_mask: Optional[Tensor] = field(default=None, compare=False, repr=False)

@@ -129,3 +129,16 @@ def with_grads_sinks(fn, q, k, v, sinks, dout, **kw):
     out = fn(q, k, v, sinks=sinks, **kw)
     out.backward(dout.double())
     return out.detach(), q.grad, k.grad, v.grad, sinks.grad
+
+
+def block_bias(block_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, *, causal=True,
+               window=None) -> torch.Tensor:
+    """``(B, 1, n, n)`` bias of rows with bidirectional blocks, as transformers composes it for Gemma 3 or
+    PaliGemma: ``(causal ∧ window) ∨ (same block id >= 0)``, inside each packed document (``position_ids``).
+    """
+    b, n = block_ids.shape
+    docs = torch.zeros(b, n, dtype=torch.long) if position_ids is None else documents_of(position_ids)
+    base = dense_mask(n, causal, window)[None]
+    same_block = (block_ids[:, :, None] == block_ids[:, None, :]) & (block_ids[:, :, None] >= 0)
+    allowed = (base | same_block) & (docs[:, :, None] == docs[:, None, :])
+    return torch.zeros(b, 1, n, n, dtype=torch.float64).masked_fill(~allowed[:, None], float("-inf"))
