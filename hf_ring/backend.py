@@ -24,15 +24,17 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from . import config as ring_config
 from . import patches
 from .agreement import full_key_mask, option_codes
-from .checks import check_options, check_qkv, check_sinks, check_softcap
-from .documents import documents_of_call
+from .checks import check_options, check_qkv, check_sinks, check_softcap, check_spans_option
+from .documents import Documents, check_documents, chunk_ids, documents_of_call, starts_of_ids
 from .context import CONTEXT_KEY, DecodeStep, ShardedForward, refuse_unsharded
 from .decode import CachedBlock, cached_attention, cached_blocks, merge_ranks
 from .groups import current
 from .layout import head_split
+from .masks import MaskRead, RingMask, read as read_mask, remaps_packed_rows
 from .merge import add_sinks
 from .rows import KEEP_ALL, rule_for
 from .ring import run
+from .spans import Spans, spans_of_ids, within_documents
 from .spec import AttentionSpec
 from .tp import tensor_parallel_head_base
 from .ulysses import head_parallel
@@ -44,8 +46,11 @@ NAME = ring_config.ATTN_IMPLEMENTATION
 UNSUPPORTED_KWARGS = {
     "head_mask": "head masks are not implemented by ring_dilated",
     "sliding_window_pattern": "per-call sliding window patterns are not implemented by ring_dilated",
-    "attention_chunk_size": "chunked attention is not implemented by ring_dilated",
-    "block_sequence_ids": "bidirectional blocks inside a causal sequence are not implemented by ring_dilated",
+    "attention_chunk_size": "a chunk size given to the attention call (not in its mask) is not implemented by "
+                            "ring_dilated",
+    "block_sequence_ids": "bidirectional blocks given to the attention call (not in its mask) are not implemented "
+                          "by ring_dilated",
+    "position_bias": "an additive position bias on the scores is not implemented by ring_dilated",
 }
 """Keywords that would change the attention's result and are not implemented: refused rather than dropped.
 ``s_aux`` (attention sinks), ``softcap``, ``position_ids``/``cu_seq_lens_q``/``cu_seq_lens_k`` (packed
@@ -54,6 +59,8 @@ documents) and ``is_causal`` are honoured."""
 
 def _key_mask_2d(attention_mask: Any) -> Optional[Tensor]:
     """The 2-D padding mask of a whole-sequence forward (True = may attend), or None."""
+    if isinstance(attention_mask, RingMask):
+        attention_mask = attention_mask.padding
     if attention_mask is None:
         return None
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
@@ -94,7 +101,13 @@ def _dropout_setting(config: Any) -> str:
     return "attention_dropout"
 
 
-def _refuse_unsupported(dropout: float, training: bool, kwargs: dict, sharded: bool, config: Any = None) -> None:
+HONOURED_TENSORS = ("position_ids", "s_aux", "cu_seq_lens_q", "cu_seq_lens_k", "encoder_hidden_states",
+                    "encoder_attention_mask")
+"""Tensor keywords a self-attention call may carry that ring_dilated honours, or that belong to other modules."""
+
+
+def _refuse_unsupported(dropout: float, training: bool, kwargs: dict, sharded: bool, config: Any = None,
+                        scores: Tuple[int, int] = (-1, -1)) -> None:
     if dropout and training:
         name = _dropout_setting(config)
         load = "" if "." in name else f"load the model with from_pretrained(..., {name}=0.0), or "
@@ -105,6 +118,12 @@ def _refuse_unsupported(dropout: float, training: bool, kwargs: dict, sharded: b
     for name, why in UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"the model passed {name}= to the attention: {why}; use attn_implementation='eager'")
+    for name, value in kwargs.items():  # a score-shaped tensor under a name not listed is a bias all the same
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 2 \
+                and tuple(value.shape[-2:]) == scores and name not in HONOURED_TENSORS:
+            raise NotImplementedError(f"the model passed {name}= (shape {tuple(value.shape)}, one value per query "
+                                      "and key) to the attention, which ring_dilated would drop; use "
+                                      "attn_implementation='eager'")
     if sharded and kwargs.get("output_router_logits"):
         raise ValueError(
             "output_router_logits=True under sequence parallelism: the router's load-balancing loss is computed from "
@@ -130,13 +149,21 @@ def ring_dilated_attention(
     sp = current()
     sharded = sp is not None and sp.sp_size > 1
     whole = query.shape[2] == key.shape[2]  # else new tokens over a cache
+    read = attention_mask.read if isinstance(attention_mask, RingMask) else None
     try:  # under sequence parallelism a rank whose arguments fail makes every rank raise, at once
-        _refuse_unsupported(dropout, module.training, kwargs, sharded, module.config)
+        _refuse_unsupported(dropout, module.training, kwargs, sharded, module.config, (query.shape[2], key.shape[2]))
+        if read is not None and read.refusal is not None:
+            raise NotImplementedError(
+                f"ring_dilated cannot compute the attention mask of this {module.config.model_type} model: "
+                f"{read.refusal}. Run it with attn_implementation='sdpa' (or 'eager')")
         query, key, value = _autocast_alike(query, key, value)
         if not query.dtype == key.dtype == value.dtype:
             raise TypeError(f"q, k, v must share one dtype; got q={query.dtype}, k={key.dtype}, v={value.dtype}")
-        # transformers' own backends let an explicit is_causal win over the module's attribute.
+        # transformers' own backends let an explicit is_causal win over the module's attribute; the mask the
+        # model built is what sdpa and eager compute, so what it says wins over both (and over the window keyword).
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        if read is not None:
+            causal, sliding_window = read.causal, read.window
         cfg = ring_config.parse(getattr(module.config, ring_config.CONFIG_KEY, None))
         spec = _layer_spec(module, cfg, query, causal, scaling, sliding_window, kwargs)
         # Under tensor parallelism this rank holds a slice of the heads; dilation offsets count from global heads.
@@ -153,16 +180,24 @@ def ring_dilated_attention(
                 # saved layout or ulysses_size differs from the setup's was refused at its call
                 # (guard.refuse_other_shape). The heads must serve the head-parallel groups:
                 head_split(query.shape[1], key.shape[1], forward.ulysses)
-                spec = spec.at(layout=forward.layout, seq_len=forward.seq_len, documents=forward.documents,
+                documents, spans = _sharded_mask(forward, read, query.shape[0])
+                spec = spec.at(layout=forward.layout, seq_len=forward.seq_len, documents=documents,
+                               spans=check_spans_option(spans, spec, query.shape[0], forward.seq_len),
                                key_mask=_key_mask_2d(attention_mask))
             else:
                 key_valid = _key_mask_2d(attention_mask)
                 documents = documents_of_call(query.shape[0], query.shape[2], kwargs.get("position_ids"),
                                               kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"),
-                                              attention_mask is not None)
+                                              key_valid is not None or read is not None)
+                documents, spans = _whole_mask(read, documents, query.shape[0], query.shape[2])
                 any_padded = key_valid is not None and not bool(key_valid.all())
                 spec = spec.at(seq_len=query.shape[2], documents=documents,
+                               spans=check_spans_option(spans, spec, query.shape[0], query.shape[2]),
                                key_mask=full_key_mask(key_valid, key, any_padded))
+        elif read is not None and read.chunk is not None and isinstance(forward, DecodeStep):
+            raise NotImplementedError(
+                f"chunked attention ({module.config.model_type}, attention_chunk_size={read.chunk}) is not "
+                "implemented over hf_ring.generate's sharded cache; generate with model.generate in one process")
     except (TypeError, ValueError, NotImplementedError) as err:
         if isinstance(forward, ShardedForward):
             forward.fail(err)
@@ -177,12 +212,43 @@ def ring_dilated_attention(
             )
         out = _over_cache(query, key, value, attention_mask, spec)
     elif isinstance(forward, ShardedForward):
-        out = _sharded(module, query, key, value, spec, forward)
+        out = _sharded(module, patches.at_global_positions(module, query, forward.rows(query.device)), key, value,
+                       spec, forward)
     elif sharded:
         refuse_unsharded(sp.comm, query, key, spec)
     else:  # whole sequences in one process: the ring on this process alone
         out = run(query, key, value, None, spec)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _whole_mask(read: Optional[MaskRead], documents: Optional[Documents], batch: int,
+                n: int) -> Tuple[Optional[Documents], Optional[Spans]]:
+    """The documents (packed rows, cut into chunks) and bidirectional spans of a whole-sequence call in one
+    process: from the model's mask function, which must agree with flash-style ``cu_seq_lens`` where both are
+    given (``documents``: what the call's keywords mark)."""
+    if read is None:
+        return documents, None
+    from_mask = starts_of_ids(read.documents, None if read.chunk is None else
+                              chunk_ids(read.chunk, read.chunk_start, read.chunk_positions, n))
+    from_mask = check_documents(from_mask, batch, n)
+    if documents is not None and read.chunk is None and documents != from_mask:
+        raise ValueError("the documents the call's cu_seq_lens mark differ from those its mask function separates; "
+                         "pass the position_ids and cu_seq_lens the collator made together")
+    spans = None if read.blocks is None else within_documents(spans_of_ids(read.blocks), from_mask, n)
+    return from_mask, spans
+
+
+def _sharded_mask(forward: ShardedForward, read: Optional[MaskRead],
+                  batch: int) -> Tuple[Optional[Documents], Optional[Spans]]:
+    """The documents and spans of one rank's call of a forward over shards: the forward's global facts, cut into
+    the chunks the mask function asks for (its data pieces hold only this rank's rows and are not read)."""
+    if read is None or read.chunk is None:
+        documents = forward.documents
+    else:
+        documents = forward.chunked(read.chunk, remaps_packed_rows())
+    if read is not None and read.blocks is not None:  # one process: the shard is the whole row
+        return documents, within_documents(spans_of_ids(read.blocks), documents, forward.seq_len)
+    return documents, None
 
 
 def _layer_spec(module, cfg: ring_config.RingConfig, query: Tensor, causal: Any, scaling: Any, sliding_window: Any,
@@ -234,6 +300,11 @@ def _over_cache(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, 
     """
     q_len, kv_len = query.shape[2], key.shape[2]
     mask = attention_mask
+    if isinstance(mask, RingMask):
+        raise NotImplementedError(
+            f"the model attends {q_len} query rows over {kv_len} key rows in a forward without a KV cache (keys "
+            "it adds or drops itself); ring_dilated computes attention over the call's own rows or over a cache: "
+            "use attn_implementation='sdpa' (or 'eager')")
     if mask is not None and not (_is_cache_mask(mask) and mask.dtype == torch.bool):
         raise ValueError(
             "over a KV cache ring_dilated expects the boolean 4-D mask its own mask function builds from the 2-D "
@@ -298,18 +369,27 @@ def _decode_step(query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[
 
 def ring_dilated_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,
                       mask_function: Any = None, attention_mask: Optional[Tensor] = None,
-                      **kwargs: Any) -> Optional[Tensor]:
+                      **kwargs: Any) -> Any:
     """Mask function for ``ring_dilated``.
 
-    A whole-sequence forward gets only the 2-D key padding mask (or None):
-    causality, windows and dilation are applied by the attention itself from
-    global positions, and a mask of the whole sequence would be quadratic. A
-    forward over a KV cache gets the cache's own 4-D boolean mask, the one
+    A whole-sequence forward gets a :class:`~hf_ring.masks.RingMask`: the 2-D
+    key padding mask and what the model's mask function asks for, read into
+    the ring's terms (causality, window, chunks, documents, bidirectional
+    blocks) or refused (:mod:`hf_ring.masks`); the attention applies them from
+    global positions, since a mask of the whole sequence would be quadratic.
+    A forward over a KV cache gets the cache's own 4-D boolean mask, the one
     ``sdpa`` would use, since only the cache knows where its rows sit.
     """
     over_cache = q_length != kv_length or int(q_offset) != 0 or int(kv_offset) != 0
+    if isinstance(attention_mask, RingMask):  # prepared already, for this call or for the prompt before a cache
+        if not over_cache and attention_mask.size == (batch_size, q_length):
+            return attention_mask
+        attention_mask = attention_mask.padding
     if not over_cache:
-        return None if attention_mask is None else attention_mask.to(torch.bool)
+        sp = current()
+        read = read_mask(mask_function or causal_mask_function, batch_size, q_length,
+                         sharded=sp is not None and sp.sp_size > 1)
+        return RingMask(None if attention_mask is None else attention_mask.to(torch.bool), read, (batch_size, kv_length))
     kwargs.pop("allow_is_causal_skip", None)
     return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function or causal_mask_function,
                      attention_mask, allow_is_causal_skip=False, **kwargs)

@@ -20,9 +20,9 @@ from .agreement import agree_table, facts, global_length, unsharded_message
 from .cache import ShardedCache
 from .comm import RingComm
 from .decode import CachedBlock, cached_blocks
-from .documents import Documents
+from .documents import Documents, check_documents, chunk_ids, document_ids, starts_of_ids
 from .groups import SequenceParallel
-from .layout import shard_sizes
+from .layout import local_positions, shard_sizes
 from .spec import AttentionSpec
 from .ulysses import group_rows
 
@@ -51,7 +51,10 @@ class ShardedForward:
     ``head_comm`` while the ring runs over ``ring_comm`` (see
     :func:`hf_ring.setup_sequence_parallel`); ``tp_rank``/``tp_size``: this
     rank's place in its tensor-parallel group, which decides the global index
-    of its first head (:func:`hf_ring.tp.tensor_parallel_head_base`).
+    of its first head (:func:`hf_ring.tp.tensor_parallel_head_base`);
+    ``left_padding``: each batch row's padded rows before its first token,
+    and ``positions`` the global ``(B, n)`` position ids (None: ``0..n-1``):
+    where chunked attention (Llama 4) starts its chunks.
     """
 
     seq_len: int
@@ -66,6 +69,9 @@ class ShardedForward:
     ring_comm: Optional[RingComm] = None
     tp_rank: int = 0
     tp_size: int = 1
+    left_padding: Optional[Tuple[int, ...]] = None
+    positions: Optional[Tensor] = None
+    _chunks: Dict[Tuple[int, bool], Optional[Documents]] = field(default_factory=dict, repr=False)
     _agreed: Dict[Tuple, bool] = field(default_factory=dict, repr=False)
     _group_masks: List[Tuple[Tensor, Tensor]] = field(default_factory=list, repr=False)
 
@@ -82,6 +88,26 @@ class ShardedForward:
             return cls(seq_len, None, layout, **tp, **facts)
         return cls(seq_len, sp.comm, layout, ulysses=sp.ulysses_size, head_comm=sp.head_comm,
                    ring_comm=sp.ring_comm, **tp, **facts)
+
+    def chunked(self, chunk: int, in_documents: bool) -> Optional[Documents]:
+        """The forward's documents cut into chunks of ``chunk`` rows as transformers counts them: from each row's
+        left padding, at the position ids inside each document when ``in_documents``; once per forward."""
+        key = (chunk, in_documents)
+        if key not in self._chunks:
+            b = len(self.documents or self.left_padding or (0,))
+            start = torch.tensor(self.left_padding or (0,) * b)
+            positions = self.positions if in_documents and self.documents is not None else None
+            ids = chunk_ids(chunk, start, positions, self.seq_len)
+            docs = None if self.documents is None else document_ids(self.documents, 0, self.seq_len)
+            self._chunks[key] = check_documents(starts_of_ids(ids.expand(b, -1), docs), b, self.seq_len)
+        return self._chunks[key]
+
+    def rows(self, device: torch.device) -> Tensor:
+        """This rank's rows' global positions (none for a rank holding a placeholder row)."""
+        if self.placeholder:
+            return torch.zeros(0, dtype=torch.long, device=device)
+        rank = 0 if self.comm is None else self.comm.rank
+        return local_positions(self.seq_len, rank, self.world_size, self.layout, self.ulysses).to(device)
 
     @property
     def world_size(self) -> int:

@@ -14,7 +14,7 @@ import torch
 from .comm import all_gather, device_for
 from .relay import fail_together
 from .context import CONTEXT_KEY, ShardedForward
-from .documents import Documents, check_documents, document_starts
+from .documents import Documents, check_documents, document_starts, left_padding
 from .layout import local_positions, shard_sizes
 from .groups import SequenceParallel, current
 
@@ -227,7 +227,8 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
             out["labels"] = torch.full_like(out["labels"], IGNORE_INDEX)
             out["shift_labels"] = torch.full_like(out["shift_labels"], IGNORE_INDEX)
     out[CONTEXT_KEY] = ShardedForward.over(
-        group, n, layout, padded=mask is not None and not bool(mask.all()),
+        group, n, layout, padded=mask is not None and not bool(mask.all()), left_padding=left_padding(mask),
+        positions=batch.get("position_ids"),
         contents=0 if group is None else (
             (fingerprint(ids) if ids is not None else _token_fingerprint(tokens)) + hash(documents or ())) & 0x7FFFFFFF,
         documents=documents,

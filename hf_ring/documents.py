@@ -34,6 +34,33 @@ def document_starts(position_ids: Tensor) -> Documents:
     return tuple(starts)
 
 
+def starts_of_ids(*ids: Optional[Tensor]) -> Optional[Documents]:
+    """Per batch row, row 0 and every row where one of the ``(B, n)`` id tensors changes: the parts their
+    combinations cut a row into (packed documents, and chunks inside them), or None when no tensor is given."""
+    given = [t.detach().to("cpu", torch.long) for t in ids if t is not None]
+    if not given:
+        return None
+    changes = torch.zeros_like(given[0][:, 1:], dtype=torch.bool)
+    for t in given:
+        changes |= t[:, 1:] != t[:, :-1]
+    return tuple(tuple([0] + (torch.nonzero(row).flatten() + 1).tolist()) for row in changes)
+
+
+def chunk_ids(chunk: int, start: Tensor, positions: Optional[Tensor], seq_len: int) -> Tensor:
+    """``(B, n)``: the chunk of each row under chunked attention of ``chunk`` rows counted from ``start`` ``(B,)``
+    (left padding), at the rows' ``positions`` ``(B, n)`` (None: the rows themselves), as transformers counts."""
+    rows = torch.arange(seq_len).view(1, -1) if positions is None else positions.detach().to("cpu", torch.long)
+    return torch.div(rows - start.view(-1, 1).to("cpu", torch.long), chunk, rounding_mode="floor")
+
+
+def left_padding(mask: Optional[torch.Tensor]) -> Optional[Tuple[int, ...]]:
+    """Each batch row's padded rows before its first token, as transformers counts them for chunked attention
+    (None: no mask)."""
+    if mask is None:
+        return None
+    return tuple(int(x) for x in (mask.cumsum(-1) == 0).sum(-1).tolist())
+
+
 def check_documents(documents, batch: int, seq_len: int) -> Optional[Documents]:
     """Validated document starts, or None when every batch row is one document (nothing to mask)."""
     if documents is None:

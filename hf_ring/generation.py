@@ -35,6 +35,7 @@ from .comm import RingComm
 from .context import CONTEXT_KEY, DecodeStep, ShardedForward
 from .guard import other_attention_message
 from .decode import RanksDivergedError
+from .documents import left_padding
 from .layout import owner, shard_sizes
 from .groups import SequenceParallel, current
 from .rows import layer_rules
@@ -145,7 +146,8 @@ def _pre_forward(state: Generation):
                 kwargs["attention_mask"] = mask[:, pos]
             # The ranks already agreed on the prompt (_agree), so the batch fingerprint is not needed here.
             kwargs[CONTEXT_KEY] = ShardedForward.over(state.sp if state.comm is not None else None, m, cache.layout,
-                                                      padded=mask is not None and not bool(mask.all()))
+                                                      padded=mask is not None and not bool(mask.all()),
+                                                      left_padding=left_padding(mask))
             # The owner's last local row is the prompt's last token.
             state.src = owner(m - 1, m, world, cache.layout, cache.ulysses)
         else:

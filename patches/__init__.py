@@ -9,7 +9,9 @@ Two questions, both answered from the model itself where possible:
 * What must change while it is split? Length-dependent RoPE (``dynamic``,
   ``longrope``) must see the global length: :func:`apply` patches the class of
   every rotary module of a model (:mod:`.rope`), reversibly. Outside sequence
-  parallelism the patched classes behave exactly like the unpatched ones.
+  parallelism the patched classes behave exactly like the unpatched ones. A
+  query scale by position (Llama 4's temperature tuning) is moved to the
+  shard's global positions by the backend (:func:`at_global_positions`).
 
 The tested families (:mod:`.families`) are patched up front by
 :func:`apply_all`, which ``setup_sequence_parallel`` calls before any model is
@@ -30,11 +32,12 @@ import torch
 
 from . import registry, rope, structure, tiling
 from .families import FAMILIES, Family
+from .temperature import at_global_positions
 
 from .registry import Patch, applied
 
-__all__ = ["FAMILIES", "Family", "Patch", "applied", "apply", "apply_all", "check_supported", "is_applied", "revert",
-           "revert_all", "rotary_modules", "supported"]
+__all__ = ["FAMILIES", "Family", "Patch", "applied", "apply", "apply_all", "at_global_positions", "check_supported",
+           "is_applied", "revert", "revert_all", "rotary_modules", "supported"]
 
 
 def supported() -> Tuple[str, ...]:

@@ -15,8 +15,8 @@ from typing import Any, List, Optional
 import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-"""Layer types the ring attention computes exactly (a sliding window is applied on global positions)."""
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+"""Layer types the ring attention computes exactly (windows and chunks are applied on global positions)."""
 TOKENWISE_LAYER_TYPES = ("moe", "mlp", "dense", "sparse")
 """Layer types that act on each token alone (hybrid configs list feed-forward layers among the mixers)."""
 
@@ -26,7 +26,6 @@ _LAYER_TYPE_REASONS = {
     "hybrid": "hybrid layers run a state-space mixer beside attention",
     "hybrid_sliding": "hybrid layers run a linear-attention mixer beside attention",
     "conv": "convolution layers mix neighbouring tokens",
-    "chunked_attention": "chunked attention restricts keys to fixed chunks, which ring_dilated does not apply",
 }
 
 SEQUENCE_MIXER = re.compile(r"Mamba|Mixer|DeltaNet|DeltaAttention|LinearAttention|Lightning|Rglru|Recurrent|ShortConv|"
@@ -103,6 +102,11 @@ def module_problems(model: torch.nn.Module) -> List[str]:
     mixers = sorted({type(m).__name__ for m in model.modules() if SEQUENCE_MIXER.search(type(m).__name__)})
     if mixers:
         problems.append(f"non-attention sequence mixers: {_listed(mixers)}")
+    numbered = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding)
+                and "position" in name and m.padding_idx is not None]
+    if numbered:
+        problems.append(f"learned positions counted from the padding of its own input ids ({_listed(numbered)}, "
+                        "RoBERTa-style), which no shard holds whole")
     return problems
 
 

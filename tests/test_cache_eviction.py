@@ -308,9 +308,13 @@ def test_a_cache_continues_only_with_its_own_rules():
                          past_key_values=out.past_key_values)
 
 
-def test_a_config_that_misstates_the_window_is_refused():
-    ids, _ = prompt("gemma3")
-    model = load(config_dir("gemma3"), "ring_dilated")
-    model.config.sliding_window = WINDOW // 2  # the layers still attend over WINDOW rows
+def test_a_config_that_misstates_the_heads_is_refused():
+    """The cache keeps a dilated layer's rows per K/V head from the config's head counts; a config whose counts
+    are not the layers' own would keep the wrong rows. (Windows and layer types cannot disagree so: the model
+    builds its masks, which ring_dilated follows, from the config at each forward.)"""
+    ids, _ = prompt("dilated_g4")
+    model = load(config_dir("dilated_g4"), "ring_dilated")
+    hf_ring.configure(model, pattern=DILATED)
+    model.config.num_attention_heads = 4  # the layers still have 8 query heads
     with pytest.raises(ValueError, match="does not say what its attention does"):
         hf_ring.generate(model, ids, **GREEDY)

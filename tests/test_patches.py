@@ -62,7 +62,6 @@ HYBRIDS = {  # model type: (config overrides, words the refusal must contain)
     "jamba": (dict(attn_layer_period=2, attn_layer_offset=1), "'linear_attention': recurrent"),
     "falcon_h1": ({}, "'hybrid'"),
     "zamba": (dict(num_hidden_layers=4), "recurrent"),
-    "llama4_text": (dict(layer_types=["chunked_attention", "full_attention"]), "chunked attention"),
     "minimax": (dict(layer_types=["linear_attention", "full_attention"]), "'linear_attention'"),
 }
 

@@ -1,0 +1,246 @@
+"""Every causal-LM type of the installed transformers, built tiny from its own default config.
+
+A type's default config is shrunk (sizes, experts, layers: one layer of each
+kind it mixes, windows and chunks shorter than the test rows), the model is
+built with random weights and run with ``eager`` and ``ring_dilated`` on the
+same input. What cannot be built that way is listed with the reason. A new
+model type or a new release then shows up as a row of the sweep, never as a
+user's wrong result.
+"""
+from __future__ import annotations
+
+import copy
+import traceback
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+ROWS = 61
+"""Tokens of the sweep's rows: longer than every shrunk window and chunk, and not a multiple of anything."""
+WINDOW = 8
+CHUNK = 8
+VOCAB = 97
+"""Token ids drawn below this, clear of the special ids multimodal types keep high."""
+
+SIZES = {
+    "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "max_position_embeddings": 512,
+    # mixture of experts
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "n_shared_experts": 1,
+    "intermediate_size_mlp": 96, "ffn_hidden_size": 96, "n_group": 1, "topk_group": 1,
+    # multi-head latent attention
+    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16,
+    "qk_head_dim": 16,
+    # state-space and linear-attention layers of hybrids
+    "mamba_d_state": 8, "mamba_n_heads": 4, "mamba_d_head": 16, "ssm_state_size": 8, "state_size": 8,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "conv_L_cache": 3,
+}
+"""Sizes a tiny model of any type takes, where its config has the setting (aliases resolved by the config)."""
+
+MAX_PARAMETERS = 64_000_000
+
+LENGTHS = {"sliding_window": WINDOW, "attention_chunk_size": CHUNK, "window_size": WINDOW, "floor_scale": 4}
+"""Windows and chunks, shrunk below the rows where the type has them."""
+
+
+def _per_layer_lists(cfg, layers: int) -> Dict[str, list]:
+    return {k: v for k, v in vars(cfg).items() if isinstance(v, (list, tuple)) and len(v) == layers and layers > 1
+            and not k.startswith("_")}
+
+
+def _pick_layers(cfg) -> Optional[List[int]]:
+    """One layer of each kind the config mixes (by everything its per-layer lists say), at most four."""
+    layers = getattr(cfg, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers < 1:
+        return None
+    lists = _per_layer_lists(cfg, layers)
+    seen, chosen = set(), []
+    for i in range(layers):
+        kind = tuple(repr(v[i]) for v in lists.values())
+        if kind not in seen:
+            seen.add(kind)
+            chosen.append(i)
+    chosen = chosen[:4]
+    if len(chosen) == 1 and layers > 1:
+        chosen.append(1)
+    return chosen
+
+
+def _set(cfg, name: str, value: Any) -> None:
+    try:
+        setattr(cfg, name, value)
+    except (AttributeError, TypeError, ValueError):  # a derived setting: the config keeps its own
+        pass
+
+
+def shrink(cfg, vision: bool = False):
+    """A tiny copy of ``cfg`` (nested text and vision configs included)."""
+    cfg = copy.deepcopy(cfg)
+    for name, value in SIZES.items():
+        current = getattr(cfg, name, False)
+        if current is None and name in ("head_dim", "num_key_value_heads") or (
+                isinstance(current, int) and not isinstance(current, bool)):
+            _set(cfg, name, value)
+    if isinstance(getattr(cfg, "rotary_dim", None), int):
+        _set(cfg, "rotary_dim", 8)
+    for name, value in LENGTHS.items():
+        if isinstance(getattr(cfg, name, None), int) and getattr(cfg, name) > 0:
+            setattr(cfg, name, value)
+    chosen = _pick_layers(cfg)
+    if chosen is not None:
+        layers = cfg.num_hidden_layers
+        for name, values in _per_layer_lists(cfg, layers).items():
+            setattr(cfg, name, type(values)(values[i] for i in chosen))
+        cfg.num_hidden_layers = len(chosen)
+    for name, value in list(vars(cfg).items()):
+        if "drop" in name and isinstance(value, float):
+            _set(cfg, name, 0.0)
+    if isinstance(getattr(cfg, "vocab_size", None), int) and cfg.vocab_size > 4096:
+        special = [v for k, v in vars(cfg).items() if isinstance(v, int) and not isinstance(v, bool)
+                   and (k.endswith("token_id") or k.endswith("token_index"))]
+        cfg.vocab_size = max([4096] + [v + 1 for v in special])
+    for name in ("text_config", "vision_config"):
+        sub = getattr(cfg, name, None)
+        if sub is not None and hasattr(sub, "to_dict") and sub is not cfg:
+            setattr(cfg, name, shrink(sub, vision=name == "vision_config"))
+    if vision:
+        for name, value in (("image_size", 32), ("patch_size", 8), ("num_hidden_layers", 1),
+                            ("hidden_size", 32), ("intermediate_size", 64), ("num_attention_heads", 2)):
+            if isinstance(getattr(cfg, name, None), int):
+                setattr(cfg, name, value)
+    return cfg
+
+
+def causal_lm_types() -> List[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def build(model_type: str, attn: str = "eager", dtype: torch.dtype = torch.float32) -> Tuple[Any, Optional[str]]:
+    """``(model, None)``, or ``(None, why it cannot be built tiny)``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        cfg = shrink(AutoConfig.for_model(model_type))
+    except Exception as err:  # noqa: BLE001 -- the reason is the row
+        return None, f"config: {type(err).__name__}: {str(err)[:160]}"
+    try:
+        with torch.device("meta"):  # sized first: a config the shrinking missed is listed, not allocated
+            size = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).parameters())
+    except Exception as err:  # noqa: BLE001
+        return None, f"build: {type(err).__name__}: {str(err)[:160]}"
+    if size > MAX_PARAMETERS:
+        return None, f"still {size / 1e6:.0f}M parameters once shrunk"
+    torch.manual_seed(0)
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
+    except Exception as err:  # noqa: BLE001
+        return None, f"build: {type(err).__name__}: {str(err)[:160]}"
+    return model.eval(), None
+
+
+def inputs(model_type: str, batch: int = 1, n: int = ROWS, seed: int = 0) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(3, VOCAB, (batch, n), generator=g)}
+
+
+def logits_of(model, batch, attn: str) -> Tuple[torch.Tensor, int]:
+    """The model's logits with attention ``attn``, and how many attention calls went to ``ring_dilated``."""
+    from transformers import AttentionInterface
+
+    from hf_ring import backend
+
+    calls = [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return backend.ring_dilated_attention(*args, **kwargs)
+
+    model.set_attn_implementation(attn)
+    AttentionInterface.register(backend.NAME, counted)
+    try:
+        with torch.no_grad():
+            out = model(**batch, use_cache=False)
+    finally:
+        AttentionInterface.register(backend.NAME, backend.ring_dilated_attention)
+    return out.logits.float(), calls[0]
+
+
+def one_process_row(model_type: str) -> Dict[str, Any]:
+    """``{"type", "status": exact | wrong | refused | unbuilt | eager-fails, "error" or "why"}`` for one type."""
+    import hf_ring  # noqa: F401  (registers ring_dilated)
+
+    model, why = build(model_type)
+    if model is None:
+        return {"type": model_type, "status": "unbuilt", "why": why}
+    batch = inputs(model_type)
+    try:
+        ref, _ = logits_of(model, batch, "eager")
+    except Exception as err:  # noqa: BLE001
+        return {"type": model_type, "status": "eager-fails", "why": f"{type(err).__name__}: {str(err)[:160]}"}
+    try:
+        got, calls = logits_of(model, batch, "ring_dilated")
+    except (NotImplementedError, ValueError, TypeError) as err:
+        return {"type": model_type, "status": "refused", "why": f"{type(err).__name__}: {str(err)[:300]}"}
+    except Exception as err:  # noqa: BLE001 -- a crash is a row of its own, not a refusal
+        return {"type": model_type, "status": "crashed",
+                "why": f"{type(err).__name__}: {str(err)[:200]} | {traceback.format_exc(limit=-3)[-600:]}"}
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    if err > 1e-5:  # where eager and sdpa part ways (a mask left out, which sdpa reads as causal), either is the reference
+        try:
+            sdpa, _ = logits_of(model, batch, "sdpa")
+            err = min(err, ((got - sdpa).abs().max() / sdpa.abs().max()).item())
+        except Exception:  # noqa: BLE001 -- a type without sdpa keeps eager's verdict
+            pass
+    if not calls:  # its own attention code ran: nothing of hf_ring's was compared
+        return {"type": model_type, "status": "not-routed", "why": "its attention does not go through transformers' "
+                f"attention interface (logits within {err:.1e} of eager)"}
+    return {"type": model_type, "status": "exact" if err <= 1e-5 else "wrong", "error": err}
+
+
+def _grads(model) -> Dict[str, torch.Tensor]:
+    return {name: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def eager_step(model_type: str, seed: int = 1, dtype: torch.dtype = torch.float64) -> Dict[str, Any]:
+    """One-process ``eager`` loss and every parameter gradient of the type's tiny model on the sweep's batch."""
+    model, why = build(model_type, dtype=dtype)
+    assert model is not None, why
+    model.eval()  # gradients all the same; no stochastic routing (PhiMoE samples experts in training)
+    batch = inputs(model_type, seed=seed)
+    out = model(**batch, labels=batch["input_ids"], use_cache=False)
+    out.loss.backward()
+    return {"loss": out.loss.detach(), "grads": _grads(model)}
+
+
+def sharded_step_case(model_type: str, seed: int = 1, dtype: torch.dtype = torch.float64) -> Dict[str, Any]:
+    """Rank function: the same step with the sequence split over the pool's ranks (``shard_batch``, the loss and
+    summed gradients); what each rank raised, if anything, in place of the results."""
+    import torch.distributed as dist
+
+    import hf_ring
+
+    sp = hf_ring.setup_sequence_parallel(None)
+    try:
+        model, why = build(model_type, "ring_dilated", dtype)
+        if model is None:
+            return {"refused": why}
+        model.eval()
+        batch = inputs(model_type, seed=seed)
+        try:
+            hf_ring.patches.apply(model)
+            data = hf_ring.shard_batch({**batch, "labels": batch["input_ids"]})
+            out = model(**data)
+            out.loss.backward()
+        except (NotImplementedError, ValueError, TypeError) as err:
+            return {"refused": f"{type(err).__name__}: {err}"}
+        hf_ring.sync_gradients(model)
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss, group=sp.sp_group)
+        return {"loss": loss, "grads": _grads(model) if dist.get_rank() == 0 else None}
+    finally:
+        hf_ring.clear_sequence_parallel()
