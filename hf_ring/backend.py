@@ -132,6 +132,7 @@ def _refuse_unsupported(dropout: float, training: bool, kwargs: dict, sharded: b
         )
 
 
+@torch.compiler.disable  # collectives, agreements and host-side plans: outside a compiled graph, on purpose
 def ring_dilated_attention(
     module: torch.nn.Module,
     query: Tensor,
@@ -367,6 +368,7 @@ def _decode_step(query: Tensor, key: Tensor, value: Tensor, key_valid: Optional[
     return merge_ranks(out, lse, forward.comm, spec.sinks, same_ids=forward.take_check()).to(query.dtype)
 
 
+@torch.compiler.disable  # reads the mask function's closures on the host
 def ring_dilated_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,
                       mask_function: Any = None, attention_mask: Optional[Tensor] = None,
                       **kwargs: Any) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import torch
 from transformers import PreTrainedModel
 
 from .config import ATTN_IMPLEMENTATION, CONFIG_KEY, attn_implementations, parse, runs_ring, shape_conflict
@@ -74,12 +75,17 @@ WHY = ("refuses sequence-sharded inputs to a model whose attention is not ring_d
        "through untouched); installed by import hf_ring and kept")
 
 
+@torch.compiler.disable  # may join the forward's agreement exchange: outside a compiled graph, on purpose
+def _refuse(model: Any, kwargs: Mapping[str, Any]) -> None:
+    refuse_other_attention(model, kwargs)
+    refuse_other_shape(model, kwargs)
+    refuse_other_sharding(model, kwargs)
+
+
 def _guarded(original):
     def __call__(self, *args, **kwargs):
-        if kwargs:
-            refuse_other_attention(self, kwargs)
-            refuse_other_shape(self, kwargs)
-            refuse_other_sharding(self, kwargs)
+        if kwargs.get(CONTEXT_KEY) is not None:
+            _refuse(self, kwargs)
         return original(self, *args, **kwargs)
 
     __call__.__wrapped__ = original

@@ -126,6 +126,7 @@ class _TiledLoss(torch.autograd.Function):
                 None if grad_b is None else (grad_b * scale).to(b_dtype), None, None, None, None, None, None)
 
 
+@torch.compiler.disable  # an autograd Function that decides on the host how to scale its gradient
 def tiled_causal_lm_loss(hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                          labels: Optional[torch.Tensor] = None, shift_labels: Optional[torch.Tensor] = None,
                          num_items_in_batch: Union[int, torch.Tensor, None] = None,

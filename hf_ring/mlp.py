@@ -114,6 +114,7 @@ class _TiledRowsZero3(torch.autograd.Function):
         return None, None, None if grad_x is None else grad_x.view_as(x), None
 
 
+@torch.compiler.disable  # an autograd Function that recomputes its chunks in the backward
 def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor],
                chunk_rows: Optional[int] = None) -> torch.Tensor:
     """``fn(x)`` computed ``chunk_rows`` rows of ``x`` at a time (all leading dims flattened into rows).

@@ -64,6 +64,7 @@ def shard_model_inputs(kwargs: Dict[str, Any], sp: Optional[SequenceParallel] = 
     return sharded
 
 
+@torch.compiler.disable  # shards the batch with a check exchange: outside a compiled graph, on purpose
 def _shard_hook(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]):
     if current() is None:
         return None

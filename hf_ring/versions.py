@@ -1,12 +1,21 @@
 """The torch, transformers and accelerate releases hf_ring is tested on, checked before any of them is imported.
 
-hf_ring reaches into transformers' internals (attention and mask registries,
-cache classes, rotary classes, CausalLM forwards, tensor-parallel plans),
-which change between minor releases. Every release inside :data:`SUPPORTED`
-runs the compatibility suite (``tests/test_compat.py``, the floor job of
-``.ci/run``); a release outside it is refused at ``import hf_ring`` with one
-line naming the installed version, the range and the fix, instead of a
-``ModuleNotFoundError`` or a silently different result deep inside a forward.
+A library's policy, not an application's: :data:`FLOORS` are the oldest
+releases tested (pyproject.toml declares the same floors and nothing above
+them, so pip never replaces a user's newer torch), :data:`NEWEST_TESTED` the
+newest, and :data:`KNOWN_BROKEN` the releases known to break hf_ring. At
+``import hf_ring``:
+
+- a release below its floor is refused in one line naming it and the fix;
+- a release known to break is refused in one line naming what breaks;
+- a newer, untested release imports with one warning naming it and the
+  newest tested release, and how to silence the warning.
+
+What bends on an unknown release is checked where it is used, and fails
+loudly with the family and release named: the transformers internals hf_ring
+reads (:mod:`hf_ring.seams`), the mask pieces it reads (:mod:`hf_ring.masks`,
+each checked against its meaning) and the tiled loss (measured against the
+class's own, :mod:`hf_ring.patches.tiling`).
 """
 from __future__ import annotations
 
@@ -16,14 +25,18 @@ import warnings
 from importlib import metadata
 from typing import Dict, Optional, Tuple
 
-SUPPORTED: Dict[str, Tuple[str, str]] = {
-    "torch": ("2.11", "2.14"),
-    "transformers": ("5.17", "5.25"),
-    "accelerate": ("1.10.1", "1.16"),
-}
-"""Per package, the tested releases as ``[lowest, first untested)``; pyproject.toml states the same ranges."""
-ALLOW_UNTESTED = "HF_RING_ALLOW_UNTESTED"
-"""Set to 1 to import hf_ring beside an untested release anyway, with a warning instead of the refusal."""
+FLOORS: Dict[str, str] = {"torch": "2.11", "transformers": "5.17", "accelerate": "1.10.1"}
+"""Per package, the oldest release tested; pyproject.toml declares these floors."""
+NEWEST_TESTED: Dict[str, str] = {"torch": "2.14.1", "transformers": "5.24.0", "accelerate": "1.15.0"}
+"""Per package, the newest release the compatibility rows (docs/bench/compat.json) were run on."""
+KNOWN_BROKEN: Dict[Tuple[str, str], str] = {}
+"""``(package, release)`` -> what breaks with it (pyproject.toml excludes each with ``!=``)."""
+QUIET = "HF_RING_QUIET_UNTESTED"
+"""Set to 1 to silence the warning about a release newer than the newest tested one."""
+
+
+class UntestedReleaseWarning(UserWarning):
+    """A torch, transformers or accelerate release newer than the newest hf_ring was tested on."""
 
 
 def parse(version: str) -> Tuple[int, ...]:
@@ -34,10 +47,9 @@ def parse(version: str) -> Tuple[int, ...]:
     return tuple(int(part) for part in match.group(0).split("."))
 
 
-def within(version: str, low: str, high: str) -> bool:
-    """Whether ``low <= version < high``, on release numbers (a local tag such as ``+cu130`` is ignored)."""
-    got = parse(version)
-    return parse(low) <= got < parse(high)
+def _padded(version: str, width: int = 3) -> Tuple[int, ...]:
+    numbers = parse(version)
+    return numbers + (0,) * (width - len(numbers))
 
 
 def installed(package: str) -> Optional[str]:
@@ -49,25 +61,39 @@ def installed(package: str) -> Optional[str]:
 
 
 def problem(package: str, version: Optional[str]) -> Optional[str]:
-    """One line saying why ``version`` of ``package`` is refused, or None when it is supported."""
-    low, high = SUPPORTED[package]
-    if version is not None and within(version, low, high):
+    """One line saying why ``version`` of ``package`` is refused, or None when it may be imported."""
+    low = FLOORS[package]
+    if version is None:
+        return f"hf_ring needs {package}>={low}, which is not installed; fix: pip install '{package}>={low}'"
+    if _padded(version) < _padded(low):
+        return (f"hf_ring needs {package}>={low} (the oldest release it is tested on), but {version} is "
+                f"installed; fix: pip install '{package}>={low}'")
+    broken = KNOWN_BROKEN.get((package, ".".join(map(str, parse(version)))))
+    if broken is not None:
+        return (f"{package} {version} is known to break hf_ring: {broken}; fix: install another release, "
+                f"e.g. pip install '{package}=={NEWEST_TESTED[package]}'")
+    return None
+
+
+def untested(package: str, version: Optional[str]) -> Optional[str]:
+    """The warning for ``version`` of ``package`` when it is of a minor release newer than the newest tested one
+    (a patch release of a tested minor release is tested), else None."""
+    if version is None or _padded(version)[:2] <= _padded(NEWEST_TESTED[package])[:2]:
         return None
-    found = "is not installed" if version is None else f"{version} is installed"
-    return (f"hf_ring needs {package}>={low},<{high} (the releases it is tested on), but {found}; "
-            f"fix: pip install '{package}>={low},<{high}'")
+    return (f"{package} {version} is newer than the newest release hf_ring is tested on "
+            f"({NEWEST_TESTED[package]}); run `python -m hf_ring.bench compat --suite` in a checkout to check it "
+            f"here (set {QUIET}=1 to silence this warning)")
 
 
 def check_installed() -> None:
-    """Raise ImportError, one line per refused package, unless every package is in :data:`SUPPORTED`.
-
-    With ``HF_RING_ALLOW_UNTESTED=1`` an untested release that is installed only warns (a missing one still
-    raises): the exactness checks of the test suite are then the user's to run."""
-    found = {p: installed(p) for p in SUPPORTED}
+    """Raise ImportError, one line per refused package; warn once for each release newer than the newest tested."""
+    found = {p: installed(p) for p in FLOORS}
     lines = [line for line in (problem(p, v) for p, v in found.items()) if line is not None]
-    if not lines:
+    if lines:
+        raise ImportError("\n".join(lines))
+    if os.environ.get(QUIET) == "1":
         return
-    if os.environ.get(ALLOW_UNTESTED) == "1" and all(v is not None for v in found.values()):
-        warnings.warn("; ".join(lines) + f" ({ALLOW_UNTESTED}=1: importing anyway)", stacklevel=3)
-        return
-    raise ImportError("\n".join(f"{line} (or set {ALLOW_UNTESTED}=1 to try it untested)" for line in lines))
+    for package, version in found.items():
+        told = untested(package, version)
+        if told is not None:
+            warnings.warn(told, UntestedReleaseWarning, stacklevel=3)

@@ -91,6 +91,7 @@ def patch_rotary(cls: type) -> bool:
 
 
 def _global_length_forward(original, raw):
+    @torch.compiler.disable  # a collective: outside a compiled graph, on purpose
     def forward(self, x, position_ids, *args, **kwargs):
         layer_type = args[0] if args else kwargs.get("layer_type")
         sp = current()
@@ -119,12 +120,6 @@ def unpatch_rotary(cls: type) -> None:
     for owner in cls.__mro__:
         if registry.restore(owner, "forward"):
             return
-
-
-def unpatch_all() -> None:
-    for patch in registry.applied():
-        if patch.why == WHY:
-            registry.restore(patch.owner, patch.name)
 
 
 def is_patched(cls: type) -> bool:

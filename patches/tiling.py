@@ -31,6 +31,7 @@ import inspect
 import warnings
 from typing import Any, Dict, Optional, Tuple
 
+import torch
 import transformers
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -65,6 +66,7 @@ _WARNED: set = set()
 """(class, reason) pairs already warned about: a family that stands down says so once per process."""
 
 
+@torch.compiler.disable  # runs a tiny model of the class, once: outside a compiled graph
 def reproduction_problem(cls: type, config: Any = None) -> Optional[str]:
     """Why the tiled loss does not reproduce ``cls.forward``'s loss and gradients, or None when it does
     (measured on a tiny model: :func:`.reproduction.problem`)."""

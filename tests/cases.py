@@ -569,6 +569,7 @@ def sft_case(path, sp_size=None, *, padding_free=False, steps=2, per_device=2, a
         optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0,
         use_cpu=True, train_sampling_strategy="sequential", disable_tqdm=True, save_strategy="no",
         padding_free=padding_free, max_length=None if padding_free else 128, bf16=False,
+        **{CHECKPOINTING_ARGUMENT: True},  # TRL's default, by the name this release takes without a warning
     )
     recorder = GradRecorder()
     trainer = SFTTrainer(model=model, args=args, processing_class=sft.char_tokenizer(),

@@ -22,14 +22,17 @@ COMM_TIMEOUT_S = os.environ.get("HF_RING_TEST_COMM_TIMEOUT", "30")
 
 
 OWN_DEPRECATIONS = (FutureWarning, DeprecationWarning)
-"""Warning kinds that are errors when raised from hf_ring's frames, in the ranks as under pytest (pyproject)."""
+"""Warning kinds that are errors when raised from hf_ring's frames or the tests', in the ranks as under pytest
+(pyproject)."""
+OWN_MODULES = ("hf_ring", "(test_|.*cases|sweep|models|helpers|reference|dist_pool|launched_step)")
 
 
 def error_on_own_deprecations() -> None:
     import warnings
 
     for category in OWN_DEPRECATIONS:
-        warnings.filterwarnings("error", category=category, module="hf_ring")
+        for module in OWN_MODULES:
+            warnings.filterwarnings("error", category=category, module=module)
 
 
 class RankError(RuntimeError):

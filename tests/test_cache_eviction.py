@@ -19,6 +19,7 @@ from hf_ring.decode import cached_blocks
 from hf_ring.layout import local_positions
 from hf_ring.pattern import DENSE
 from hf_ring.rows import KEEP_ALL, last_reader, last_readers, layer_rules, rule_for
+from hf_ring.seams import CACHE_KEYWORD
 from eviction_cases import evict_case
 from helpers import dilated_sdpa_mask, rel_err
 from models import load, saved_model_dir
@@ -291,7 +292,8 @@ def test_continuing_a_returned_cache_evicts_the_same(pools):
     ids, _ = prompt("gemma3")
     model = load(config_dir("gemma3"), "eager")  # transformers' own cache, continued the same way
     out = model.generate(ids, **dict(GREEDY, max_new_tokens=8, return_dict_in_generate=True))
-    ref = model.generate(out.sequences, past_key_values=out.past_key_values, **dict(GREEDY, max_new_tokens=NEW - 8))
+    ref = model.generate(out.sequences, **{CACHE_KEYWORD: getattr(out, CACHE_KEYWORD)},
+                         **dict(GREEDY, max_new_tokens=NEW - 8))
     for res in results:
         assert torch.equal(res[True]["sequences"], ref)
         assert rel_err(res[True]["logits"], res[False]["logits"]) <= 1e-6

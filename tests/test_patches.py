@@ -192,6 +192,28 @@ def test_clear_sequence_parallel_restores_every_patched_class_by_identity():
     assert [p.name for p in patches.applied()] == ["__call__"] and PreTrainedModel.__call__ is call
 
 
+def test_an_inherited_attribute_is_deleted_again_not_copied_down():
+    """A class that inherited the attribute hf_ring replaced gets its own replacement; clearing deletes it, so the
+    class inherits again (and follows its base if the base changes), instead of keeping a copy of the base's."""
+    from hf_ring.patches import registry
+
+    class Base:
+        def forward(self):
+            return "base"
+
+    class Child(Base):
+        pass
+
+    assert "forward" not in Child.__dict__
+    registry.replace(Child, "forward", lambda original: (lambda self: "patched " + original(self)), "a test patch")
+    assert Child().forward() == "patched base" and "forward" in Child.__dict__
+    assert registry.original(Child, "forward") is Base.forward
+    hf_ring.clear_sequence_parallel()
+    assert "forward" not in Child.__dict__ and Child.forward is Base.forward
+    Base.forward = lambda self: "changed"
+    assert Child().forward() == "changed"
+
+
 def test_a_prepared_trainer_is_listed_and_restored(tmp_path):
     from transformers import Trainer, TrainingArguments
 

@@ -6,7 +6,8 @@ BENCHES = {"ring": "hf_ring.bench.ring", "dilated": "hf_ring.bench.dilated", "ge
            "scale": "hf_ring.bench.scale", "model": "hf_ring.bench.model",
            "gpu": "hf_ring.bench.gpu", "quality": "hf_ring.bench.quality",
            "linear": "hf_ring.bench.linear",
-           "tables": "hf_ring.bench.tables", "plan": "hf_ring.bench.plan", "compat": "hf_ring.bench.compat"}
+           "tables": "hf_ring.bench.tables", "plan": "hf_ring.bench.plan", "compat": "hf_ring.bench.compat",
+           "compile": "hf_ring.bench.compile"}
 
 
 def main() -> None:
