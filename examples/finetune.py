@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 import hf_ring
-from hf_ring.seams import enable_checkpointing
+from hf_ring.integration.seams import enable_checkpointing
 
 # Token ids of the passkey task (and the byte-level vocabulary of --data).
 N_FILLER = 256  # filler tokens; also the 256 byte values for --data
@@ -149,7 +149,7 @@ def train_step(model, batch: Dict[str, torch.Tensor], sp: hf_ring.SequenceParall
     out.loss.backward()
     loss = out.loss.detach().clone()
     if sp.sp_size > 1:
-        hf_ring.comm.all_reduce(loss, sp.sp_group, "the loss sum over the sequence-parallel group")
+        hf_ring.engine.comm.all_reduce(loss, sp.sp_group, "the loss sum over the sequence-parallel group")
     return float(loss)
 
 
@@ -171,7 +171,7 @@ def retrieval_accuracy(model, batches: List[Dict[str, torch.Tensor]], sp: hf_rin
             hit = torch.tensor([float((pred == batch["input_ids"][:, -1].to(device)).sum()), float(len(pred))],
                                device=device)
         if sp.sp_size > 1:
-            hf_ring.comm.all_reduce(hit, sp.sp_group, "the retrieval count over the sequence-parallel group")
+            hf_ring.engine.comm.all_reduce(hit, sp.sp_group, "the retrieval count over the sequence-parallel group")
         correct, total = correct + hit[0].item(), total + hit[1].item()
     model.train()
     return correct / max(total, 1)
@@ -499,7 +499,7 @@ def main(argv=None) -> dict:
     # ru_maxrss is in KiB on Linux: the process's resident peak over the whole run, evaluation included
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64,
                         device=accelerator.device)
-    peaks = hf_ring.comm.all_gather(peak, None, "the peak memory report").flatten().tolist() if world > 1 else [
+    peaks = hf_ring.engine.comm.all_gather(peak, None, "the peak memory report").flatten().tolist() if world > 1 else [
         float(peak)]
     if is_main:
         save_checkpoint(model, optimizer, reached, history, args.output)

@@ -28,8 +28,8 @@ from typing import List
 import torch
 
 import hf_ring
-from hf_ring import comm
-from hf_ring import config as ring_config
+from hf_ring.engine import comm
+from hf_ring.integration import config as ring_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

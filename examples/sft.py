@@ -22,7 +22,7 @@ from typing import List, Optional
 import torch
 
 import hf_ring
-from hf_ring.seams import CHECKPOINTING_ARGUMENT
+from hf_ring.integration.seams import CHECKPOINTING_ARGUMENT
 
 PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
 ALPHABET = string.ascii_lowercase + " :>-"

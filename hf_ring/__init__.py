@@ -16,26 +16,27 @@ if _find_spec(__name__ + ".patches") is None:
 _check_installed()  # before anything imports transformers: an untested release is refused in one line
 
 from . import patches  # noqa: E402
-from .backend import register as _register
-from .cache import ShardedCache
-from .comm import CommTimeoutError, RankLeftError
-from .config import configure
-from .data import gather_sequence, shard_batch
-from .decode import RanksDivergedError
-from .generation import generate
-from .guard import install as _install_guard
-from .groups import SequenceParallel, current
-from .layout import local_positions, shard_sizes
-from .loss import tiled_causal_lm_loss
-from .mlp import tiled_rows
-from .offload import offload_checkpoints
-from .parallel import clear_sequence_parallel, setup_sequence_parallel, shutdown, sync_gradients
+from .engine.comm import CommTimeoutError, RankLeftError
+from .engine.decode import RanksDivergedError
+from .engine.layout import local_positions, shard_sizes
+from .engine.pattern import DilatedPattern
+from .engine.ring import ring_attention
+from .generation.cache import ShardedCache
+from .generation.generate import generate
+from .integration.backend import register as _register
+from .integration.config import configure
+from .integration.groups import SequenceParallel, current
+from .integration.guard import install as _install_guard
+from .integration.parallel import clear_sequence_parallel, sequence_parallel, setup_sequence_parallel, shutdown
+from .integration.tp import tensor_parallel
+from .patches.tiled_loss import tiled_causal_lm_loss
+from .patches.tiled_rows import tiled_rows
 from .patches.tiling import configure as configure_tiling
-from .pattern import DilatedPattern
-from .ring import ring_attention
-from .tp import tensor_parallel
-from .trainer import SequenceParallelTrainerMixin, prepare_trainer
-from .zero import shm_op_notice as _shm_op_notice
+from .training.data import gather_sequence, shard_batch
+from .training.offload import offload_checkpoints
+from .training.sync import sync_gradients
+from .training.trainer import SequenceParallelTrainerMixin, prepare_trainer
+from .training.zero import shm_op_notice as _shm_op_notice
 
 __all__ = [
     "CommTimeoutError",
@@ -56,6 +57,7 @@ __all__ = [
     "patches",
     "prepare_trainer",
     "ring_attention",
+    "sequence_parallel",
     "setup_sequence_parallel",
     "shard_batch",
     "shard_sizes",

@@ -13,7 +13,7 @@ newest, and :data:`KNOWN_BROKEN` the releases known to break hf_ring. At
 
 What bends on an unknown release is checked where it is used, and fails
 loudly with the family and release named: the transformers internals hf_ring
-reads (:mod:`hf_ring.seams`), the mask pieces it reads (:mod:`hf_ring.masks`,
+reads (:mod:`hf_ring.integration.seams`), the mask pieces it reads (:mod:`hf_ring.integration.masks`,
 each checked against its meaning) and the tiled loss (measured against the
 class's own, :mod:`hf_ring.patches.tiling`).
 """
@@ -81,7 +81,7 @@ def untested(package: str, version: Optional[str]) -> Optional[str]:
     if version is None or _padded(version)[:2] <= _padded(NEWEST_TESTED[package])[:2]:
         return None
     return (f"{package} {version} is newer than the newest release hf_ring is tested on "
-            f"({NEWEST_TESTED[package]}); run `python -m hf_ring.bench compat --suite` in a checkout to check it "
+            f"({NEWEST_TESTED[package]}); run `python -m bench compat --suite` in a checkout to check it "
             f"here (set {QUIET}=1 to silence this warning)")
 
 

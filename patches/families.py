@@ -1,4 +1,4 @@
-"""The decoder families tested under sequence parallelism, one ``apply_ring_to_<family>`` each.
+"""The decoder families tested under sequence parallelism: one table, each family patched and reverted alike.
 
 A model instance needs none of this: :func:`hf_ring.patches.apply` finds its
 rotary modules itself. The table serves the time before a model exists
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Dict, Tuple
 
 from . import rope
 
@@ -76,20 +76,3 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
     Family("olmo2", "olmo2", ("Olmo2RotaryEmbedding",), (), "all full", "default"),
 )}
 
-
-def _pair(model_type: str) -> Tuple[Callable[[], None], Callable[[], None]]:
-    family = FAMILIES[model_type]
-    return family.apply, family.revert
-
-
-# Liger-Kernel style entry points: patch (and unpatch) one family's classes, reversible and idempotent.
-apply_ring_to_llama, revert_ring_from_llama = _pair("llama")
-apply_ring_to_mistral, revert_ring_from_mistral = _pair("mistral")
-apply_ring_to_qwen2, revert_ring_from_qwen2 = _pair("qwen2")
-apply_ring_to_qwen3, revert_ring_from_qwen3 = _pair("qwen3")
-apply_ring_to_qwen3_moe, revert_ring_from_qwen3_moe = _pair("qwen3_moe")
-apply_ring_to_gemma2, revert_ring_from_gemma2 = _pair("gemma2")
-apply_ring_to_gemma3, revert_ring_from_gemma3 = _pair("gemma3_text")
-apply_ring_to_gpt_oss, revert_ring_from_gpt_oss = _pair("gpt_oss")
-apply_ring_to_phi3, revert_ring_from_phi3 = _pair("phi3")
-apply_ring_to_olmo2, revert_ring_from_olmo2 = _pair("olmo2")

@@ -20,8 +20,8 @@ import torch
 
 from transformers.modeling_rope_utils import dynamic_rope_update
 
-from hf_ring.config import runs_ring
-from hf_ring.groups import current
+from hf_ring.integration.config import runs_ring
+from hf_ring.integration.groups import current
 
 from . import registry
 

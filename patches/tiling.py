@@ -2,9 +2,9 @@
 
 ``apply(model_or_class)`` patches, at class level (reversible, idempotent), the
 ``...ForCausalLM.forward`` to compute the loss with
-:func:`hf_ring.loss.tiled_causal_lm_loss` (no ``(rows x vocab)`` logits), and
+:func:`hf_ring.training.loss.tiled_causal_lm_loss` (no ``(rows x vocab)`` logits), and
 the ``forward`` of the MLP and RMSNorm classes to run through
-:func:`hf_ring.mlp.tiled_rows` (their intermediates exist for one chunk of rows;
+:func:`hf_ring.training.mlp.tiled_rows` (their intermediates exist for one chunk of rows;
 only their input is kept for the backward).
 
 Whether a call is tiled is read at call time from ``model.config.ring_tiling``
@@ -39,15 +39,14 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
-from hf_ring.arguments import positive_int
-from hf_ring.config import runs_ring
-from hf_ring.groups import current
-from hf_ring.loss import tiled_causal_lm_loss
-from hf_ring.mlp import tiled_rows
-from hf_ring.zero import zero3_partitioned
+from hf_ring.engine.arguments import positive_int
+from hf_ring.integration.config import runs_ring
+from hf_ring.integration.groups import current
 
 from . import registry, reproduction
 from .families import FAMILIES
+from .tiled_loss import tiled_causal_lm_loss
+from .tiled_rows import tiled_rows, zero3_partitioned
 
 CONFIG_KEY = "ring_tiling"
 SETTINGS = ("loss", "mlp", "norm", "loss_chunk_rows", "row_chunk_rows")

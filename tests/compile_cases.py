@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import hf_ring
-from cases import GradRecorder, RowDataset, trainer_data, trainer_env
+from trainer_cases import GradRecorder, RowDataset, trainer_data, trainer_env
 
 
 class _Told(logging.Handler):

@@ -1,6 +1,6 @@
 """The fused CUDA kernels' documented semantics in float64 on the CPU, to check the code around them.
 
-What a GPU run would show about ``hf_ring.cuda_kernels`` apart from the kernels
+What a GPU run would show about ``hf_ring.engine.cuda_kernels`` apart from the kernels
 themselves (which rows and keys each call gets, the window sizes, how query-head
 groups are split and stacked back, the padded logsumexp, rows that see no key) is
 checked here by routing the ring's blocks through these stand-ins, which compute
@@ -16,7 +16,9 @@ import dataclasses
 
 import torch
 
-from hf_ring import cuda_kernels, kernels
+from hf_ring.engine import cuda_kernels
+
+from hf_ring.engine import kernels
 
 
 def _contract(*tensors, lse=None):
@@ -147,7 +149,7 @@ class _Aten:
 @contextlib.contextmanager
 def emulated(route: str):
     """Blocks of CPU tensors take ``route`` ("flash": flash wherever there is no mask, fp32 too; "efficient":
-    memory-efficient attention for every block) through :mod:`hf_ring.cuda_kernels` and the stand-ins."""
+    memory-efficient attention for every block) through :mod:`hf_ring.engine.cuda_kernels` and the stand-ins."""
     saved = kernels.KERNELS, cuda_kernels.aten
     table = {kn.name: kn for kn in kernels.KERNELS}
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import hf_ring
-from hf_ring.seams import enable_checkpointing
-from cases import GradRecorder, RowDataset, trainer_data
+from hf_ring.integration.seams import enable_checkpointing
+from trainer_cases import GradRecorder, RowDataset, trainer_data
 from models import batch, load
 
 LR = 0.5

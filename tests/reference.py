@@ -2,7 +2,7 @@
 
 Shares no code with hf_ring: every mask is built here from positions, on
 the CPU, and moved to the inputs' device. The tests and ``python -m
-hf_ring.bench gpu`` (from a checkout) measure the library against it.
+bench gpu`` (from a checkout) measure the library against it.
 """
 from __future__ import annotations
 

@@ -151,7 +151,7 @@ def logits_of(model, batch, attn: str) -> Tuple[torch.Tensor, int]:
     """The model's logits with attention ``attn``, and how many attention calls went to ``ring_dilated``."""
     from transformers import AttentionInterface
 
-    from hf_ring import backend
+    from hf_ring.integration import backend
 
     calls = [0]
 

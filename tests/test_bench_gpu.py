@@ -1,8 +1,8 @@
-"""``python -m hf_ring.bench gpu --fake``: the GPU benchmark's code runs here, its checks hold, its tables render."""
+"""``python -m bench gpu --fake``: the GPU benchmark's code runs here, its checks hold, its tables render."""
 import json
 import os
 
-from hf_ring.bench import gpu, tables
+from bench import gpu, tables
 
 
 def test_gpu_benchmark_runs_without_a_gpu(tmp_path):

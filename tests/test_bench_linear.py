@@ -1,7 +1,7 @@
-"""``python -m hf_ring.bench linear``'s timing part end to end at toy sizes: one rank, real launches of the example."""
+"""``python -m bench linear``'s timing part end to end at toy sizes: one rank, real launches of the example."""
 import json
 
-from hf_ring.bench import linear
+from bench import linear
 
 
 def test_timing_rows_compare_like_with_like(tmp_path):

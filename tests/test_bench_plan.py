@@ -1,5 +1,5 @@
 """The memory planner's arithmetic, checked against hand-computed bytes."""
-from hf_ring.bench import plan
+from bench import plan
 
 P = plan.LLAMA_8B["params"]
 

@@ -3,7 +3,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from hf_ring.bench import race  # noqa: E402
+from bench import race  # noqa: E402
 
 
 def test_race_runs_both_sides_and_scores_them_against_one_process(monkeypatch):

@@ -1,5 +1,5 @@
 """The README's benchmark tables come from the benchmarks' JSON, between markers."""
-from hf_ring.bench.tables import render, rewrite
+from bench.tables import render, rewrite
 
 
 def test_tables_render_rows_and_replace_only_between_markers():

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 import reference as R
 from hf_ring import local_positions
-from hf_ring.blocks import Rows, tiles
-from hf_ring.schedule import Geometry, contains, local_causal, pair_plan, rank_plan, sent
+from hf_ring.engine.blocks import Progression, tiles
+from hf_ring.engine.schedule import Geometry, contains, local_causal, pair_plan, rank_plan, sent
 
 
 def _plan(n, rank, world, layout, causal, window, branches, hq, hkv, budget=None):
@@ -28,7 +28,7 @@ def coverage(n, world, layout, causal, window, branches, hq, hkv, bwd_tile=None,
             for blk in step.recv.blocks:
                 piece = step.recv.pieces[blk.piece]
                 piece_pos = kpos_src[piece.rows.slice]
-                kp = Rows(blk.k_off * blk.q.stride, blk.k_pos, blk.nk, blk.q.stride)
+                kp = Progression(blk.k_off * blk.q.stride, blk.k_pos, blk.nk, blk.q.stride)
                 parts = [(blk.q, kp, blk.kind)] if bwd_tile is None else tiles(blk.q, kp, causal, window, bwd_tile)
                 for qt, kt, kind in parts:
                     t = qpos[qt.slice]
@@ -208,7 +208,7 @@ def test_messages_split_by_budget_cover_the_same_pairs(n, world, layout, window,
 
 
 def test_key_validity_answers_ranges_per_batch_row():
-    from hf_ring.blocks import KeyValidity
+    from hf_ring.engine.blocks import KeyValidity
 
     mask = torch.ones(3, 10, dtype=torch.bool)
     mask[0, :4] = False  # left padding
@@ -226,7 +226,7 @@ def test_key_validity_answers_ranges_per_batch_row():
 
 
 def test_key_runs_are_the_columns_of_one_state():
-    from hf_ring.blocks import KeyValidity
+    from hf_ring.engine.blocks import KeyValidity
 
     mask = torch.ones(2, 12, dtype=torch.bool)
     mask[0, :4] = False
@@ -238,7 +238,7 @@ def test_key_runs_are_the_columns_of_one_state():
 
 
 def test_rows_split_at_positions():
-    rows = Rows(2, 10, 6, 2)  # positions 10, 12, ..., 20
+    rows = Progression(2, 10, 6, 2)  # positions 10, 12, ..., 20
     parts = rows.split([13, 17, 30])
     assert [(p.pos, p.count) for p in parts] == [(10, 2), (14, 2), (18, 2)]
     assert [p.local for p in parts] == [2, 6, 10]
@@ -248,10 +248,10 @@ def test_rows_split_at_positions():
 def test_padding_parts_keep_a_diagonal_block_one_causal_call():
     """A causal diagonal block whose first keys are padding in every row: the padded keys are skipped and the
     rest stays one unmasked causal call over the queries that can see them; rows padded differently run alone."""
-    from hf_ring.blocks import KeyValidity, padding_parts
+    from hf_ring.engine.blocks import KeyValidity, padding_parts
 
     n = 20
-    rows = Rows(0, 0, n)
+    rows = Progression(0, 0, n)
     mask = torch.ones(2, n, dtype=torch.bool)
     mask[:, :6] = False
     parts = list(padding_parts(rows, rows, "causal", True, None, KeyValidity(mask), mask, None, 8, True))

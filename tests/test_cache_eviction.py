@@ -13,13 +13,13 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import hf_ring
-from hf_ring.cache import ShardedCache
-from hf_ring.row_sets import EMPTY_SLOT, RowSet, growth_rows
-from hf_ring.decode import cached_blocks
-from hf_ring.layout import local_positions
-from hf_ring.pattern import DENSE
-from hf_ring.rows import KEEP_ALL, last_reader, last_readers, layer_rules, rule_for
-from hf_ring.seams import CACHE_KEYWORD
+from hf_ring.generation.cache import ShardedCache
+from hf_ring.generation.slots import EMPTY_SLOT, SlotTable, growth_rows
+from hf_ring.engine.decode import cached_blocks
+from hf_ring.engine.layout import local_positions
+from hf_ring.engine.pattern import DENSE
+from hf_ring.generation.retention import KEEP_ALL, last_reader, last_readers, layer_rules, rule_for
+from hf_ring.integration.seams import CACHE_KEYWORD
 from eviction_cases import evict_case
 from helpers import dilated_sdpa_mask, rel_err
 from models import load, saved_model_dir
@@ -122,7 +122,7 @@ def test_ranks_partition_the_visible_rows_and_agree_on_counts(world, layout, n, 
     hkv = 2
     rule = rules_of(window, None if window is not None else branches, hkv * g, hkv)
     for s in range(rule.sets):
-        sets = [RowSet(rule, s, r, world) for r in range(world)]
+        sets = [SlotTable(rule, s, r, world) for r in range(world)]
         for rs in sets:
             rs.begin_prefill(n, local_positions(n, rs.rank, world, layout), layout, rebalance=world > 1)
         forwards = [(n, n)] + [(n + sum(steps[:i]), n + sum(steps[:i + 1])) for i in range(len(steps))]

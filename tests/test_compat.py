@@ -20,7 +20,7 @@ from transformers import LlamaForCausalLM
 import hf_ring
 from hf_ring import versions
 from hf_ring.patches import registry, reproduction, tiling
-from hf_ring.seams import CACHE_KEYWORD, TENSOR_PARALLEL_SINCE, since, tensor_parallel_problem
+from hf_ring.integration.seams import CACHE_KEYWORD, TENSOR_PARALLEL_SINCE, since, tensor_parallel_problem
 from helpers import rel_err
 from models import batch, load, saved_model_dir, tiny_config
 

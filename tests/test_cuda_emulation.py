@@ -1,16 +1,16 @@
 """The CUDA route's code around the fused kernels, exact against the float64 reference on 1-3 gloo ranks.
 
-Every block of the ring goes through ``hf_ring.cuda_kernels`` (windows cut to
+Every block of the ring goes through ``hf_ring.engine.cuda_kernels`` (windows cut to
 flash's bottom-right window sizes, query-head groups split into strided views
 and stacked back, logsumexp rows padded for the efficient backward, rows with
 no key), with the four fused aten ops replaced by float64 stand-ins that
 compute what torch documents for them (``tests/cuda_emulation.py``). The
-kernels themselves are measured by ``python -m hf_ring.bench gpu`` on a GPU.
+kernels themselves are measured by ``python -m bench gpu`` on a GPU.
 """
 import pytest
 import torch
 
-from cases import assemble, make_qkv, packed_case, packed_reference
+from attention_cases import assemble, make_qkv, packed_case, packed_reference
 from cuda_emulation import emulated, emulated_case
 from helpers import cancelling_scale, rel_err
 
@@ -70,7 +70,7 @@ def test_cuda_route_matches_reference(pools, route, world, config, heads):
 def test_emulation_is_what_runs():
     """The stand-ins are really called: a block routed to flash reaches the flash stand-in."""
     import cuda_emulation
-    from hf_ring import kernels
+    from hf_ring.engine import kernels
 
     calls = []
     saved = cuda_emulation.flash_forward

@@ -15,9 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_ring import cuda_kernels, kernels
-from hf_ring.blocks import Rows, allowed_pairs, band_mask, band_of
-from hf_ring.bench import routes
+from hf_ring.engine import cuda_kernels
+
+from hf_ring.engine import kernels
+from hf_ring.engine.blocks import Progression, allowed_pairs, band_mask, band_of
+from bench import routes
 
 CASES = routes.block_cases()
 FUSED_CASES = [c for c in CASES if c.expect != "math"]
@@ -109,7 +111,7 @@ def test_band_of_is_the_mask_rule(stride, qpos, dk, nq, nk, window):
     k_pos = qpos - dk * stride
     if k_pos < 0:
         return
-    q = Rows(0, qpos, nq, stride)
+    q = Progression(0, qpos, nq, stride)
     qp = torch.arange(qpos, qpos + nq * stride, stride)
     kp = torch.arange(k_pos, k_pos + nk * stride, stride)
     assert torch.equal(band_mask(nq, nk, *band_of(q, k_pos, True, window)), allowed_pairs(qp, kp, True, window))
@@ -126,8 +128,8 @@ needs_cuda_build = pytest.mark.skipif(not torch.backends.cuda.is_built(),
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_whole_ring_runs_fused_kernels(kw, dtype):
     """One process's ring, forward and backward, on fake CUDA tensors: every block a fused kernel, no math path."""
-    import hf_ring.ring as ring
-    from hf_ring.checks import check_options
+    import hf_ring.engine.ring as ring
+    from hf_ring.engine.checks import check_options
 
     n, hq, hkv, d = 4096, 8, 2, 64
     with routes.fake_cuda():

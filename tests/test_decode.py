@@ -1,4 +1,4 @@
-"""Decoding over a cache (hf_ring.decode) and cache placement (hf_ring.cache), in one process.
+"""Decoding over a cache (hf_ring.engine.decode) and cache placement (hf_ring.generation.cache), in one process.
 
 Every output is compared with the float64 reference of the *full* forward:
 decoding token t must reproduce row t of it, whichever ranks hold the keys.
@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_ring.cache import ShardedCache
-from hf_ring.row_sets import place_tokens
-from hf_ring.decode import DENSE, cached_attention, cached_blocks, merge_partials
-from hf_ring.layout import shard_sizes
+from hf_ring.generation.cache import ShardedCache
+from hf_ring.generation.slots import place_tokens
+from hf_ring.engine.decode import DENSE, cached_attention, cached_blocks, merge_partials
+from hf_ring.engine.layout import shard_sizes
 from helpers import rel_err
 from reference import attention, dense_mask, dilated_attention, dilated_multiplicity
 
@@ -128,7 +128,7 @@ def _same_blocks(a, b):
        branches=st.sampled_from([DENSE, ((64, 1),), ((16, 1),), ((16, 2),), ((8, 1), (16, 2))]))
 def test_all_visible_shortcut_gives_the_general_blocks(n, q_len, drop, causal, window, branches):
     # Decoding's one-pass check for "every cached key visible" must yield exactly the blocks of the general path.
-    import hf_ring.decode as decode_mod
+    import hf_ring.engine.decode as decode_mod
 
     k_pos = torch.arange(n)[drop:] if drop < n else torch.arange(n)
     q_pos = torch.arange(n, n + q_len) if causal else torch.arange(q_len)
@@ -141,7 +141,7 @@ def test_all_visible_shortcut_gives_the_general_blocks(n, q_len, drop, causal, w
 
 
 def test_all_visible_shortcut_is_taken_for_dense_decoding():
-    from hf_ring.decode import _every_pair_allowed
+    from hf_ring.engine.decode import _every_pair_allowed
 
     assert _every_pair_allowed(torch.tensor([100]), torch.arange(100), True, None, DENSE)
     assert not _every_pair_allowed(torch.tensor([100]), torch.arange(102), True, None, DENSE)  # a future key

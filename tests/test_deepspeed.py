@@ -159,7 +159,7 @@ def test_an_engine_with_sequence_parallelism_of_its_own_is_refused():
     size of its own (an mpu, a data_parallel_size mesh), is refused at the training step."""
     from types import SimpleNamespace
 
-    from hf_ring.zero import check_engine
+    from hf_ring.training.zero import check_engine
 
     sp = (2, 2)  # sp 2 x dp 2
     check_engine(SimpleNamespace(seq_dp_world_size=4, sequence_parallel_size=1), *sp)
@@ -174,7 +174,7 @@ def test_the_cpu_op_compile_is_announced_once_where_it_will_happen(tmp_path, mon
     says so on the CPU DeepSpeed route while the op is not cached, on local rank 0 only, and nowhere else."""
     import importlib.util
 
-    from hf_ring.zero import SHM_OP, shm_op_cache, shm_op_notice
+    from hf_ring.training.zero import SHM_OP, shm_op_cache, shm_op_notice
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "deepspeed" else None)
     env = {"DS_ACCELERATOR": "cpu", "ACCELERATE_USE_DEEPSPEED": "true", "TORCH_EXTENSIONS_DIR": str(tmp_path)}

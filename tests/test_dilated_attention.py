@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 import hf_ring
 import reference as R
-from cases import assemble, make_qkv, ring_case
+from attention_cases import assemble, make_qkv, ring_case
 from helpers import cancelling_scale, rel_err
 from hf_ring import DilatedPattern
 

@@ -86,15 +86,15 @@ def _read(page: str) -> str:
 
 @pytest.fixture(scope="module")
 def payloads():
-    from hf_ring.bench import tables
+    from bench import tables
 
     return tables.load(os.path.join(ROOT, "docs", "bench"))
 
 
 @pytest.mark.parametrize("page", PAGES)
 def test_tables_and_figures_are_what_the_json_renders(page, payloads):
-    """What ``python -m hf_ring.bench tables --write`` would put in the page is what the page holds."""
-    from hf_ring.bench import tables
+    """What ``python -m bench tables --write`` would put in the page is what the page holds."""
+    from bench import tables
 
     text = _read(page)
     figures = [m.group(2) for m in tables.FIGURE.finditer(text)]
@@ -102,12 +102,12 @@ def test_tables_and_figures_are_what_the_json_renders(page, payloads):
     rendered = [tables.render_figure(spec, payloads) for spec in figures]
     wrong = [f"{spec!r} shows {got!r}, the JSON gives {want!r}" for spec, got, want in zip(figures, shown, rendered)
              if got != want]
-    assert not wrong, f"{page}: run python -m hf_ring.bench tables --write\n" + "\n".join(wrong)
+    assert not wrong, f"{page}: run python -m bench tables --write\n" + "\n".join(wrong)
     assert tables.render_page(text, payloads) == text, f"{page}: a table differs from its JSON (tables --write)"
 
 
 def test_figure_expressions_select_exactly_and_refuse_anything_else(payloads):
-    from hf_ring.bench import tables
+    from bench import tables
 
     def row(name, **want):
         (got,) = [r for r in payloads[name]["rows"] if all(r[k] == v for k, v in want.items())]
@@ -163,7 +163,7 @@ def test_no_unrendered_benchmark_figures_in_prose(page):
     found = [m.group(0) for m in BENCHMARK_FIGURE.finditer(_prose(_read(page)))]
     loose = [f for f in found if f not in ALLOWED_FIGURES.get(page, ())]
     assert not loose, (f"{page} states {loose}: render them from docs/bench/*.json with <!-- fig:EXPR | FORMAT "
-                       "-->...<!-- /fig --> (python -m hf_ring.bench tables --write), or drop them")
+                       "-->...<!-- /fig --> (python -m bench tables --write), or drop them")
 
 
 def test_the_readme_is_a_front_page():

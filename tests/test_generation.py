@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import hf_ring
-from cases import (ListStreamer, raises_on_rank, sdpa_sharded_case, sp_cache_forward_case, sp_diverging_generate_case,
-                   sp_generate_case, unseeded_sampling_case)
+from generation_cases import ListStreamer, sdpa_sharded_case, sp_cache_forward_case, sp_diverging_generate_case, sp_generate_case, unseeded_sampling_case
+from helpers import raises_on_rank
 from helpers import dilated_sdpa_mask, rel_err
 from models import load, saved_model_dir
 
@@ -257,7 +257,7 @@ def test_bad_input_ids(ids, mask, exc, match):
     ({"inputs_embeds": torch.zeros(1, 2, 64)}, "ValueError", "inputs_embeds"),
 ])
 def test_bad_argument_on_one_rank_raises_the_same_error_on_every_rank(pools, bad, exc, match):
-    from cases import one_rank_bad_argument_case
+    from generation_cases import one_rank_bad_argument_case
 
     ids, _ = prompts(9, 1, 12)
     results = pools(2).run(one_rank_bad_argument_case, saved_model_dir("llama"), ids, bad)

@@ -93,7 +93,7 @@ def sharded_step(ex):
 
 
 def _sharded_step(ex):
-    from cases import raises_on_rank
+    from helpers import raises_on_rank
 
     sp = hf_ring.setup_sequence_parallel(None)
     try:

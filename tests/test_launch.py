@@ -176,6 +176,6 @@ def test_launches_exit_cleanly():
     ("gloo", {"cpu": "gloo", "cuda": "gloo"}),
 ])
 def test_the_backend_that_carries_each_device(config, want):
-    from hf_ring.comm import parse_carriers
+    from hf_ring.engine.comm import parse_carriers
 
     assert parse_carriers(config) == want

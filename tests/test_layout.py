@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from hf_ring import local_positions, shard_sizes
-from hf_ring.layout import chunk_bounds, infer_seq_len, local_runs, owner
+from hf_ring.engine.layout import chunk_bounds, infer_seq_len, local_runs, owner
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])

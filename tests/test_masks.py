@@ -1,4 +1,4 @@
-"""Reading a model's mask function (hf_ring.masks), and the models whose masks say more than causality.
+"""Reading a model's mask function (hf_ring.integration.masks), and the models whose masks say more than causality.
 
 The reader is checked on mask functions composed by transformers' own
 factories; the models (Llama 4's chunks, NoPE layers and temperature tuning,
@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import masking_utils as mu
 
-from hf_ring import masks
-from hf_ring.masks import MaskUseError, RingMask, read
+from hf_ring.integration import masks
+from hf_ring.integration.masks import MaskUseError, RingMask, read
 from helpers import rel_err
 from mask_cases import (TOL, gemma3_image_logits, llama4_config, paligemma_logits, phimoe_config, step_case,
                         text_logits)

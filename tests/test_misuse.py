@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import hf_ring
-from cases import RowDataset, raises_on_rank, trainer_data, trainer_env
-from hf_ring.backend import _dropout_setting, _refuse_unsupported
+from helpers import raises_on_rank
+from trainer_cases import RowDataset, trainer_data, trainer_env
+from hf_ring.integration.backend import _dropout_setting, _refuse_unsupported
 from models import saved_model_dir
 
 ONCE = "once, after building the trainer and before trainer.train()"
@@ -37,10 +38,10 @@ def _second_call(path):
     trainer = _trainer(path)
     hf_ring.prepare_trainer(trainer, 2)
     try:
-        sp, cls = hf_ring.groups.current(), type(trainer)
+        sp, cls = hf_ring.integration.groups.current(), type(trainer)
         got = [raises_on_rank(hf_ring.prepare_trainer, trainer, sp_size=1),
                raises_on_rank(hf_ring.prepare_trainer, trainer, 2)]  # the same arguments again: refused too
-        now = hf_ring.groups.current()
+        now = hf_ring.integration.groups.current()
         return {"errors": got, "same_setup": now is sp, "sp_size": now.sp_size, "dp_size": now.dp_size,
                 "same_class": type(trainer) is cls, "cp_size": trainer.get_cp_size()}
     finally:
@@ -75,7 +76,7 @@ def _call_from_callback(path, event):
     try:
         got = raises_on_rank(trainer.train)
         attn = trainer.model.config._attn_implementation
-        return got, hf_ring.groups.current() is None, attn, trainer.state.global_step
+        return got, hf_ring.integration.groups.current() is None, attn, trainer.state.global_step
     finally:
         hf_ring.clear_sequence_parallel()
 

@@ -4,8 +4,8 @@ import torch
 import torch.distributed as dist
 
 import hf_ring
-import hf_ring.offload as offload
-from hf_ring.seams import enable_checkpointing
+import hf_ring.training.offload as offload
+from hf_ring.integration.seams import enable_checkpointing
 from helpers import rel_err
 from models import batch, load, saved_model_dir
 

@@ -8,10 +8,10 @@ import torch
 
 import hf_ring
 import reference as R
-from cases import assemble, make_qkv, packed_case
-from cases import packed_reference as reference
+from attention_cases import assemble, make_qkv, packed_case
+from attention_cases import packed_reference as reference
 from helpers import rel_err
-from hf_ring.documents import check_documents, document_starts, key_span, longest
+from hf_ring.engine.documents import check_documents, document_starts, key_span, longest
 
 FP32_TOL = 1e-5
 NAMES = ("out", "dq", "dk", "dv")
@@ -201,7 +201,7 @@ def test_position_ids_and_documents_together_are_refused():
 
 
 def test_ranks_disagreeing_on_documents_fail_alike(pools):
-    from cases import options_case
+    from attention_cases import options_case
 
     ids = torch.arange(8)[None]
     for per_rank, word in [([{"position_ids": ids}, {}], "position_ids"),
@@ -218,8 +218,8 @@ def test_ranks_disagreeing_on_documents_fail_alike(pools):
 def test_plan_covers_each_same_document_pair_once(world, layout, mode, budget):
     """Pure index math: the blocks of every rank, restricted to what the reference allows, cover each pair once."""
     from hf_ring import local_positions
-    from hf_ring.documents import document_tile
-    from hf_ring.schedule import Geometry, rank_plan
+    from hf_ring.engine.documents import document_tile
+    from hf_ring.engine.schedule import Geometry, rank_plan
 
     n, hq, hkv = N, 4, 2
     pos = packed(SPLITS["two-rows"], n)

@@ -4,7 +4,7 @@ import torch
 from transformers import DataCollatorWithFlattening
 
 import hf_ring
-from cases import packed_train_case
+from model_cases import packed_train_case
 from helpers import dilated_sdpa_mask, rel_err
 from models import load, saved_model_dir
 

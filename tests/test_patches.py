@@ -7,7 +7,6 @@ import torch.distributed as dist
 
 import hf_ring
 from hf_ring import patches
-from hf_ring.patches import families
 from models import FAMILY_CONFIG, batch, length_dependent_rope, load, saved_model_dir, tiny_config
 
 pytestmark = pytest.mark.compat  # the subset run on every supported transformers release
@@ -22,10 +21,9 @@ def test_registry_lists_tested_families():
         patches.apply("gpt2")
 
 
-def test_every_family_entry_point_patches_and_reverts_its_rotary_class():
+def test_every_family_patches_and_reverts_its_rotary_class():
     for model_type, family in patches.FAMILIES.items():
-        name = "gemma3" if model_type == "gemma3_text" else model_type
-        apply, revert = getattr(families, f"apply_ring_to_{name}"), getattr(families, f"revert_ring_from_{name}")
+        apply, revert = family.apply, family.revert
         (cls,) = family.rotary_classes()
         original = cls.forward
         apply()
@@ -108,7 +106,7 @@ def test_untested_family_passes_with_a_warning():
 def _unsupported_model_sharded():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from cases import raises_on_rank
+    from helpers import raises_on_rank
 
     hf_ring.setup_sequence_parallel(None, 2)
     try:
@@ -122,13 +120,13 @@ def _unsupported_model_sharded():
 
 
 def _bad_sp_size():
-    from cases import raises_on_rank
+    from helpers import raises_on_rank
 
     return raises_on_rank(hf_ring.setup_sequence_parallel, None, 3)
 
 
 def _layout_mismatch(path, how):
-    from cases import raises_on_rank
+    from helpers import raises_on_rank
 
     hf_ring.setup_sequence_parallel(None, 2, layout="zigzag")
     try:
@@ -175,7 +173,7 @@ def test_clear_sequence_parallel_restores_every_patched_class_by_identity():
     the classes themselves held, or none where they inherited it); only the import-time guard stays."""
     from transformers import PreTrainedModel
 
-    from hf_ring.guard import WHY as GUARD
+    from hf_ring.integration.guard import WHY as GUARD
 
     classes = _tiled_and_rotary_classes()
     before = {cls: cls.__dict__.get("forward") for cls in classes}
@@ -235,6 +233,14 @@ def test_prepare_trainer_refuses_a_layout_other_than_the_models(tmp_path):
                                          "setup has layout='zigzag'"):
         hf_ring.prepare_trainer(trainer, layout="zigzag")
     assert type(trainer) is Trainer
+
+
+def test_a_scope_sets_up_for_its_block_and_restores_after_it(pools):
+    from setup_cases import scope_case
+
+    for seen in pools(2).run(scope_case, saved_model_dir("llama")):
+        assert seen["inside"] and seen["patched"] and seen["after"] and seen["after_error"], seen
+        assert "already active" in seen["nested"]
 
 
 def test_single_process_setup_without_distributed():

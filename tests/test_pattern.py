@@ -6,7 +6,7 @@ import torch
 
 import hf_ring
 from hf_ring import DilatedPattern
-from hf_ring.pattern import head_groups
+from hf_ring.engine.pattern import head_groups
 
 
 def test_round_trip_through_json():
@@ -138,11 +138,11 @@ def test_coverage_gaps_match_brute_force(lengths, rates, heads):
 
 def test_coverage_message_names_the_distances_the_share_and_the_fix():
     pattern = DilatedPattern([512, 1024, 2048, 4096], [1, 2, 4, 8])
-    message = hf_ring.pattern.coverage_message(pattern, 4)
+    message = hf_ring.engine.pattern.coverage_message(pattern, 4)
     assert "50% at distances 2048-4095" in message and "rates [8] read offsets 0-3" in message, message
     assert "dilation rates of at most 4" in message
-    assert hf_ring.pattern.coverage_message(pattern, 8) is None
-    assert hf_ring.pattern.coverage_message(DilatedPattern([1024, 2048, 4096], [1, 2, 4]), 4) is None
+    assert hf_ring.engine.pattern.coverage_message(pattern, 8) is None
+    assert hf_ring.engine.pattern.coverage_message(DilatedPattern([1024, 2048, 4096], [1, 2, 4]), 4) is None
     # rates above the heads cost positions near segment starts even below the longest fully read segment
     gaps = DilatedPattern([12, 24, 48], [1, 3, 4]).coverage_gaps(3)
     assert [(g.start, g.end, g.rates) for g in gaps][:1] == [(12, 24, (4,))]

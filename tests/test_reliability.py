@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 
 import hf_ring
-import hf_ring.comm as comm
-from cases import make_qkv, raises_on_rank
+import hf_ring.engine.comm as comm
+from attention_cases import make_qkv
+from helpers import raises_on_rank
 from dist_pool import run_once
 
 FAULT_TIMEOUT_S = 5.0
@@ -217,7 +218,7 @@ def test_absent_peer_ends_in_comm_timeout(what):
 
 def ring_with_killed_rank(victim, phase, n):
     """Ring attention forward and backward; ``victim`` SIGKILLs itself at its second kernel call of ``phase``."""
-    import hf_ring.ring as ring
+    import hf_ring.engine.ring as ring
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == victim:
@@ -257,7 +258,7 @@ def test_killed_rank_makes_every_survivor_raise(world, victim, phase):
 
 def test_a_relayed_error_names_the_ranks_that_failed_the_same_way():
     """Pure: the rows every rank sees after the exchange, raised on each rank with one message naming the ranks."""
-    from hf_ring.relay import error_row, raise_first
+    from hf_ring.engine.relay import error_row, raise_first
 
     bad = ValueError("labels must have the shape (2, 37)")
     rows = [error_row(None), error_row(bad), error_row(bad), error_row(TypeError("another"))]

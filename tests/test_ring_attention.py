@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import reference as R
-from cases import key_mask_of, assemble, make_qkv, ring_case
+from attention_cases import key_mask_of, assemble, make_qkv, ring_case
 from helpers import cancelling_scale, rel_err
 
 FP32_TOL = 1e-5
@@ -183,9 +183,9 @@ def test_math_path_tiles_blocks_larger_than_its_tile(kw):
     The LSE is kept in fp32 whatever the input, which bounds float64 results at ~1e-7 relative.
     """
     import reference as R
-    from cases import make_qkv
+    from attention_cases import make_qkv
     import hf_ring
-    from hf_ring import kernels
+    from hf_ring.engine import kernels
 
     assert 1500 > kernels.MATH_TILE
     q, k, v, dout = make_qkv(3, 1, 2, 1, 1500, 8, torch.float64)
@@ -202,9 +202,9 @@ def test_own_step_backward_in_tiles(tile):
     """A rank's own causal step runs its backward in tiles whose gradients add up to the whole triangle's, exactly."""
     import dataclasses
 
-    from hf_ring import ring
-    from hf_ring.checks import check_options
-    from hf_ring.kernels import block_forward
+    from hf_ring.engine import ring
+    from hf_ring.engine.checks import check_options
+    from hf_ring.engine.kernels import block_forward
 
     n, hq, hkv, d = 101, 4, 2, 8
     q, k, v, dout = make_qkv(5, 2, hq, hkv, n, d)

@@ -49,7 +49,7 @@ def test_bad_options(kw, exc, match):
 
 
 def _wrong_seq_len():
-    from cases import raises_on_rank
+    from helpers import raises_on_rank
 
     rank = dist.get_rank()
     q, k, v = qkv(n=5 if rank == 0 else 4)
@@ -57,7 +57,7 @@ def _wrong_seq_len():
 
 
 def _not_a_member():
-    from cases import raises_on_rank
+    from helpers import raises_on_rank
 
     group = dist.new_group([0])
     if dist.get_rank() == 0:
@@ -103,7 +103,7 @@ def _bad_argument_on_last_rank(bad):
     """ring_attention where only the last rank passes ``bad``; what each rank raised and how long it took."""
     import time
 
-    from cases import raises_on_rank
+    from helpers import raises_on_rank
 
     os.environ["HF_RING_TIMEOUT"] = "60"
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -141,7 +141,7 @@ def test_bad_argument_on_one_rank_fails_every_rank_at_once(pools, world, bad, ex
 
 
 def _bad_model_argument_on_last_rank(path):
-    from cases import raises_on_rank
+    from helpers import raises_on_rank
     from models import batch, load
 
     os.environ["HF_RING_TIMEOUT"] = "60"

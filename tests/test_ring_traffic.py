@@ -5,8 +5,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import hf_ring
-from hf_ring.comm import CONTROL_INTS
-from cases import make_qkv
+from hf_ring.engine.comm import CONTROL_INTS
+from attention_cases import make_qkv
 
 COLLECTIVES = ["all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "broadcast",
                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter"]

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 import hf_ring
-from cases import raises_on_rank
+from helpers import raises_on_rank
 from models import batch, length_dependent_rope, load, saved_model_dir
 
 N = 37  # past the dynamic RoPE's 16 positions: the ring model's shards need the global length

@@ -10,10 +10,10 @@ import torch
 
 import hf_ring
 import reference as R
-from cases import assemble, make_qkv, options_case, packed_case
-from cases import packed_reference as reference
+from attention_cases import assemble, make_qkv, options_case, packed_case
+from attention_cases import packed_reference as reference
 from helpers import rel_err
-from hf_ring.decode import DENSE, cached_attention, cached_blocks, merge_ranks
+from hf_ring.engine.decode import DENSE, cached_attention, cached_blocks, merge_ranks
 from test_packed_attention import packed, pat
 
 FP32_TOL = 1e-5

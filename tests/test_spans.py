@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import reference as R
-from cases import REF_NAMES, assemble, make_qkv, packed_case
+from attention_cases import REF_NAMES, assemble, make_qkv, packed_case
 from helpers import rel_err
-from hf_ring.spans import check_spans, extra_pairs, merged, spans_of_ids, touching, within_documents
+from hf_ring.engine.spans import check_spans, extra_pairs, merged, spans_of_ids, touching, within_documents
 
 FP32_TOL = 1e-5
 N = 61

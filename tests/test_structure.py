@@ -1,6 +1,8 @@
 """The shape of the library's code: rules a change could break without any other test noticing."""
 import ast
 import pathlib
+import re
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MOST_PARAMETERS = 12
@@ -19,7 +21,7 @@ def _parameters(fn: ast.FunctionDef) -> int:
 
 
 def test_no_library_function_takes_more_than_twelve_parameters():
-    """Options travel as one spec (hf_ring.spec.AttentionSpec), not as long lists of loose arguments."""
+    """Options travel as one spec (hf_ring.engine.spec.AttentionSpec), not as long lists of loose arguments."""
     found = []
     for path in _library_files():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -33,34 +35,73 @@ def test_the_parameter_count_sees_a_long_signature():
     assert _parameters(fn) == 13
 
 
-def _imports(path: pathlib.Path, package: str) -> set:
-    """The library modules ``path`` imports: names of hf_ring's modules, ``patches`` for the patches package."""
+def _room(dotted: str):
+    """The room of a module of the library: ``engine/ring`` for ``hf_ring.engine.ring``, ``patches`` for anything of
+    ``hf_ring.patches``, ``__init__`` for the package itself; None outside the library."""
+    parts = dotted.split(".")
+    if parts[0] != "hf_ring":
+        return None
+    if len(parts) == 1:
+        return "__init__"
+    if parts[1] == "patches":
+        return "patches"
+    return "/".join(parts[1:])
+
+
+def _module_of(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] == "patches":
+        parts = ["hf_ring"] + parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported(path: pathlib.Path) -> set:
+    """The dotted names of every module ``path`` imports (relative imports resolved, ``from X import module`` too)."""
+    module = _module_of(path)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and package == "patches":
-                continue  # inside the patches package
-            parts = (node.module or "").split(".")
-            if node.level == 1:
-                names = parts if node.module else [a.name for a in node.names]
-                found.add(names[0] if node.module else None)
-                if not node.module:
-                    found.update(a.name for a in node.names)
-            elif parts[0] == "hf_ring" and len(parts) > 1:
-                found.add(parts[1])
-    return {m for m in found if m}
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            if node.module:  # a bare "from .. import x" names modules of its package, not the package itself
+                found.add(target)
+            found.update(f"{target}.{a.name}" for a in node.names)
+    return found
+
+
+def _rooms() -> dict:
+    rooms = {}
+    for path in _library_files():
+        room = _room(_module_of(path))
+        if room == "patches":
+            continue
+        if path.name == "__init__.py" and room != "__init__":
+            continue  # a subpackage's face: it defines nothing
+        rooms[room] = [path]
+    rooms["patches"] = list((ROOT / "patches").glob("*.py"))
+    return rooms
 
 
 def _floors() -> dict:
-    rooms = {p.stem: p for p in (ROOT / "hf_ring").glob("*.py")}
-    deps = {name: _imports(p, "hf_ring") & (set(rooms) | {"patches"}) for name, p in rooms.items()}
-    deps["patches"] = set().union(*(_imports(p, "patches") for p in (ROOT / "patches").glob("*.py"))) & set(rooms)
+    rooms = _rooms()
+    deps = {}
+    for name, paths in rooms.items():
+        found = {_room(m) for p in paths for m in _imported(p)}
+        deps[name] = {d for d in found if d in rooms and d != name}
     floors: dict = {}
 
     def floor(name, seen=()):
         assert name not in seen, f"imports run in a circle through {name}"
         if name not in floors:
-            floors[name] = 1 + max((floor(d, seen + (name,)) for d in deps[name] if d != name), default=0)
+            floors[name] = 1 + max((floor(d, seen + (name,)) for d in deps[name]), default=0)
         return floors[name]
 
     for name in deps:
@@ -68,10 +109,35 @@ def _floors() -> dict:
     return floors
 
 
+def test_the_engine_imports_nothing_but_torch_and_itself():
+    """The engine takes a spec and a communicator and knows nothing of models: no transformers, no accelerate,
+    no other part of hf_ring."""
+    found = []
+    for path in (ROOT / "hf_ring" / "engine").glob("*.py"):
+        for name in _imported(path):
+            top = name.split(".")[0]
+            if top in ("transformers", "accelerate", "peft", "trl", "deepspeed") or (
+                    top == "hf_ring" and not name.startswith("hf_ring.engine")):
+                found.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not found, found
+
+
+def test_the_engine_check_sees_a_forbidden_import(tmp_path, monkeypatch):
+    leak = tmp_path / "hf_ring" / "engine" / "leak.py"
+    leak.parent.mkdir(parents=True)
+    leak.write_text("from ..integration.config import parse\nimport transformers\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert {"hf_ring.integration.config", "transformers"} <= _imported(leak)
+
+
+def test_the_installed_package_holds_no_benchmark():
+    """Benchmarks and the docs' renderer live in bench/ beside the package, run from a checkout."""
+    packages = re.search(r"^packages = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.S | re.M).group(1)
+    assert not (ROOT / "hf_ring" / "bench").exists() and "bench" not in packages, packages
+
+
 def test_how_it_works_gives_each_module_its_floor():
     """docs/how-it-works.md's module table states the floor each module's imports give it."""
-    import re
-
     floors = _floors()
     stated = {}
     for line in (ROOT / "docs" / "how-it-works.md").read_text().splitlines():

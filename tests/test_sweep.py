@@ -1,7 +1,7 @@
 """Every causal-LM type of the installed transformers, shrunk from its own defaults: exact against ``eager`` in
 one process and on 2 ranks, or refused with a message; a type that cannot be built tiny is skipped with why.
 
-The net under :mod:`hf_ring.masks`: a model whose mask says more than causality
+The net under :mod:`hf_ring.integration.masks`: a model whose mask says more than causality
 and a window (chunks, blocks, a window known only to its mask) is computed
 exactly or refused, never silently wrong; a new type or release shows up here.
 """

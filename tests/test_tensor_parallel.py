@@ -14,7 +14,7 @@ from helpers import dilated_sdpa_mask
 from models import load, saved_model_dir
 from tp_cases import _data, data_mesh_case, different_tp_batches_case, tp_refusal_case, tp_step_case, trainer_refusal_case
 
-from hf_ring.seams import TENSOR_PARALLEL_SINCE, since
+from hf_ring.integration.seams import TENSOR_PARALLEL_SINCE, since
 
 pytestmark = pytest.mark.skipif(not since(TENSOR_PARALLEL_SINCE), reason=f"tensor parallelism of a loaded model needs transformers "
                                 f">={TENSOR_PARALLEL_SINCE} (test_compat checks the refusal)")

@@ -6,11 +6,11 @@ import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 import hf_ring
-from cases import sp_tiled_train_case
+from model_cases import sp_tiled_train_case
 from helpers import rel_err as rel
 from helpers import worst_rel_err as worst_grad
 from hf_ring.patches import tiling
-from hf_ring.seams import enable_checkpointing
+from hf_ring.integration.seams import enable_checkpointing
 from models import batch, load, saved_model_dir
 
 pytestmark = pytest.mark.compat  # the subset run on every supported transformers release

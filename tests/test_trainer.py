@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import hf_ring
-from cases import sft_case, sft_example_case, trainer_case
+from trainer_cases import sft_case, sft_example_case, trainer_case
 from dist_pool import RankError
-from hf_ring.seams import TRAINER_KEEPS_LOADED_SHARDING_SINCE, since
+from hf_ring.integration.seams import TRAINER_KEEPS_LOADED_SHARDING_SINCE, since
 from helpers import rel_err as rel
 from helpers import worst_rel_err as worst
 from models import saved_model_dir
@@ -171,6 +171,6 @@ def test_prepare_trainer_in_one_process_switches_attention_only(tmp_path):
     trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
     assert hf_ring.prepare_trainer(trainer) is trainer
     assert model.config._attn_implementation == "ring_dilated"
-    assert hf_ring.parallel.current() is None and trainer.get_cp_size() == 1
+    assert hf_ring.integration.parallel.current() is None and trainer.get_cp_size() == 1
     with pytest.raises(TypeError, match="transformers.Trainer"):
         hf_ring.prepare_trainer(object())

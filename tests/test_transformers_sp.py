@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import hf_ring
-from cases import sp_logits_case, sp_train_case
+from model_cases import sp_logits_case, sp_train_case
 from helpers import dilated_sdpa_mask, rel_err
 from models import batch, load, saved_model_dir
 

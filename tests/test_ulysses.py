@@ -6,12 +6,13 @@ import torch
 
 import hf_ring
 import reference as R
-from cases import assemble, head_parallel_case, head_parallel_generate_case, make_qkv
+from attention_cases import assemble, head_parallel_case, make_qkv
+from generation_cases import head_parallel_generate_case
 from helpers import cancelling_scale, rel_err
 from models import load, saved_model_dir
-from hf_ring.layout import head_split, local_positions, owner, shard_sizes
-from hf_ring.pattern import DilatedPattern
-from hf_ring.ulysses import MAX_CHUNKS, chunks
+from hf_ring.engine.layout import head_split, local_positions, owner, shard_sizes
+from hf_ring.engine.pattern import DilatedPattern
+from hf_ring.engine.ulysses import MAX_CHUNKS, chunks
 
 FP32_TOL = 1e-5
 NAMES = ("out", "dq", "dk", "dv")
@@ -222,7 +223,7 @@ def test_generate_prefills_in_every_mode(pools, world, ulysses, kind):
 # Refusals: the same clear error on every rank, before any exchange that could hang.
 
 def test_setup_refuses_a_size_that_does_not_divide_the_group(pools):
-    from cases import raises_on_rank
+    from helpers import raises_on_rank
 
     for err in pools(2).run(raises_on_rank, hf_ring.setup_sequence_parallel, None, ulysses_size=3):
         assert err[0] == "ValueError" and "ulysses_size=3 does not divide the 2" in err[1]
@@ -236,7 +237,7 @@ def test_setup_refuses_a_size_that_does_not_divide_the_group(pools):
 @pytest.mark.parametrize("heads,match", [((3, 1), "does not divide the model's 3 query heads"),
                                          ((4, 2), None)])
 def test_heads_the_size_cannot_split_are_refused_on_every_rank(pools, heads, match):
-    from cases import head_parallel_refusal_case
+    from model_cases import head_parallel_refusal_case
 
     path = saved_model_dir("llama", hidden_size=16 * heads[0], num_attention_heads=heads[0],
                            num_key_value_heads=heads[1])
@@ -248,7 +249,7 @@ def test_heads_the_size_cannot_split_are_refused_on_every_rank(pools, heads, mat
 
 
 def test_config_and_setup_must_name_the_same_size(pools):
-    from cases import head_parallel_refusal_case
+    from model_cases import head_parallel_refusal_case
 
     for err in pools(2).run(head_parallel_refusal_case, saved_model_dir("llama"), 1, config_ulysses=2):
         assert err[0] == "ValueError" and "config.ring_dilated has ulysses_size=2 but the sequence-parallel setup has ulysses_size=1" in err[1]
@@ -263,14 +264,14 @@ def test_configure_stores_the_size_and_checks_the_heads():
     with pytest.raises(ValueError, match="ulysses_size must be a positive int"):
         hf_ring.configure(model, ulysses_size=0)
     with pytest.raises(ValueError, match="ulysses_size must be a positive int"):
-        hf_ring.config.parse({"ulysses_size": "2"})
+        hf_ring.integration.config.parse({"ulysses_size": "2"})
 
 
 @pytest.mark.parametrize("world,ulysses,heads", [(2, 2, (8, 8)), (4, 4, (8, 2)), (4, 2, (8, 2)), (4, 4, (8, 1))])
 def test_bytes_on_the_wire_are_the_planned_ones(pools, world, ulysses, heads):
     """The traffic table of the README (``bench ring --wire``) is planned, not measured: it must be what runs."""
-    from cases import counted_head_parallel_case
-    from hf_ring.bench.common import planned_mode_mb
+    from attention_cases import counted_head_parallel_case
+    from bench.common import planned_mode_mb
 
     n, d = 203, 8
     sent = pools(world).run(counted_head_parallel_case, 1, 1, heads[0], heads[1], n, d, ulysses=ulysses)

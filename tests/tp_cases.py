@@ -79,7 +79,7 @@ def tp_refusal_case(path, sp_size, tp_size, ulysses=1, shard="hf_ring"):
     try:
         sp = hf_ring.setup_sequence_parallel(None, sp_size, tp_size=tp_size, ulysses_size=ulysses)
         if shard == "transformers":  # as under torchrun: transformers reads the world from the environment
-            from cases import trainer_env
+            from trainer_cases import trainer_env
 
             trainer_env()
             model = load(path, "ring_dilated", tp_plan="auto", device_mesh=sp.tp_mesh).train()
@@ -115,7 +115,7 @@ def trainer_refusal_case(path, sp_size, tp_size, pre_shard=False):
     import tempfile
 
     from accelerate.state import AcceleratorState
-    from cases import RowDataset, trainer_data, trainer_env
+    from trainer_cases import RowDataset, trainer_data, trainer_env
     from models import load
     from transformers import Trainer, TrainingArguments
 
@@ -140,7 +140,7 @@ def trainer_refusal_case(path, sp_size, tp_size, pre_shard=False):
 def data_mesh_case(sp_size, tp_size, rows=8):
     """The rows accelerate's data loader gives this rank through the trainer's data mesh, and the mesh's dims."""
     from accelerate.data_loader import prepare_data_loader
-    from hf_ring.trainer import data_mesh
+    from hf_ring.training.trainer import data_mesh
 
     sp = hf_ring.setup_sequence_parallel(None, sp_size, tp_size=tp_size)
     try:

@@ -1,0 +1,9 @@
+"""Benchmarks and the docs' tables, from a checkout: ``python -m bench <name>`` (each takes ``--help``)."""
+
+BENCHES = {"ring": "bench.ring", "dilated": "bench.dilated", "generate": "bench.generate",
+           "scale": "bench.scale", "model": "bench.model",
+           "gpu": "bench.gpu", "quality": "bench.quality",
+           "linear": "bench.linear",
+           "tables": "bench.tables", "plan": "bench.plan", "compat": "bench.compat",
+           "compile": "bench.compile"}
+"""Each command's module."""

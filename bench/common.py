@@ -1,0 +1,305 @@
+"""Shared plumbing for the benchmarks: fresh processes, timing, peak memory, output files."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.multiprocessing as mp
+
+
+def rss_mb() -> float:
+    """Current resident set size of this process in MiB."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mb() -> float:
+    """High-water mark of this process's resident set size in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def timed(fn: Callable[[], None], repeats: int, barrier: Optional[Callable[[], None]] = None) -> List[float]:
+    """Seconds of ``repeats`` timed calls of ``fn``, after one untimed warm-up call at the same size.
+
+    Every configuration of every benchmark is timed this way, so none is
+    favoured by a warm-up the others lack. ``barrier`` lines the ranks up
+    before each call.
+    """
+    fn()
+    times = []
+    for _ in range(repeats):
+        if barrier is not None:
+            barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def clock(owner, name: str, label: str, spent: Dict[str, float]) -> None:
+    """Replace ``owner.name`` by a wrapper that adds the seconds each call takes to ``spent[label]``.
+
+    For the breakdowns of where a rank's time goes; only inside a benchmark's
+    own worker process, whose modules are not shared with anything else.
+    """
+    inner = getattr(owner, name)
+
+    def timed_call(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
+
+    setattr(owner, name, timed_call)
+
+
+def summary(per_rank: List[List[float]]) -> Dict[str, float]:
+    """Median, fastest and slowest of repeated runs, each run counted at its slowest rank."""
+    runs = [max(ts) for ts in zip(*per_rank)]
+    return {"median": statistics.median(runs), "min": min(runs), "max": max(runs), "runs": len(runs)}
+
+
+def spread(stats: Dict[str, float]) -> str:
+    """``min-max`` of a :func:`summary`, for tables."""
+    return f"{stats['min']:.3g}-{stats['max']:.3g}"
+
+
+def planned_ring_mb(n: int, world: int, layout: str, branches, hq: int, hkv: int, b: int, d: int, elem: int = 4,
+                    shared: bool = True) -> float:
+    """MiB the busiest rank of a ring sends in one forward+backward, from the schedule alone.
+
+    ``elem``: bytes per number; ``shared=False``: as if every branch sent its own rows, including rows
+    another branch already sends.
+    """
+    from hf_ring.engine.schedule import Geometry, rank_plan, sent
+
+    pick = sent if shared else list
+    most = 0.0
+    for rank in range(world):
+        plan = rank_plan(Geometry(n, world, layout, True, None, tuple(branches), hq, hkv), rank)
+        kv = sum(len(p.heads) * p.rows.count for s in plan.steps for p in pick(s.send)) * b * d
+        back = sum(len(p.heads) * p.rows.count for s in plan.steps[1:] for p in pick(s.recv.pieces)) * b * d
+        # K and V in the forward and again in the backward, then dK and dV back.
+        most = max(most, (2 * 2 * kv + 2 * back) * elem / 2**20)
+    return most
+
+
+def planned_mode_mb(n: int, world: int, ulysses: int, layout: str, hq: int, hkv: int, b: int, d: int,
+                    elem: int = 4) -> float:
+    """MiB the busiest rank sends in one causal forward+backward of one layer, in any mode, without running it.
+
+    Head parallelism: the all-to-all pieces that leave a rank (Q, K, V to heads and the output back
+    in the forward; Q, K, V, the output and dO to heads and dQ, dK, dV back in the backward), plus the ring over the
+    ``world // ulysses`` groups for its share of the heads (:func:`planned_ring_mb`).
+    """
+    from hf_ring.engine.layout import head_split, shard_sizes
+
+    if ulysses == 1:
+        return planned_ring_mb(n, world, layout, ((n, 1),), hq, hkv, b, d, elem) if world > 1 else 0.0
+    split = head_split(hq, hkv, ulysses)
+    m, mk = split.q_per_rank, len(split.kv_heads(0))
+    groups = world // ulysses
+    ring = planned_ring_mb(n, groups, layout, ((n, 1),), m, mk, b, d, elem) if groups > 1 else 0.0
+    sizes = shard_sizes(n, world, layout, ulysses)
+    most = 0.0
+    for rank, mine in enumerate(sizes):
+        first = rank // ulysses * ulysses
+        others = sum(sizes[first:first + ulysses]) - mine  # the group's rows held by other members
+        out_heads = (ulysses - 1) * mine * (m + 2 * mk) + others * m  # forward: Q, K, V out, the output back
+        back = (ulysses - 1) * mine * (3 * m + 2 * mk) + others * (m + 2 * mk)  # backward: Q, K, V, O, dO out; grads back
+        most = max(most, (out_heads + back) * b * d * elem / 2**20)
+    return most + ring
+
+
+HEAD_PARALLEL = {"ulysses": lambda world: world, "hybrid": lambda world: 2}
+"""Head-parallel modes of the attention benchmarks: ranks per head-parallel group for a world size."""
+
+
+def measure_attention(impl: str, n: int, layout: str, b: int, h: int, d: int, repeats: int,
+                      pattern: Optional[Dict] = None, what: str = "both") -> Dict:
+    """Time causal attention on this rank's shard: ``impl`` is "sdpa" (one process), "ring", or a mode of
+    :data:`HEAD_PARALLEL` ("ulysses": head parallelism over every rank; "hybrid": groups of 2, ring across).
+
+    Returns the timed runs of the forward and of forward+backward (see
+    :func:`timed`), the peak resident memory above the pre-input baseline,
+    and the bytes this rank sent to other ranks during one forward+backward
+    (counted during the warm-up call: point-to-point sends, and the pieces of
+    all-to-all exchanges that leave the rank).
+    """
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import hf_ring
+    from hf_ring.engine.checks import check_options
+    from hf_ring.engine.layout import head_split
+    from hf_ring.engine.ulysses import head_parallel
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    barrier = dist.barrier if world > 1 else None
+    ulysses = HEAD_PARALLEL[impl](world) if impl in HEAD_PARALLEL else 1
+    sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses, layout=layout) if ulysses > 1 else None
+
+    def inputs(length):
+        g = torch.Generator().manual_seed(0)
+        rows = len(hf_ring.local_positions(length, rank, world, layout, ulysses))
+        ts = [torch.randn(b, h, rows, d, generator=g) for _ in range(4)]
+        return [t.requires_grad_(i < 3) for i, t in enumerate(ts)]
+
+    def attn_fn(q, k, v, length):
+        if impl == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if ulysses > 1:
+            first = rank // ulysses * ulysses
+            sizes = hf_ring.shard_sizes(length, world, layout, ulysses)[first:first + ulysses]
+            spec = check_options(True, None, pattern, None, d, layout).at(seq_len=length)
+            return head_parallel(q, k, v, sp.head_comm, sp.ring_comm, head_split(h, h, ulysses), sizes, spec)
+        return hf_ring.ring_attention(q, k, v, layout=layout, seq_len=length, pattern=pattern)
+
+    # Load kernels, threads and the allocator on a small problem so the memory
+    # high-water mark below belongs to size n alone.
+    wq, wk, wv, wdo = inputs(256)
+    attn_fn(wq, wk, wv, 256).backward(wdo)
+    base = rss_mb()
+    q, k, v, do = inputs(n)
+
+    def fwd():
+        with torch.no_grad():
+            attn_fn(q, k, v, n)
+
+    sent: List[int] = []
+    calls = []
+
+    def fwd_bwd():
+        attn_fn(q, k, v, n).backward(do)
+        q.grad = k.grad = v.grad = None
+
+    def counted_fwd_bwd():  # the first (warm-up) call counts the bytes sent
+        calls.append(1)
+        if world == 1 or len(calls) > 1:
+            return fwd_bwd()
+        p2p, a2a = dist.batch_isend_irecv, dist.all_to_all_single
+
+        def counting_p2p(ops):
+            sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+            return p2p(ops)
+
+        def counting_a2a(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
+            me = dist.get_rank(group)
+            row = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
+            sent.append(row * (tensor.shape[0] - input_split_sizes[me]))  # its own piece stays
+            return a2a(output, tensor, output_split_sizes, input_split_sizes, group=group, **kw)
+
+        dist.batch_isend_irecv, dist.all_to_all_single = counting_p2p, counting_a2a
+        try:
+            fwd_bwd()
+        finally:
+            dist.batch_isend_irecv, dist.all_to_all_single = p2p, a2a
+
+    result: Dict = {}
+    try:
+        if what in ("both", "fwd"):
+            result["fwd_runs"] = timed(fwd, repeats, barrier)
+        if what in ("both", "fwd_bwd"):
+            result["fwd_bwd_runs"] = timed(counted_fwd_bwd, repeats, barrier)
+            result["sent_mb"] = sum(sent) / 2**20
+        result["peak_mb"] = peak_rss_mb() - base
+    finally:
+        if sp is not None:
+            hf_ring.clear_sequence_parallel()
+    return result
+
+
+def _entry(rank, world_size, init_file, fn, args, results, backend="gloo"):
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=600))
+    try:
+        results.put((rank, fn(*args)))
+    finally:
+        if world_size > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+MMAP_VAR = "MALLOC_MMAP_THRESHOLD_"
+
+
+def run_ranks(world_size: int, fn: Callable, *args, exact_peak: bool = True, backend: str = "gloo") -> List[Dict]:
+    """Run ``fn(*args)`` in ``world_size`` fresh one-thread processes (a gloo group when > 1).
+
+    ``backend="nccl"``: one GPU per rank (rank r on GPU r), an NCCL group.
+    ``exact_peak``: glibc gets a fixed mmap threshold, so it returns large
+    freed blocks at once and the resident-set high-water mark follows the
+    live tensors. Every large allocation then costs fresh pages, which slows
+    code that allocates many buffers (the ring's messages: ~10% at 8K on two
+    ranks); runs that only time pass False and run with glibc's defaults, as
+    a launched job does.
+    """
+    # One OpenMP thread from process start, as torchrun and accelerate launch set it, so every configuration
+    # runs as a launched job does (torch.set_num_threads below limits torch's own pool only after import).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_entry, args=(r, world_size, init_file, fn, args, results, backend))
+                 for r in range(world_size)]
+        outer = os.environ.pop(MMAP_VAR, None)
+        try:
+            if exact_peak:
+                os.environ[MMAP_VAR] = str(1 << 17)
+            for p in procs:
+                p.start()  # a spawned process takes the environment as it is now
+        finally:
+            os.environ.pop(MMAP_VAR, None)
+            if outer is not None:
+                os.environ[MMAP_VAR] = outer
+        got = dict(results.get(timeout=3600) for _ in range(world_size))
+        for p in procs:
+            p.join()
+    return [got[r] for r in range(world_size)]
+
+
+def format_table(rows: List[Dict], columns: List[str]) -> str:
+    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(columns), sep] + [line(r) for r in cells])
+
+
+def finish_figure(fig, path: str, title: Optional[str] = None) -> None:
+    """Title a figure, lay it out and write it to ``path`` at the resolution every benchmark's figures share."""
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def save(out_dir: str, name: str, payload: Dict, plot: Optional[Callable[[str], None]] = None) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(payload, f, indent=2)
+    if plot is not None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            plot(os.path.join(out_dir, f"{name}.png"))
+        except ImportError:
+            print("matplotlib is not installed; skipped the PNG (pip install hf-ring[bench])")

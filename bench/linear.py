@@ -1,0 +1,252 @@
+"""``python -m bench linear``: dilated attention whose cost is linear in n, as a model.
+
+Each part launches ``examples/finetune.py`` on ``--ranks`` processes as a user does:
+
+- ``retrieval``: ``--dilated linear`` (a 16-head model, the passkey anywhere in
+  the sequence) at each of ``--sizes`` and ``--seeds``: accuracy overall and
+  by the passkey's depth over the whole sequence;
+- ``extension``: the dense demo (README command 1, ``--extend-from`` tokens)
+  fine-tuned at ``--extend-to`` tokens, once with the linear pattern and once
+  with dense attention, the same steps side by side; the accuracy at the new
+  length before, along the way and after, and at the original length after;
+- ``timing``: whole-model training steps at ``--timing-sizes``, the linear
+  pattern against the dense ring on the same model, alternating, with each
+  rank's resident peak, and the growth of the step per doubling of n.
+
+The accuracy runs are long and their wall times are those of a shared
+machine; only the timing part's step times are comparisons.
+``--parts`` picks the parts; a part's rows replace that part's rows in an
+existing ``linear.json`` (``--append`` adds them instead, e.g. more seeds).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+from typing import Dict, List, Optional
+
+import torch
+
+from .common import finish_figure, format_table, save
+from .quality import EXAMPLE, depth_cells, example_args, launch, pattern_cell
+
+PARTS = ("retrieval", "extension", "timing")
+
+TABLES = {
+    "linear": (("n", "n"), ("heads", "query heads"), ("pattern", "pattern"), ("seed", "seed"), ("steps", "steps"),
+               ("accuracy", "accuracy (8 held-out)"), ("accuracy_over_depths", "accuracy over all depths"),
+               ("by_depth", "by passkey depth 0/10/…/90%"), ("wall_s", "training s"),
+               ("peak_mb_per_rank", "peak MB per rank")),
+    "linear_extension": (("from", "from"), ("to", "to"), ("attention", "attention"), ("pattern", "pattern"),
+                         ("steps", "steps"), ("lr", "peak lr"), ("before", "at step 0"), ("curve", "during"),
+                         ("after", "after"), ("after_over_depths", "after, over all depths"),
+                         ("by_depth", "after, by passkey depth 0/10/…/50%"), ("after_at_from", "after, at the old length"),
+                         ("wall_s", "training s"), ("step_s_at_full_length", "step s at the new length")),
+    "linear_recipes": (("part", "run"), ("attention", "attention"), ("n", "n"), ("pattern", "pattern"),
+                       ("first_length", "curriculum from"), ("layers", "layers"), ("steps", "steps"), ("lr", "peak lr"),
+                       ("sequences_per_step", "sequences per step"), ("seed", "seed"), ("before", "at step 0"),
+                       ("accuracy", "accuracy (8 held-out)"), ("accuracy_over_depths", "over all depths"),
+                       ("by_depth", "by passkey depth"), ("at_4096", "after, at 4096")),
+    "linear_timing": (("n", "n"), ("ranks", "ranks"), ("base_segment", "base segment"),
+                      ("dense_step_s", "dense ring step s"),
+                      ("linear_step_s", "linear pattern step s"), ("step_over_dense", "linear / dense"),
+                      ("dense_growth", "dense, × per doubling"), ("linear_growth", "linear, × per doubling"),
+                      ("dense_peak_mb", "dense peak MB per rank"), ("linear_peak_mb", "linear peak MB per rank")),
+}
+"""The columns of this benchmark's tables in the docs: (JSON key, header), in order (see :mod:`bench.tables`)."""
+
+
+def _over_depths(summary: Dict) -> float:
+    """Accuracy over all the held-out sequences of the by-depth evaluation (every depth alike)."""
+    values = list(summary["accuracy_by_depth"].values())
+    return round(sum(values) / len(values), 3)
+
+
+def _base(base_segment: Optional[int]) -> List[str]:
+    """The linear pattern's first segment as finetune.py takes it (none: the preset's, by length)."""
+    return [] if base_segment is None else ["--base-segment", str(base_segment)]
+
+
+def retrieval(script: str, sizes: List[int], seeds: List[int], ranks: int, tokens_per_step: int,
+              base_segment: Optional[int], work: str) -> List[Dict]:
+    """The linear preset trained from scratch at each length and seed."""
+    rows = []
+    for n in sizes:
+        for seed in seeds:
+            out = os.path.join(work, f"linear_{n}_{seed}")
+            got = launch(script, ranks, example_args(ranks, n, max(1, tokens_per_step // n), out) + [
+                "--seed", str(seed), "--dilated", "linear"] + _base(base_segment))
+            row = {"n": n, "heads": got["heads"], "pattern": pattern_cell(got), "seed": seed, "steps": got["steps"],
+                   "accuracy": got["accuracy_after"], "by_depth": depth_cells(got),
+                   "accuracy_over_depths": _over_depths(got), "wall_s": got["wall_s"],
+                   "peak_mb_per_rank": max(got["peak_rss_mb_per_rank"])}
+            rows.append(row)
+            print(format_table([row], list(row)), flush=True)
+    return rows
+
+
+def _evaluate(script: str, ranks: int, model: str, n: int, batch: int, pattern: Optional[Dict], out: str) -> float:
+    """Retrieval accuracy of a checkpoint at ``n`` tokens under ``pattern`` (None: dense), no training."""
+    args = example_args(ranks, n, batch, out) + ["--model", model, "--steps", "0", "--depth-prompts", "0",
+                                                 "--save-every", "0"]
+    if pattern is not None:
+        args += ["--segment-lengths", *map(str, pattern["segment_lengths"]),
+                 "--dilation-rates", *map(str, pattern["dilation_rates"])]
+    return launch(script, ranks, args)["accuracy_after"]
+
+
+def extension(script: str, ranks: int, short: int, long: int, steps: int, lr: float, every: int,
+              base_segment: int, warmup_len: int, modes: List[str], work: str) -> List[Dict]:
+    """The dense demo checkpoint extended from ``short`` to ``long`` tokens, linear pattern and dense side by side.
+
+    Both keep the demo's task, the passkey in the first half of the sequence, at every length."""
+    demo = os.path.join(work, f"demo_{short}")
+    launch(script, ranks, example_args(ranks, short, 4, demo) + ["--seed", "0"])
+    rows = []
+    for attention in modes:
+        out = os.path.join(work, f"extend_{attention}_{long}")
+        extra = ["--dilated", "linear", "--base-segment", str(base_segment), "--dense-frac", "0"] \
+            if attention == "linear" else []
+        got = launch(script, ranks, example_args(ranks, long, 1, out) + [
+            "--seed", "0", "--model", demo, "--steps", str(steps), "--lr", str(lr), "--eval-every", str(every),
+            "--warmup-len", str(warmup_len), "--save-every", "0", "--min-distance", str(long // 2)] + extra)
+        history = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=True)["history"]
+        curve = {h["step"]: h["accuracy"] for h in history if "accuracy" in h}
+        row = {"from": short, "to": long, "attention": attention, "pattern": pattern_cell(got), "steps": got["steps"],
+               "lr": lr, "before": curve[0]}  # the dense checkpoint at the new length under this run's attention
+        row["curve"] = " / ".join(f"{curve[s]:.2f}" for s in sorted(curve) if s)
+        row["after"] = got["accuracy_after"]
+        row["by_depth"] = depth_cells(got)
+        row["after_over_depths"] = _over_depths(got)
+        row["after_at_from"] = _evaluate(script, ranks, out, short, 4, got["pattern"],
+                                             os.path.join(work, f"eval_{attention}_{short}"))
+        row["wall_s"] = got["wall_s"]
+        row["step_s_at_full_length"] = got["step_s_at_full_length"]
+        rows.append(row)
+        print(format_table([row], list(row)), flush=True)
+    return rows
+
+
+def timing(script: str, sizes: List[int], ranks: int, steps: int, repeats: int, base_segment: Optional[int],
+           work: str) -> List[Dict]:
+    """Full-length training steps, the linear pattern and the dense ring on the preset's model, alternating."""
+    rows = []
+    for n in sizes:
+        times: Dict[str, List[float]] = {"dense": [], "linear": []}
+        peaks: Dict[str, List[float]] = {"dense": [], "linear": []}
+        base = None
+        for _ in range(repeats):
+            for mode in ("dense", "linear"):
+                out = os.path.join(work, f"timing_{mode}_{n}")
+                args = example_args(ranks, n, 1, out) + [
+                    "--warmup-len", "0", "--steps", str(steps), "--eval-every", str(10 * steps), "--eval-batches", "1",
+                    "--depth-prompts", "0", "--save-every", "0"]
+                # dense: the linear preset's model and task, without the pattern
+                got = launch(script, ranks, args + (
+                    ["--dilated", "linear", "--dense-frac", "0"] + _base(base_segment)
+                    if mode == "linear" else ["--heads", "16", "--head-dim", "16", "--min-distance", "1"]))
+                if mode == "linear":
+                    base = got["pattern"]["segment_lengths"][0]
+                times[mode].append(got["step_s_at_full_length"])
+                peaks[mode].append(max(got["peak_rss_mb_per_rank"]))
+        row = {"n": n, "ranks": ranks, "base_segment": base,
+               "dense_step_s": round(statistics.median(times["dense"]), 3),
+               "linear_step_s": round(statistics.median(times["linear"]), 3)}
+        row["step_over_dense"] = round(row["linear_step_s"] / row["dense_step_s"], 3)
+        row["dense_peak_mb"] = round(max(peaks["dense"]), 1)
+        row["linear_peak_mb"] = round(max(peaks["linear"]), 1)
+        if rows and n == 2 * rows[-1]["n"]:
+            row["dense_growth"] = round(row["dense_step_s"] / rows[-1]["dense_step_s"], 2)
+            row["linear_growth"] = round(row["linear_step_s"] / rows[-1]["linear_step_s"], 2)
+        rows.append(row)
+        print(format_table([row], list(row)), flush=True)
+    return rows
+
+
+def _plot(payload: Dict):
+    rows = payload.get("timing", [])
+    if not rows:
+        return None
+
+    def plot(path: str) -> None:
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        # the dense ring's step does not depend on the base; a length timed in two runs shows its last
+        dense = {r["n"]: r["dense_step_s"] for r in rows}
+        ax.plot(sorted(dense), [dense[n] for n in sorted(dense)], marker="s", color="black", label="dense ring")
+        for base in sorted({r.get("base_segment") or 0 for r in rows}):
+            mine = [r for r in rows if (r.get("base_segment") or 0) == base]
+            ax.plot([r["n"] for r in mine], [r["linear_step_s"] for r in mine], marker="o",
+                    label=f"linear dilated pattern, base {base}" if base else "linear dilated pattern")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("tokens per sequence (2 ranks)")
+        ax.set_ylabel("training step s")
+        ax.legend()
+        finish_figure(fig, path, "whole-model training step, 16-head Llama, 2 CPU ranks")
+
+    return plot
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--script", default=EXAMPLE, help="the fine-tuning example (default: %(default)s)")
+    ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="(default: all)")
+    ap.add_argument("--ranks", type=int, default=2, help="processes, all on one sequence (default: %(default)s)")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[16384, 32768],
+                    help="retrieval: lengths (default: %(default)s)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="retrieval: seeds (default: %(default)s)")
+    ap.add_argument("--tokens-per-step", type=int, default=16384,
+                    help="retrieval: sequences per step are this over the length, at least one (default: %(default)s)")
+    ap.add_argument("--base-segment", type=int, default=None,
+                    help="the linear pattern's first, dense segment (default: the preset's, 1024 up to 16K tokens, "
+                         "2048 above)")
+    ap.add_argument("--extend-from", type=int, default=4096, help="extension: the demo's length (default: %(default)s)")
+    ap.add_argument("--extend-to", type=int, default=32768, help="extension: the new length (default: %(default)s)")
+    ap.add_argument("--extend-steps", type=int, default=60, help="extension: steps (default: %(default)s)")
+    ap.add_argument("--extend-lr", type=float, default=1e-3, help="extension: peak learning rate (default: %(default)s)")
+    ap.add_argument("--extend-every", type=int, default=20,
+                    help="extension: evaluate every N steps (default: %(default)s)")
+    ap.add_argument("--extend-base-segment", type=int, default=None,
+                    help="extension: the pattern's first segment (default: --extend-from, the length the model knows)")
+    ap.add_argument("--extend-warmup-len", type=int, default=None,
+                    help="extension: the curriculum's first length (default: 2 × --extend-from)")
+    ap.add_argument("--extend-modes", nargs="+", default=["linear", "dense"], choices=["linear", "dense"],
+                    help="extension: the attentions, one run each (default: %(default)s)")
+    ap.add_argument("--timing-sizes", type=int, nargs="+", default=[16384, 32768, 65536],
+                    help="timing: lengths (default: %(default)s)")
+    ap.add_argument("--timing-steps", type=int, default=3, help="timing: steps per run (default: %(default)s)")
+    ap.add_argument("--timing-repeats", type=int, default=1,
+                    help="timing: runs per attention and length, alternating (default: %(default)s)")
+    ap.add_argument("--out", default="bench_results", help="where linear.json goes (default: %(default)s)")
+    ap.add_argument("--append", action="store_true", help="add rows to an existing linear.json (default: replace)")
+    args = ap.parse_args(argv)
+    got: Dict[str, List[Dict]] = {}
+    with tempfile.TemporaryDirectory() as work:
+        if "retrieval" in args.parts:
+            got["rows"] = retrieval(args.script, args.sizes, args.seeds, args.ranks, args.tokens_per_step,
+                                    args.base_segment, work)
+        if "extension" in args.parts:
+            got["extension"] = extension(
+                args.script, args.ranks, args.extend_from, args.extend_to, args.extend_steps, args.extend_lr,
+                args.extend_every, args.extend_base_segment or args.extend_from,
+                args.extend_warmup_len or 2 * args.extend_from, args.extend_modes, work)
+        if "timing" in args.parts:
+            got["timing"] = timing(args.script, args.timing_sizes, args.ranks, args.timing_steps,
+                                   args.timing_repeats, args.base_segment, work)
+    path = os.path.join(args.out, "linear.json")
+    payload: Dict = {"runs": [], "rows": [], "extension": [], "timing": []}
+    if os.path.exists(path):
+        with open(path) as f:
+            payload.update(json.load(f))
+    for key, rows in got.items():
+        payload[key] = (payload[key] + rows) if args.append else rows
+    payload["runs"] = payload["runs"] + [vars(args)]
+    save(args.out, "linear", payload, _plot(payload))
+
+
+if __name__ == "__main__":
+    main()

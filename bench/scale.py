@@ -1,0 +1,336 @@
+"""``python -m bench scale``: whole training steps at growing length, time and peak memory per rank.
+
+A random Llama (default: 4 layers, hidden 256, 8 heads, 4 K/V heads,
+vocabulary 32000, fp32) takes one step (forward, backward, gradient sync) with
+gradient checkpointing on a sequence of n tokens split over p gloo ranks, with
+dense attention or a dilated pattern whose longest segment is the whole
+sequence (segments 2048, 4096, ... n with rates 1, 2, 4, ...), with sequence
+tiling of the loss and the MLP on or off. Every configuration runs in fresh
+processes. Reported per rank: step time, peak resident set (absolute, and
+above the model-and-warm-up baseline). Peak memory per rank is fitted as
+``a + b * n / p`` by least squares for each (attention, tiling) group. At the
+largest n of each group the step runs under a tensor tracker that records the
+live tensors at their peak, by where they were made (phase, module, op).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from hf_ring.integration.seams import enable_checkpointing
+from .common import finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks, save
+
+MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=4, max_position_embeddings=1 << 22, attention_dropout=0.0,
+             tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+TRACK_BYTES = 1 << 20
+"""Tensors below this size are left out of the breakdown (their sum is negligible at these lengths)."""
+
+TABLES = {
+    "scale": (("n", "n"), ("world", "ranks"), ("attention", "attention"), ("tiling", "tiled"), ("step_s", "step s"),
+              ("peak_mb", "peak MB per rank"), ("fit_mb", "fit MB"), ("fit_off", "fit off by")),
+}
+"""The columns of this benchmark's tables in the docs: (JSON key, header), in order (see :mod:`bench.tables`)."""
+
+
+def dilated_pattern(n: int, first: int = 2048) -> Dict:
+    """Segments first, 2·first, ... below n, then n itself; rates 1, 2, 4, ... (one per segment)."""
+    segs = []
+    w = first
+    while w < n:
+        segs.append(w)
+        w *= 2
+    segs.append(n)
+    return {"segment_lengths": segs, "dilation_rates": [1 << i for i in range(len(segs))]}
+
+
+class LiveTensors(TorchDispatchMode):
+    """Records every tensor of at least ``TRACK_BYTES`` an op makes and the live set at its largest.
+
+    A tensor is labelled ``phase|module|op``: the phase ("forward" or
+    "backward"), the innermost module running (layer indices folded into
+    ``*``) or, in the backward outside any module, the autograd node, and the
+    op. Storage is counted once, however many views share it.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.names = {id(m): _fold(name) for name, m in model.named_modules()}
+        self.stack: List[str] = []
+        self.phase = "forward"
+        self.live: Dict[int, Tuple] = {}
+        self.peak_bytes = 0
+        self.at_peak: List[Tuple] = []
+        self._hooks = []
+
+    def __enter__(self):
+        from torch.nn.modules import module as nn_module
+
+        self._hooks = [nn_module.register_module_forward_pre_hook(self._push),
+                       nn_module.register_module_forward_hook(self._pop)]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        return super().__exit__(*exc)
+
+    def _push(self, module, args):
+        name = self.names.get(id(module), type(module).__name__)
+        # A recomputation that checkpointing stops early never runs its forward
+        # hooks: drop entries that are not ancestors of the module starting now.
+        while self.stack and not name.startswith(self.stack[-1]):
+            self.stack.pop()
+        self.stack.append(name)
+
+    def _pop(self, module, args, out):
+        name = self.names.get(id(module), type(module).__name__)
+        while self.stack and self.stack.pop() != name:
+            pass
+
+    def _where(self) -> str:
+        where = (self.stack[-1] or "model") if self.stack else "-"
+        node = torch._C._current_autograd_node()
+        return where if node is None else f"{where}/{node.name()}"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        added = False
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                nbytes = storage.nbytes()
+                key = storage.data_ptr()
+                if nbytes < TRACK_BYTES or key in self.live:
+                    continue
+                label = f"{self.phase}|{self._where()}|{func.overloadpacket.__name__}"
+                self.live[key] = (StorageWeakRef(storage), nbytes, label, tuple(t.shape), str(t.dtype))
+                added = True
+        if added:
+            self._update()
+        return out
+
+    def _update(self) -> None:
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        total = sum(v[1] for v in self.live.values())
+        if total > self.peak_bytes:
+            self.peak_bytes = total
+            self.at_peak = [v[1:] for v in self.live.values()]
+
+    def report(self, top: int = 12) -> Dict:
+        """The live tensors at the peak: bytes by label, and the largest tensors."""
+        by_label: Dict[str, List[int]] = defaultdict(lambda: [0, 0])
+        for nbytes, label, _, _ in self.at_peak:
+            by_label[label][0] += nbytes
+            by_label[label][1] += 1
+        labels = sorted(by_label.items(), key=lambda kv: -kv[1][0])[:top]
+        largest = sorted(self.at_peak, key=lambda v: -v[0])[:top]
+        return {"peak_tracked_mb": round(self.peak_bytes / 2**20, 1),
+                "by_label": [{"label": k, "mb": round(v[0] / 2**20, 1), "tensors": v[1]} for k, v in labels],
+                "largest": [{"shape": list(s), "dtype": d, "mb": round(b / 2**20, 1), "label": lab}
+                            for b, lab, s, d in largest]}
+
+
+def _fold(name: str) -> str:
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def _step(cfg: Dict) -> Dict:
+    """One training step on this rank; returns time, memory and (optionally) the live-tensor breakdown."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import hf_ring
+
+    torch.set_num_threads(cfg["threads"])
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        hf_ring.setup_sequence_parallel(None, layout=cfg["layout"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg["model"]), attn_implementation="ring_dilated",
+                                             dtype=torch.float32)
+    model.train()
+    enable_checkpointing(model)
+    parts = cfg["parts"] if cfg["tiling"] == "on" else ()
+    hf_ring.configure_tiling(model, loss="loss" in parts, mlp="mlp" in parts, norm="norm" in parts,
+                             loss_chunk_rows=cfg["loss_chunk_rows"], row_chunk_rows=cfg["row_chunk_rows"])
+    vocab = cfg["model"]["vocab_size"]
+
+    def step(n: int, tracker: Optional[LiveTensors] = None) -> float:
+        pattern = dilated_pattern(n, cfg["min_segment"]) if cfg["attention"] == "dilated" else None
+        hf_ring.configure(model, pattern=pattern, layout=cfg["layout"])
+        ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(n))
+        batch = hf_ring.shard_batch({"input_ids": ids, "labels": ids})
+        del ids
+        if world > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        if tracker is None:
+            model(**batch).loss.backward()
+        else:
+            with tracker:
+                loss = model(**batch).loss
+                tracker.phase = "backward"
+                loss.backward()
+                del loss
+        hf_ring.sync_gradients(model)
+        elapsed = time.perf_counter() - t0
+        model.zero_grad(set_to_none=True)
+        return elapsed
+
+    step(512)  # warm-up: kernels, threads, allocator, gradient buffers
+    base = rss_mb()
+    tracker = LiveTensors(model) if cfg["breakdown"] else None
+    elapsed = step(cfg["n"], tracker)
+    out = {"step_s": elapsed, "peak_mb": peak_rss_mb(), "peak_above_base_mb": peak_rss_mb() - base,
+           "base_mb": base,
+           "param_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20}
+    if tracker is not None:
+        out["breakdown"] = tracker.report()
+    hf_ring.clear_sequence_parallel()
+    return out
+
+
+def fit(rows: List[Dict]) -> Dict:
+    """Least-squares ``peak_mb = a + b * n / p`` over rows; b reported in KiB per local token."""
+    xs = torch.tensor([r["n"] / r["world"] for r in rows], dtype=torch.float64)
+    ys = torch.tensor([r["peak_mb"] for r in rows], dtype=torch.float64)
+    design = torch.stack([torch.ones_like(xs), xs], 1)
+    coef = torch.linalg.lstsq(design, ys.unsqueeze(1)).solution.squeeze(1)
+    a, b = float(coef[0]), float(coef[1])
+    worst = max(abs(a + b * float(x) - float(y)) / float(y) for x, y in zip(xs, ys))
+    return {"a_mb": round(a, 1), "b_kib_per_token": round(b * 1024, 3), "b_mb_per_token": b,
+            "max_rel_err": round(worst, 4), "points": len(rows)}
+
+
+def run(args) -> Tuple[List[Dict], Dict[str, Dict], Dict[str, Dict]]:
+    model = dict(MODEL, vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                 num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
+    rows, breakdowns = [], {}
+    for attention in args.attention:
+        for tiling in args.tiling:
+            sizes = [n for n in args.sizes if attention == "dilated" or n <= args.dense_max]
+            for n in sizes:
+                for world in args.ranks:
+                    cfg = {"model": model, "n": n, "attention": attention, "tiling": tiling, "layout": args.layout,
+                           "threads": args.threads, "min_segment": args.min_segment,
+                           "loss_chunk_rows": args.loss_chunk_rows, "parts": args.parts, "row_chunk_rows": args.row_chunk_rows,
+                           "breakdown": args.breakdown == "all" or (args.breakdown == "largest" and n == sizes[-1])}
+                    res = run_ranks(world, _step, cfg)
+                    worst = max(res, key=lambda r: r["peak_mb"])
+                    label = "+".join(args.parts) if tiling == "on" else "off"
+                    row = {"n": n, "world": world, "attention": attention, "tiling": label,
+                           "step_s": round(max(r["step_s"] for r in res), 2),
+                           "peak_mb": round(worst["peak_mb"], 1),
+                           "peak_above_base_mb": round(max(r["peak_above_base_mb"] for r in res), 1),
+                           "base_mb": round(worst["base_mb"], 1), "breakdown": "yes" if cfg["breakdown"] else ""}
+                    rows.append(row)
+                    if cfg["breakdown"]:
+                        breakdowns[f"{attention} tiling={label} n={n} p={world}"] = worst["breakdown"]
+                    print(format_table([row], list(row)), flush=True)
+    return rows, fit_groups(rows), breakdowns
+
+
+def fit_groups(rows: List[Dict]) -> Dict[str, Dict]:
+    """One fit per (attention, tiling) group that has at least two distinct n/p."""
+    fits = {}
+    for attention, tiling in sorted({(r["attention"], r["tiling"]) for r in rows}):
+        group = [r for r in rows if r["attention"] == attention and r["tiling"] == tiling]
+        if len({r["n"] / r["world"] for r in group}) >= 2:
+            fits[f"{attention} tiling={tiling}"] = fit(group)
+    return fits
+
+
+def _plot(rows: List[Dict], fits: Dict[str, Dict]):
+    def draw(path: str) -> None:
+        import matplotlib.pyplot as plt
+
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+        for key in sorted({(r["attention"], r["tiling"], r["world"]) for r in rows}):
+            pts = sorted((r["n"], r["step_s"], r["peak_mb"]) for r in rows
+                         if (r["attention"], r["tiling"], r["world"]) == key)
+            ns = [p[0] for p in pts]
+            label = f"{key[0]}, tiling {key[1]}, p={key[2]}"
+            style = "--" if key[1] == "off" else "-"
+            ax_t.plot(ns, [p[1] for p in pts], style, marker="o", label=label)
+            line = ax_m.plot(ns, [p[2] / 1024 for p in pts], style, marker="o", label=label)[0]
+            f = fits.get(f"{key[0]} tiling={key[1]}")
+            if f:
+                grid = [ns[0] * (ns[-1] / ns[0]) ** (i / 40) for i in range(41)] if len(ns) > 1 else ns
+                ax_m.plot(grid, [(f["a_mb"] + f["b_mb_per_token"] * x / key[2]) / 1024 for x in grid], ":",
+                          color=line.get_color(), linewidth=1)
+        for ax in (ax_t, ax_m):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length n")
+        ax_t.set_ylabel("training step seconds")
+        ax_m.set_ylabel("peak resident GiB per rank (dotted: a + b·n/p)")
+        ax_m.legend(fontsize=7)
+        finish_figure(fig, path, "one training step, gradient checkpointing, fp32 (2 CPU cores shared)")
+
+    return draw
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench scale", description=__doc__)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[16384, 65536, 262144, 1048576])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--attention", nargs="+", choices=["dilated", "dense"], default=["dilated"])
+    ap.add_argument("--tiling", nargs="+", choices=["on", "off"], default=["on"],
+                    help="on: tile the --parts; off: the plain model (rows say which)")
+    ap.add_argument("--parts", nargs="+", choices=["loss", "mlp", "norm"], default=["loss", "mlp", "norm"],
+                    help="what --tiling on tiles")
+    ap.add_argument("--dense-max", type=int, default=262144, help="longest n run with dense attention")
+    ap.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"])
+    ap.add_argument("--hidden", type=int, default=MODEL["hidden_size"])
+    ap.add_argument("--intermediate", type=int, default=MODEL["intermediate_size"])
+    ap.add_argument("--heads", type=int, default=MODEL["num_attention_heads"])
+    ap.add_argument("--kv-heads", type=int, default=MODEL["num_key_value_heads"])
+    ap.add_argument("--vocab", type=int, default=MODEL["vocab_size"])
+    ap.add_argument("--min-segment", type=int, default=2048, help="shortest dilated segment")
+    ap.add_argument("--layout", default="zigzag")
+    ap.add_argument("--loss-chunk-rows", type=int, default=None)
+    ap.add_argument("--row-chunk-rows", type=int, default=None, help="rows per chunk of the MLP and norms")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--breakdown", choices=["largest", "all", "none"], default="largest",
+                    help="run the step under the live-tensor tracker at the largest n of each group")
+    ap.add_argument("--out", default="bench_results")
+    ap.add_argument("--name", default="scale", help="output file stem")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="run nothing: refit and replot the rows of earlier runs' JSON files together")
+    args = ap.parse_args(argv)
+    if args.merge:
+        rows, breakdowns = [], {}
+        for path in args.merge:
+            with open(path) as f:
+                saved = json.load(f)
+            for row in saved["rows"]:  # older files say "on" for the parts in their config
+                if row["tiling"] == "on":
+                    row["tiling"] = "+".join(saved["config"].get("parts", ["loss", "mlp"]))
+                rows.append(row)
+            breakdowns.update(saved.get("breakdowns", {}))
+        rows.sort(key=lambda r: (r["attention"], r["tiling"], r["n"], r["world"]))
+        fits = fit_groups(rows)
+    else:
+        rows, fits, breakdowns = run(args)
+    print("\n" + format_table(rows, list(rows[0])))
+    for key, f in fits.items():
+        print(f"fit {key}: peak MB per rank = {f['a_mb']} + {f['b_kib_per_token']} KiB x n/p "
+              f"(worst point off by {100 * f['max_rel_err']:.1f}%, {f['points']} points)")
+    for key, b in breakdowns.items():
+        print(f"\nlive tensors at their peak ({key}): {b['peak_tracked_mb']} MB tracked")
+        print(format_table(b["by_label"], ["label", "mb", "tensors"]))
+    save(args.out, args.name, {"config": vars(args), "model": MODEL, "rows": rows, "fits": fits,
+                               "breakdowns": breakdowns}, _plot(rows, fits))
+
+
+if __name__ == "__main__":
+    main()

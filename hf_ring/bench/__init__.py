@@ -1,1 +1,0 @@
-"""Benchmarks: ``python -m hf_ring.bench <name>``."""

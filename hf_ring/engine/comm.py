@@ -1,0 +1,407 @@
+"""Every exchange between ranks that hf_ring makes, each with a bounded wait.
+
+Point-to-point exchanges between ring neighbours (:class:`RingComm`) and the
+collectives (:func:`all_reduce`, :func:`all_gather`, :func:`all_to_all`, :func:`broadcast`) are
+all posted asynchronously and then finished by :func:`wait`, the one place a
+rank waits for another. A rank whose peer died, raised, or was given other
+shapes therefore raises :class:`CommTimeoutError` instead of blocking forever.
+
+The bound is ``HF_RING_TIMEOUT`` seconds (default 600): a finite number > 0,
+checked by :func:`comm_timeout` when a ``RingComm`` is made, when a collective
+is issued, and by ``setup_sequence_parallel``.
+
+How the bound is enforced depends on the backend that carries the tensor,
+read from the group's backend configuration for the tensor's device (a group
+made by ``init_process_group()`` with no backend is ``cpu:gloo`` on a CPU
+build and ``cpu:gloo,cuda:nccl`` on a CUDA one, so the group's backend name
+alone does not say):
+
+* gloo: ``work.wait(timeout)`` blocks the calling thread with that deadline
+  (gloo waits on its transport with the timeout given), so the wait itself is
+  bounded. gloo never marks point-to-point work completed before ``wait()``,
+  so it must not be polled.
+* NCCL and any other backend: a host-side watchdog. ``work.wait()`` of NCCL
+  only orders the current CUDA stream after the transfer and returns at once
+  unless ``TORCH_NCCL_BLOCKING_WAIT`` is set, so a dead peer would surface
+  much later, at the next host synchronisation. Instead the host polls
+  ``work.is_completed()`` (a non-blocking query of the transfer's CUDA
+  event) until it is true or the deadline passes, and only then calls
+  ``work.wait()`` to order the stream and re-raise any error the backend
+  recorded. This does not depend on ``TORCH_NCCL_BLOCKING_WAIT``. After a
+  timeout the communicator may still hold the stuck transfer: the process
+  should report the error and exit (or abort the group), not reuse it.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from datetime import timedelta
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .fingerprint import fingerprint
+
+Tensor = torch.Tensor
+
+TIMEOUT_VAR = "HF_RING_TIMEOUT"
+DEFAULT_TIMEOUT_S = 600.0
+# The watchdog's sleeps start at _POLL_MIN_S and double up to _POLL_MAX_S: a transfer that has
+# finished is noticed at most ~0.1 ms late (torch's own blocking wait polls every 1 ms).
+_POLL_MIN_S = 10e-6
+_POLL_MAX_S = 100e-6
+
+
+def comm_timeout() -> float:
+    """The wait bound in seconds from ``HF_RING_TIMEOUT`` (default 600); raises ValueError when it is unusable."""
+    raw = os.environ.get(TIMEOUT_VAR, "")
+    if not raw.strip():
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_VAR}={raw!r} is not a number of seconds; set it to e.g. 600") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"{TIMEOUT_VAR}={raw!r} must be a finite number of seconds > 0 (every wait needs a bound); "
+            "set it to e.g. 600"
+        )
+    return value
+
+
+class CommTimeoutError(RuntimeError):
+    """A point-to-point exchange or collective did not finish in time, or failed."""
+
+
+def _failure(what: str, timeout: float, cause) -> CommTimeoutError:
+    return CommTimeoutError(
+        f"hf_ring: {what} failed or did not finish within {timeout:g} s ({TIMEOUT_VAR}). "
+        "Another rank probably died, raised an error or was given different shapes; "
+        f"look at the other ranks' errors. Cause: {cause}"
+    )
+
+
+def carriers(group: Optional[dist.ProcessGroup]) -> Dict[str, str]:
+    """Which backend carries tensors of each device type over ``group``: ``{"cpu": "gloo", "cuda": "nccl"}``."""
+    return parse_carriers(dist.get_backend_config(_resolve(group)))
+
+
+def parse_carriers(config: str) -> Dict[str, str]:
+    """``"cpu:gloo,cuda:nccl"`` (torch's backend configuration) as ``{"cpu": "gloo", "cuda": "nccl"}``."""
+    found = dict(part.strip().split(":", 1) for part in config.split(",") if ":" in part)
+    if not found:  # a bare backend name: NCCL carries GPU tensors only, others every device type
+        name = config.strip()
+        found = {"cuda": name} if name.lower() == "nccl" else {"cpu": name, "cuda": name}
+    return {device: name.lower() for device, name in found.items()}
+
+
+def carrier(group: Optional[dist.ProcessGroup], device: torch.device) -> str:
+    """The backend that carries a tensor on ``device`` over ``group`` (``"gloo"``, ``"nccl"``, ...)."""
+    return carriers(group).get(torch.device(device).type, "")
+
+
+def wait(work, what: str, timeout: float, backend: str) -> None:
+    """Finish ``work`` within ``timeout`` seconds or raise :class:`CommTimeoutError` (see the module notes).
+
+    ``backend`` is the one that carries the work's tensors (:func:`carrier`), not the group's name.
+    """
+    try:
+        if backend == "gloo":
+            ok = work.wait(timedelta(seconds=timeout))
+        else:
+            deadline = time.monotonic() + timeout
+            pause = _POLL_MIN_S
+            while not work.is_completed():
+                if time.monotonic() >= deadline:
+                    raise _failure(what, timeout, "timed out (host-side watchdog)")
+                time.sleep(pause)
+                pause = min(2 * pause, _POLL_MAX_S)
+            ok = work.wait()
+    except CommTimeoutError:
+        raise
+    except RuntimeError as err:  # gloo's timeout, a closed connection, or an error NCCL recorded
+        raise _failure(what, timeout, err) from err
+    if ok is False:
+        raise _failure(what, timeout, "the backend reported the wait as failed")
+
+
+def _post(what: str, timeout: float, post):
+    """Issue an asynchronous operation; an error raised while posting (e.g. a peer already gone) is reported alike."""
+    try:
+        return post()
+    except RuntimeError as err:
+        raise _failure(what, timeout, err) from err
+
+
+def _resolve(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    return group if group is not None else dist.group.WORLD
+
+
+def all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup], what: str,
+               op=dist.ReduceOp.SUM, timeout: Optional[float] = None) -> Tensor:
+    """Reduce ``tensor`` in place over ``group`` (``None``: the world) with a bounded wait; returns it.
+
+    ``what`` names the operation in the error; ``timeout`` defaults to :func:`comm_timeout`.
+    """
+    group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
+    work = _post(what, timeout, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
+    wait(work, what, timeout, carrier(group, tensor.device))
+    return tensor
+
+
+def all_gather(tensor: Tensor, group: Optional[dist.ProcessGroup], what: str,
+               timeout: Optional[float] = None) -> Tensor:
+    """Every rank's ``tensor`` stacked by group rank, ``(group size, *tensor.shape)``, with a bounded wait."""
+    group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    work = _post(what, timeout, lambda: dist.all_gather(parts, tensor, group=group, async_op=True))
+    wait(work, what, timeout, carrier(group, tensor.device))
+    return torch.stack(parts)
+
+
+def broadcast(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup], what: str,
+              timeout: Optional[float] = None) -> Tensor:
+    """``tensor`` of group rank ``src`` on every rank (other ranks pass a buffer of its shape), bounded wait."""
+    group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
+    tensor = tensor.contiguous()
+    root = dist.get_global_rank(group, src)
+    work = _post(what, timeout, lambda: dist.broadcast(tensor, src=root, group=group, async_op=True))
+    wait(work, what, timeout, carrier(group, tensor.device))
+    return tensor
+
+
+def all_to_all(output: Tensor, tensor: Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
+               group: Optional[dist.ProcessGroup], what: str, timeout: Optional[float] = None) -> Tensor:
+    """Piece ``i`` of ``tensor`` (dim 0 cut by ``input_splits``) to group rank ``i``; ``output`` receives, bounded wait.
+
+    ``output`` is cut by ``output_splits``: piece ``i`` comes from group rank ``i``. Returns ``output``.
+    """
+    group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
+    work = _post(what, timeout, lambda: dist.all_to_all_single(
+        output, tensor.contiguous(), list(output_splits), list(input_splits), group=group, async_op=True))
+    wait(work, what, timeout, carrier(group, output.device))
+    return output
+
+
+def device_for(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """Where small control tensors for ``group`` live: the CPU when a backend of the group carries CPU
+    tensors (gloo, also beside NCCL), else the current GPU."""
+    if "cpu" in carriers(group):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class Pending:
+    """Sends and receives in flight; ``wait()`` returns the received tensors."""
+
+    def __init__(self, works, sent: List[Tensor], received: List[Tensor], what: str, timeout: float,
+                 backend: str):
+        self._works, self._received, self._what = works, received, what
+        self._timeout, self._backend = timeout, backend
+        self._sent = sent  # keep send buffers alive until their transfer completes
+
+    def wait(self) -> List[Tensor]:
+        for work in self._works:
+            wait(work, self._what, self._timeout, self._backend)
+        self._works, self._sent = [], []
+        return self._received
+
+
+CONTROL_INTS = 640
+"""Integers in every small control exchange (agreements, shared errors, the exit), whatever it carries."""
+
+_WHAT_BYTES = 96
+"""Bytes of an exchange's own name each control row carries, so a mismatch can say where every rank was."""
+
+LEAVING = "the exit of hf_ring.shutdown"
+"""The name of the control exchange a rank makes as it ends (see :func:`leave`)."""
+
+_REASON_BYTES = 400
+
+
+class RankLeftError(CommTimeoutError):
+    """Another rank ended while this one waited for it in an exchange (see :func:`leave`)."""
+
+
+def text_ints(text: str, size: int) -> List[int]:
+    """``text`` as ``1 + size`` integers: its UTF-8 length (cut at ``size`` bytes), then the bytes, zero-padded."""
+    raw = text.encode()[:size]
+    return [len(raw)] + list(raw) + [0] * (size - len(raw))
+
+
+def ints_text(ints: Sequence[int]) -> str:
+    """The text :func:`text_ints` wrote."""
+    return bytes(ints[1:1 + ints[0]]).decode(errors="replace")
+
+
+def _code(what: str) -> int:
+    return fingerprint(what)
+
+
+_LEAVING_CODE = _code(LEAVING)
+
+_HEAD = 2 + _WHAT_BYTES
+"""Integers before a control row's values: the exchange's code, then its name as :func:`text_ints`."""
+
+
+def control_row(what: str, values: Sequence[int]) -> List[int]:
+    """One rank's row of a control exchange: the exchange's code and name, then ``values``, padded to one size."""
+    values = [int(v) for v in values]
+    if _HEAD + len(values) > CONTROL_INTS:
+        raise ValueError(f"{what}: {len(values)} integers do not fit one exchange of {CONTROL_INTS - _HEAD}")
+    return [_code(what)] + text_ints(what, _WHAT_BYTES) + values + [0] * (CONTROL_INTS - _HEAD - len(values))
+
+
+def _left(rows: Sequence[Sequence[int]], ranks: Sequence[int], what: str, me: int) -> RankLeftError:
+    """The error of a rank that waited in ``what`` while the ranks whose rows are :data:`LEAVING` ended."""
+    gone = [(ranks[r], row) for r, row in enumerate(rows) if row[0] == _LEAVING_CODE]
+    why = []
+    for rank, row in gone:
+        reason = ints_text(row[_HEAD:])
+        why.append(f"rank {rank} ended " + (f"after an error it did not catch ({reason}; its own output has the "
+                                            "traceback)" if reason else "cleanly (its script finished)"))
+    return RankLeftError(
+        f"{'; '.join(why)}, while rank {me} waited for it in {what}. Every rank must make the same hf_ring calls: "
+        "a rank whose script ends early (it skipped a step, or a condition differed between ranks) leaves the others "
+        "waiting"
+    )
+
+
+def leave(groups: Sequence[dist.ProcessGroup], reason: str, timeout: float) -> List[str]:
+    """Tell every rank of each group that this one is ending, and wait for them to end too.
+
+    The exit is a control exchange like the agreements (:meth:`RingComm.all_gather_ints`),
+    posted on every group at once: a rank waiting in one of those learns at
+    once that this rank left (:class:`RankLeftError`), and this rank learns
+    where that rank was instead of waiting for it. Returns a note per rank
+    found elsewhere (empty when all ended together); raises
+    :class:`CommTimeoutError` when a group does not answer within ``timeout``.
+    ``reason``: the error this rank is ending on ("" for a clean end).
+    """
+    row = control_row(LEAVING, text_ints(reason, _REASON_BYTES))
+    posted, seen = [], set()
+    for group in groups:
+        if id(group) in seen or dist.get_rank(group) < 0:
+            continue
+        seen.add(id(group))
+        t = torch.tensor(row, dtype=torch.long, device=device_for(group))
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        work = _post(LEAVING, timeout, lambda: dist.all_gather(parts, t, group=group, async_op=True))
+        posted.append((group, work, parts))
+    deadline, pause = time.monotonic() + timeout, 1e-3
+    while posted:
+        for item in [p for p in posted if p[1].is_completed()]:
+            group, work, parts = item
+            posted.remove(item)
+            work.wait()
+            elsewhere = [(dist.get_global_rank(group, r), ints_text(p.tolist()[1:])) for r, p in enumerate(parts)
+                         if int(p[0]) != _LEAVING_CODE]
+            if elsewhere:  # those ranks raise RankLeftError now; the other groups' exits would wait for nothing
+                return [f"rank {rank} was still in {where}" for rank, where in elsewhere]
+        if posted and time.monotonic() >= deadline:
+            raise _failure(LEAVING, timeout, "some ranks did not reach their exit (still working, or hung)")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+    return []
+
+
+class RingComm:
+    """A process group's ring: point-to-point exchanges with any peer, and small bounded collectives."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup]):
+        self.group = _resolve(group)
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.carriers = carriers(self.group)
+        self.timeout = comm_timeout()
+
+    def exchange(
+        self,
+        send: Sequence[Tensor],
+        send_to: int,
+        recv_like: Sequence[Tuple[torch.Size, torch.dtype]],
+        recv_from: int,
+        tag: int = 0,
+        device: Optional[torch.device] = None,
+    ) -> Pending:
+        """Post ``send`` to group rank ``send_to`` and receives of the given shapes from ``recv_from``.
+
+        Empty tensors are neither sent nor received: both sides know the shard
+        sizes, so they skip them alike.
+        """
+        if device is None:
+            device = send[0].device if send else torch.device("cpu")
+        received = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in recv_like]
+        ops, sent = [], [t.contiguous() for t in send]
+        for i, t in enumerate(sent):
+            if t.numel():
+                ops.append(dist.P2POp(dist.isend, t, group=self.group, group_peer=send_to, tag=tag + i))
+        for i, t in enumerate(received):
+            if t.numel():
+                ops.append(dist.P2POp(dist.irecv, t, group=self.group, group_peer=recv_from, tag=tag + i))
+        what = f"exchange (send to rank {send_to}, receive from rank {recv_from})"
+        works = _post(what, self.timeout, lambda: dist.batch_isend_irecv(ops)) if ops else []
+        return Pending(works, sent, received, what, self.timeout, self.carriers.get(device.type, ""))
+
+    def all_gather_ints(self, values: Sequence[int], what: str) -> List[List[int]]:
+        """Every rank's copy of a few small integers, by rank (one small all-gather).
+
+        Every such exchange has the same size and starts with the code and
+        name of ``what``, so ranks that reached different exchanges (one rank
+        skipped a step the others made) get a clear error on all of them
+        instead of a size mismatch inside the backend, and a rank that ended
+        (:func:`leave`) is known to the others at once.
+        """
+        t = torch.tensor(control_row(what, values), dtype=torch.long, device=device_for(self.group))
+        table = [r.tolist() for r in self.all_gather(t, what)]
+        codes = {r[0] for r in table}
+        if len(codes) > 1:
+            ranks = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+            if _LEAVING_CODE in codes:
+                raise _left(table, ranks, what, ranks[self.rank])
+            where = "; ".join(f"rank {rank}: {ints_text(r[1:])}" for rank, r in zip(ranks, table))
+            raise ValueError(
+                f"the ranks reached different exchanges ({where}): a rank skipped or added a step the others made, "
+                "e.g. one rank passed its batch through hf_ring.shard_batch and another did not, or ran another model"
+            )
+        return [r[_HEAD:_HEAD + len(values)] for r in table]
+
+    def all_gather(self, tensor: Tensor, what: str) -> Tensor:
+        """Every rank's ``tensor`` stacked by rank, ``(world_size, *tensor.shape)``."""
+        return all_gather(tensor, self.group, what, timeout=self.timeout)
+
+    def all_to_all(self, output: Tensor, tensor: Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
+                   what: str) -> Tensor:
+        """See :func:`all_to_all`: piece ``i`` of ``tensor`` to rank ``i``, piece ``i`` of ``output`` from it."""
+        return all_to_all(output, tensor, output_splits, input_splits, self.group, what, timeout=self.timeout)
+
+    def post_all_to_all(self, output: Tensor, tensor: Tensor, output_splits: Sequence[int],
+                        input_splits: Sequence[int], what: str) -> Pending:
+        """:meth:`all_to_all` left in flight: ``wait()`` on the result returns ``[output]``."""
+        tensor = tensor.contiguous()
+        work = _post(what, self.timeout, lambda: dist.all_to_all_single(
+            output, tensor, list(output_splits), list(input_splits), group=self.group, async_op=True))
+        return Pending([work], [tensor], [output], what, self.timeout, carrier(self.group, output.device))
+
+    def broadcast(self, tensor: Tensor, src: int, what: str) -> Tensor:
+        """``tensor`` of group rank ``src`` on every rank (in place; other ranks pass a buffer of its shape)."""
+        return broadcast(tensor, src, self.group, what, timeout=self.timeout)
+
+
+def resolve_group(group) -> Optional[RingComm]:
+    """The ring of ``group`` (the default group when None), or None for one process without torch.distributed."""
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = dist.group.WORLD
+    elif not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("group was given but torch.distributed is not initialised; call init_process_group first")
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the given group; "
+            "call ring_attention only on the group's ranks"
+        )
+    return RingComm(group)

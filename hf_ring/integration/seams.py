@@ -1,0 +1,120 @@
+"""Where hf_ring meets a transformers internal that differs between the supported releases: one lookup per concern.
+
+Each entry names the releases it was checked on (every minor release of
+:data:`hf_ring.versions.SUPPORTED`); the CausalLM forward's loss, the other
+internal that moves, is checked numerically by :mod:`hf_ring.patches.tiling`
+instead of being looked up.
+
+========================  ===========================================  ===================
+concern                   lookup                                       checked on
+========================  ===========================================  ===================
+the cache keyword         ``cache`` from 5.24 (``past_key_values``     5.17 - 5.24
+                          deprecated), ``past_key_values`` before
+tensor parallelism of a   ``PreTrainedModel._resolve_parallel_plans``  5.17 - 5.24
+loaded model              and the plan-taking
+                          ``apply_tensor_parallelism``: 5.23 on
+the Trainer's token count ``Trainer._get_num_items_in_batch`` divides  5.17 - 5.24
+of a shared batch         by ``get_cp_size()`` from 5.19; before, by
+                          accelerate's parallelism config alone
+a Trainer over a model    the Trainer leaves a model sharded by        5.17 - 5.24
+sharded at load time      ``from_pretrained(distributed_config=...)``
+                          to itself from 5.19; before, it wraps its
+                          DTensor parameters in DDP, which fails
+activation checkpointing  ``activation_checkpointing_enable`` and      5.17 - 5.24
+                          ``TrainingArguments(activation_checkpointing``
+                          from 5.23 (``gradient_...`` deprecated),
+                          ``gradient_checkpointing...`` before
+========================  ===========================================  ===================
+
+The other internals hf_ring imports are the same on every supported release
+and each is imported by one module: ``AttentionInterface`` and
+``masking_utils`` (backend), ``cache_utils.Cache``/``DynamicLayer`` (cache),
+``modeling_rope_utils.dynamic_rope_update`` (patches.rope),
+``MODEL_FOR_CAUSAL_LM_MAPPING`` (patches.structure), ``ForCausalLMLoss``,
+``CausalLMOutputWithPast`` and ``can_return_tuple`` (patches.tiling),
+``GradientCheckpointingLayer`` (offload), accelerate's
+``DataLoaderDispatcher`` and ``recursively_apply`` (trainer).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional
+
+import transformers
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel, TrainingArguments
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ..versions import parse
+
+CACHE_NAMES = ("cache", "past_key_values")
+"""The names a model's forward and ``generate`` take the KV cache by, newest first."""
+CACHE_KEYWORD = next(name for name in CACHE_NAMES if name in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)})
+"""What the installed transformers calls the cache, in forwards, ``generate`` and model outputs."""
+TENSOR_PARALLEL_SINCE = "5.23"
+TRAINER_KEEPS_LOADED_SHARDING_SINCE = "5.19"
+TRAINER_DIVIDES_TOKEN_COUNT_SINCE = "5.19"
+
+
+def since(release: str) -> bool:
+    """Whether the installed transformers is ``release`` or newer."""
+    return parse(transformers.__version__) >= parse(release)
+
+
+TRAINER_DIVIDES_TOKEN_COUNT = since(TRAINER_DIVIDES_TOKEN_COUNT_SINCE)
+"""Whether the Trainer's count of a batch's label tokens is divided by ``get_cp_size()``, the ranks that share the
+batch; before 5.19 it divides by accelerate's parallelism config, which a sequence-parallel setup does not set."""
+CHECKPOINTING_METHOD = next(name for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable")
+                            if hasattr(PreTrainedModel, name))
+"""The model method that turns activation (gradient) checkpointing on, by the installed release's name."""
+CHECKPOINTING_ARGUMENT = next(name for name in ("activation_checkpointing", "gradient_checkpointing")
+                              if name in {f.name for f in dataclasses.fields(TrainingArguments)})
+"""The ``TrainingArguments`` field that turns it on."""
+
+
+def enable_checkpointing(model: Any, **kwargs: Any) -> None:
+    """Turn on ``model``'s activation checkpointing by whichever name the installed transformers gives it."""
+    getattr(model, CHECKPOINTING_METHOD)(**kwargs)
+
+
+def checkpointing_on(model: Any) -> bool:
+    """Whether ``model``'s activation checkpointing is on (``is_activation_checkpointing`` from 5.23)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        value = getattr(model, name, None)  # on the instance: a PEFT wrapper hands attributes to its model
+        if value is not None:
+            return bool(value)
+    return False
+
+
+def cache_argument(kwargs: Dict[str, Any], pop: bool = False) -> Any:
+    """The cache a call was given, under either name (the older one is still accepted where it is deprecated);
+    ``pop``: both names are removed from ``kwargs``. A cache given under both names is a ValueError."""
+    given = [name for name in CACHE_NAMES if kwargs.get(name) is not None]
+    if len(given) > 1:
+        raise ValueError(f"pass the cache once: got both {given[0]} and {given[1]}")
+    cache = kwargs[given[0]] if given else None
+    if pop:
+        for name in CACHE_NAMES:
+            kwargs.pop(name, None)
+    return cache
+
+
+def trainer_sharding_problem(model: Any) -> Optional[str]:
+    """Why this release's Trainer cannot train ``model``, sharded at load time (DTensor parameters), or None."""
+    if since(TRAINER_KEEPS_LOADED_SHARDING_SINCE):
+        return None
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return None
+    return (f"a model sharded at load time (from_pretrained(distributed_config=...), DTensor parameters) trains under "
+            f"transformers' Trainer from transformers {TRAINER_KEEPS_LOADED_SHARDING_SINCE} on; "
+            f"transformers {transformers.__version__} wraps it in DDP, which cannot take its shards: pip install "
+            f"'transformers>={TRAINER_KEEPS_LOADED_SHARDING_SINCE}', or load the model whole")
+
+
+def tensor_parallel_problem(model: Any) -> Optional[str]:
+    """Why transformers cannot shard an already loaded ``model`` over a given mesh here, or None."""
+    if callable(getattr(model, "_resolve_parallel_plans", None)):
+        return None
+    return (f"hf_ring.tensor_parallel shards a loaded model with transformers' own plan resolution, which "
+            f"transformers {transformers.__version__} does not have; it needs transformers>={TENSOR_PARALLEL_SINCE} "
+            f"(pip install 'transformers>={TENSOR_PARALLEL_SINCE}'), or use tp_size=1")

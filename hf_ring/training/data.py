@@ -1,0 +1,263 @@
+"""Split a batch along the sequence for the ranks of a sequence-parallel group, and put outputs back.
+
+Labels are shifted on the *global* sequence before sharding, so the last
+token of a shard keeps its target (the model's own loss would shift inside
+each shard and lose it). The loss each rank computes is its shard's share of
+the sequence loss: summed over the sp group it is the global loss.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+
+from ..engine.comm import all_gather, device_for
+from ..engine.documents import Documents, check_documents, document_starts, left_padding
+from ..engine.fingerprint import fingerprint
+from ..engine.layout import local_positions, shard_sizes
+from ..engine.relay import fail_together
+from ..integration.context import CONTEXT_KEY, ShardedForward
+from ..integration.groups import SequenceParallel, current
+
+IGNORE_INDEX = -100
+
+PLACEHOLDER_ROWS = 1
+"""Rows the model runs on a rank that holds none of the sequence (see :func:`shard_batch`)."""
+
+
+def _sp(sp: Optional[SequenceParallel]):
+    sp = sp or current()
+    if sp is None or sp.sp_group is None:
+        return None
+    return sp
+
+
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+"""Flash-style varlen keys (DataCollatorWithFlattening): they describe the global rows, so they become
+the forward's documents and are not passed on to the model."""
+
+
+def _varlen_starts(batch: Mapping[str, Any], b: int, n: int) -> Optional[Documents]:
+    """Document starts from ``cu_seq_lens_q``/``cu_seq_lens_k``, checked; None when the batch has neither."""
+    given = {key: batch[key] for key in ("cu_seq_lens_q", "cu_seq_lens_k") if batch.get(key) is not None}
+    if not given:
+        return None
+    if b != 1:
+        raise ValueError(f"cu_seq_lens_q/k describe one flattened row, but input_ids has batch size {b}")
+    offsets = {key: [int(x) for x in t.reshape(-1).tolist()] for key, t in given.items()}
+    cu = next(iter(offsets.values()))
+    if len(set(map(tuple, offsets.values()))) > 1:
+        raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; packed causal rows need the same offsets for both")
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != n or any(a >= c for a, c in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seq_lens_q must rise from 0 to the row length {n}, got {cu[:8]}{'...' if len(cu) > 8 else ''}")
+    return (tuple(cu[:-1]),)
+
+
+def _documents(batch: Mapping[str, Any], positions: Optional[torch.Tensor], b: int, n: int) -> Optional[Documents]:
+    """The documents packed into the rows, or None when every row is one sequence.
+
+    As transformers decides: runs of ``position_ids`` that increase by one are
+    documents when no ``attention_mask`` is given; flash-style ``cu_seq_lens``
+    say the same and must agree with the position ids.
+    """
+    from_varlen = _varlen_starts(batch, b, n)
+    from_positions = None
+    if positions is not None and batch.get("attention_mask") is None:
+        from_positions = document_starts(positions)
+    if from_varlen is not None and from_positions is not None and from_varlen != from_positions:
+        raise ValueError(
+            "position_ids and cu_seq_lens_q mark different documents; pass the ones the collator made together"
+        )
+    return check_documents(from_varlen if from_varlen is not None else from_positions, b, n)
+
+
+def _shifted_labels(batch: Mapping[str, Any], labels: torch.Tensor, documents: Optional[Documents]) -> torch.Tensor:
+    """Next-token targets of the global rows; never across a document border."""
+    shifted = batch.get("shift_labels")
+    if shifted is None:
+        shifted = torch.full_like(labels, IGNORE_INDEX)
+        shifted[:, :-1] = labels[:, 1:]
+    elif tuple(shifted.shape) != tuple(labels.shape):
+        raise ValueError(f"shift_labels must have the shape of labels {tuple(labels.shape)}, got {tuple(shifted.shape)}")
+    else:
+        shifted = shifted.clone()
+    for row, starts in enumerate(documents or ()):
+        ends = torch.tensor([s - 1 for s in starts[1:]], dtype=torch.long, device=shifted.device)
+        shifted[row, ends] = IGNORE_INDEX  # the last token of a document predicts nothing of the next
+    return shifted
+
+
+PER_TOKEN = ("input_ids", "inputs_embeds", "labels", "attention_mask", "position_ids", "shift_labels",
+             "token_type_ids", "completion_mask", "assistant_masks")
+"""Per-token inputs a model forward (or a trainer's loss) takes: split along the sequence like the tokens."""
+
+
+def batch_shape(batch: Mapping[str, Any]) -> Tuple[int, int]:
+    """``(batch size, sequence length)`` of a global batch, from ``input_ids`` or ``inputs_embeds``."""
+    ids, embeds = batch.get("input_ids"), batch.get("inputs_embeds")
+    if (ids is None) == (embeds is None):
+        raise ValueError("shard_batch needs exactly one of 'input_ids' (batch, seq_len) and 'inputs_embeds' "
+                         "(batch, seq_len, hidden), as the model's forward does")
+    if ids is not None and (not isinstance(ids, torch.Tensor) or ids.dim() != 2):
+        raise ValueError(f"input_ids must be a 2-D tensor (batch, seq_len), got {getattr(ids, 'shape', type(ids))}")
+    if embeds is not None and (not isinstance(embeds, torch.Tensor) or embeds.dim() != 3
+                               or not embeds.is_floating_point()):
+        raise ValueError("inputs_embeds must be a 3-D floating-point tensor (batch, seq_len, hidden), got "
+                         f"{getattr(embeds, 'shape', type(embeds))}")
+    shape = (ids if ids is not None else embeds).shape
+    return shape[0], shape[1]
+
+
+def _check_batch(batch: Any) -> None:
+    """Every local check of a batch given to :func:`shard_batch`."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batch must be a mapping such as a dict, got {type(batch).__name__}")
+    if CONTEXT_KEY in batch:
+        raise ValueError(f"this batch is already sharded (it carries {CONTEXT_KEY!r}); shard the global batch once")
+    b, n = batch_shape(batch)
+    for key in PER_TOKEN[2:]:
+        t = batch.get(key)
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (b, n)):
+            raise ValueError(f"{key} must have the shape (batch, seq_len) = {(b, n)}, got "
+                             f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}")
+    for key, t in batch.items():
+        if key not in PER_TOKEN and key not in VARLEN_KEYS and isinstance(t, torch.Tensor) and t.dim() >= 2 \
+                and tuple(t.shape[:2]) == (b, n):
+            raise ValueError(
+                f"shard_batch does not know whether {key!r} (shape {tuple(t.shape)}) holds one entry per token; "
+                f"it splits only {', '.join(PER_TOKEN)} along the sequence. Drop {key!r} from the batch, or split "
+                "it with hf_ring.local_positions yourself after sharding"
+            )
+
+
+def _tp_mismatch(group: Optional[SequenceParallel], batch: Any) -> Optional[ValueError]:
+    """The error to raise when the ranks of this rank's tensor-parallel group were given different batches.
+
+    Tensor parallelism splits one batch's computation over those ranks, so a
+    different batch on one of them gives wrong results with nothing raised.
+    The fingerprints travel over the tp group before any check can raise (a
+    malformed batch counts as -1), so its ranks always meet; the error is
+    raised inside the sp group's batch check, so every rank of both groups raises.
+    """
+    if group is None or group.tp_size == 1:
+        return None
+    try:
+        ids = batch.get("input_ids")
+        batch_shape(batch)
+        mine = fingerprint(ids if ids is not None else batch["inputs_embeds"])
+    except (AttributeError, TypeError, ValueError):  # refused by the batch check right after
+        mine = -1
+    device = device_for(group.tp_group)
+    seen = all_gather(torch.tensor([mine], dtype=torch.long, device=device), group.tp_group,
+                           "the batch check over the tensor-parallel group").reshape(-1).tolist()
+    if len(set(seen)) == 1:
+        return None
+    return ValueError(
+        f"the ranks of a tensor-parallel group passed different batches to hf_ring.shard_batch (fingerprints {seen} "
+        "by tp rank); they split one batch's computation, so every rank of a data-parallel replica (its sp and tp "
+        "ranks) must pass the same global batch, only dp ranks differ"
+    )
+
+
+def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None) -> Dict[str, Any]:
+    """This rank's part of ``batch``: ``input_ids`` or ``inputs_embeds`` and every per-token input (:data:`PER_TOKEN`).
+
+    Adds global ``position_ids``, globally shifted ``shift_labels`` and the
+    global ``num_items_in_batch`` when labels are given, and ``ring_context``:
+    the facts of this forward that every attention layer reads (global
+    length, padding, documents, the group), so the ranks agree on them once
+    per forward. Any length works, including one shorter than the number of
+    ranks: a rank that holds no row gets one placeholder row (a copy of row 0
+    with no label), which the attention leaves out of the ring (no query sees
+    it) and whose output is zero; :func:`gather_sequence` drops it. Packed rows (``position_ids`` restarting inside a row and no
+    ``attention_mask``, or ``cu_seq_lens_q``, as ``DataCollatorWithFlattening``
+    makes them) keep their documents apart: attention never crosses a
+    document border, and neither do the shifted labels.
+    """
+    group = _sp(sp)
+    documents = shifted = None
+    tp_mismatch = _tp_mismatch(group, batch)
+    # One small exchange after the checks, so a bad batch on one rank fails every rank of the group.
+    with fail_together(None if group is None else group.comm, "the batch check of shard_batch"):
+        _check_batch(batch)
+        if tp_mismatch is not None:
+            raise tp_mismatch
+        b, n = batch_shape(batch)
+        documents = _documents(batch, batch.get("position_ids"), b, n)
+        if batch.get("labels") is not None:
+            shifted = _shifted_labels(batch, batch["labels"], documents)
+        elif batch.get("shift_labels") is not None:
+            raise ValueError("shift_labels without labels: pass labels (shard_batch shifts them on the global rows)")
+    ids = batch.get("input_ids")
+    tokens = ids if ids is not None else batch["inputs_embeds"]
+    b, n = tokens.shape[:2]
+    rank, size, layout, ulysses = ((0, 1, "contiguous", 1) if group is None else
+                                   (group.sp_rank, group.sp_size, group.layout, group.ulysses_size))
+    pos = local_positions(n, rank, size, layout, ulysses).to(tokens.device)
+    placeholder = pos.numel() == 0 and n > 0
+    if placeholder:  # model code cannot run on zero rows: one row that nothing sees and no loss reads
+        pos = torch.zeros(PLACEHOLDER_ROWS, dtype=torch.long, device=tokens.device)
+
+    out: Dict[str, Any] = {k: v for k, v in batch.items() if k not in PER_TOKEN + VARLEN_KEYS}
+    for key in ("input_ids", "inputs_embeds", "attention_mask", "token_type_ids", "completion_mask",
+                "assistant_masks"):
+        if batch.get(key) is not None:
+            out[key] = batch[key][:, pos]
+    mask = batch.get("attention_mask")
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = torch.arange(n, device=tokens.device).expand(b, n)
+    out["position_ids"] = positions[:, pos]
+    if shifted is not None:
+        out["labels"] = batch["labels"][:, pos]
+        out["shift_labels"] = shifted[:, pos]
+        out["num_items_in_batch"] = int((shifted != IGNORE_INDEX).sum())
+        if placeholder:
+            out["labels"] = torch.full_like(out["labels"], IGNORE_INDEX)
+            out["shift_labels"] = torch.full_like(out["shift_labels"], IGNORE_INDEX)
+    out[CONTEXT_KEY] = ShardedForward.over(
+        group, n, layout, padded=mask is not None and not bool(mask.all()), left_padding=left_padding(mask),
+        positions=batch.get("position_ids"),
+        contents=0 if group is None else (
+            fingerprint(tokens, documents)),
+        documents=documents,
+        placeholder=placeholder,
+    )
+    out.setdefault("use_cache", False)  # a KV cache of a training shard is never read
+    return out
+
+
+def model_rows(seq_len: int, sp: Optional[SequenceParallel] = None) -> int:
+    """Rows the model runs on this rank for a global length: its shard, or the placeholder row of an empty one."""
+    group = _sp(sp)
+    if group is None:
+        return seq_len
+    rows = len(local_positions(seq_len, group.sp_rank, group.sp_size, group.layout, group.ulysses_size))
+    return PLACEHOLDER_ROWS if rows == 0 and seq_len > 0 else rows
+
+
+def gather_sequence(tensor: torch.Tensor, seq_len: int, dim: int = 1,
+                    sp: Optional[SequenceParallel] = None) -> torch.Tensor:
+    """Reassemble a tensor sharded along ``dim`` by :func:`shard_batch` into global order (every rank gets it).
+
+    Meant for outputs such as logits in evaluation: the result has the global length.
+    """
+    group = _sp(sp)
+    if group is None:
+        return tensor
+    moved = tensor.movedim(dim, 0).contiguous()
+    sizes = shard_sizes(seq_len, group.sp_size, group.layout, group.ulysses_size)
+    if sizes[group.sp_rank] == 0 and moved.shape[0] == PLACEHOLDER_ROWS:
+        moved = moved[:0]  # the placeholder row of a rank that holds none of the sequence
+    if moved.shape[0] != sizes[group.sp_rank]:
+        raise ValueError(
+            f"this rank holds {moved.shape[0]} rows along dim {dim}, but seq_len={seq_len} gives it {sizes[group.sp_rank]}"
+        )
+    longest = max(sizes)
+    padded = moved.new_zeros((longest,) + moved.shape[1:])
+    padded[: moved.shape[0]] = moved
+    parts = all_gather(padded, group.sp_group, "the sequence gather")
+    full = moved.new_empty((seq_len,) + moved.shape[1:])
+    for r, part in enumerate(parts):
+        full[local_positions(seq_len, r, group.sp_size, group.layout, group.ulysses_size).to(full.device)] = part[: sizes[r]]
+    return full.movedim(0, dim)

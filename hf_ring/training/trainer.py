@@ -1,0 +1,371 @@
+"""Sequence parallelism inside ``transformers.Trainer`` and its subclasses (TRL's ``SFTTrainer``).
+
+One call after the trainer is built::
+
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val)
+    hf_ring.prepare_trainer(trainer, sp_size=2)
+    trainer.train()
+
+and a launch with ``accelerate launch`` or ``torchrun``. What the call arranges:
+
+- data: every rank of a sequence-parallel group gets the same batch, only the
+  data-parallel replicas differ (accelerate is handed a device mesh whose
+  ``"cp"`` dim is the sp group, which is how it feeds its own context parallelism);
+- model: every forward of the trainer's model goes through
+  :func:`hf_ring.shard_batch` (train, evaluate, predict, a subclass's own loss);
+- loss: the trainer counts the label tokens of the global batch once per sp
+  group (its context-parallel size is the sp size), so the loss it logs is the
+  global one and DDP / FSDP, which average over every rank, leave the shard
+  gradients summed over sp and averaged over dp;
+- evaluation: logits come back in global order and metrics are gathered over
+  the data-parallel replicas only;
+- DeepSpeed (ZeRO 1-3): the engine averages over every rank as DDP does, so the
+  same loss scaling holds; its config is told the sp size so that its
+  ``train_batch_size`` counts each sequence once (:mod:`hf_ring.training.zero`).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from accelerate.data_loader import DataLoaderDispatcher
+from accelerate.utils import recursively_apply
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..engine.comm import all_reduce
+from ..engine.layout import check_ulysses_size
+from ..integration import config as ring_config
+from ..integration.context import CONTEXT_KEY
+from ..integration.groups import SequenceParallel, current
+from ..integration.parallel import check_tp_size, setup_sequence_parallel
+from ..integration.seams import TRAINER_DIVIDES_TOKEN_COUNT, cache_argument
+from ..integration.tp import check_heads, check_trainer_model, loaded_tp_size
+from ..patches import registry
+from . import zero
+from .data import batch_shape, gather_sequence, model_rows, shard_batch
+
+_HOOK_ATTR = "_hf_ring_shard_hook"
+_PREPARED_ATTR = "_hf_ring_prepared"
+
+
+def shard_model_inputs(kwargs: Dict[str, Any], sp: Optional[SequenceParallel] = None) -> Dict[str, Any]:
+    """The keyword arguments of a model call with the batch sharded for this rank.
+
+    A ``num_items_in_batch`` given by the caller (the trainer's count over the
+    gradient-accumulation window) is kept; a batch already sharded is returned as is.
+    """
+    if CONTEXT_KEY in kwargs:
+        return kwargs
+    sharded = shard_batch(kwargs, sp)
+    if kwargs.get("num_items_in_batch") is not None:
+        sharded["num_items_in_batch"] = kwargs["num_items_in_batch"]
+    return sharded
+
+
+@torch.compiler.disable  # shards the batch with a check exchange: outside a compiled graph, on purpose
+def _shard_hook(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]):
+    if current() is None:
+        return None
+    if cache_argument(kwargs) is not None or kwargs.get("use_cache"):
+        return None  # generation: hf_ring.generate splits the prompt and the cache itself
+    if args:
+        raise TypeError(
+            f"under sequence parallelism {type(module).__name__} must be called with keyword arguments "
+            "(input_ids=..., labels=...), so the batch can be sharded; got positional arguments"
+        )
+    return args, shard_model_inputs(kwargs)
+
+
+def attach_shard_hook(model: torch.nn.Module) -> None:
+    """Make every call of ``model`` shard its batch when a sequence-parallel setup is active (idempotent)."""
+    if getattr(model, _HOOK_ATTR, None) is None:
+        setattr(model, _HOOK_ATTR, model.register_forward_pre_hook(_shard_hook, with_kwargs=True))
+
+
+def data_mesh(sp: SequenceParallel, deepspeed: bool = False):
+    """The sp setup as a device mesh accelerate's data loaders read, over the same groups.
+
+    Its dims are ``("dp_replicate", "cp")``, or ``("dp", "tp")`` under DeepSpeed, whose branch of accelerate's
+    loader preparation reads only a ``"tp"`` dim: either way the ranks of one sp group load the same batches.
+    """
+    names = ("dp", "tp") if deepspeed else ("dp_replicate", "cp")
+    groups = [sp.dp_group, sp.sp_group]
+    if sp.tp_size > 1:  # a tp group (sp.mesh's innermost dim) shares one batch too: accelerate's own "tp" dim
+        groups, names = groups + [sp.tp_group], names + ("tp",)
+    return DeviceMesh.from_group(groups, sp.mesh.device_type, mesh=sp.mesh.mesh, mesh_dim_names=names)
+
+
+@contextmanager
+def _mesh_for_data(accelerator: Any, mesh: Any):
+    # Only data loaders may see the mesh: accelerate's FSDP2 and TP preparation read the same attribute.
+    state = accelerator.state
+    saved = state.device_mesh
+    state.device_mesh = mesh
+    try:
+        yield
+    finally:
+        state.device_mesh = saved
+
+
+def _refuse_dispatch(loader: Any) -> None:
+    if isinstance(loader, DataLoaderDispatcher):
+        raise ValueError(
+            "under sequence parallelism every rank must load its own batches: dispatching batches from rank 0 "
+            "(an IterableDataset, or accelerator_config={'dispatch_batches': True}) would give the ranks of one "
+            "sequence different rows; pass TrainingArguments(accelerator_config={'dispatch_batches': False})"
+        )
+
+
+def _global_order(tree: Any, n: int, local: int) -> Any:
+    """Every tensor of ``tree`` whose dim 1 is this rank's shard length, put back in global order."""
+    if isinstance(tree, torch.Tensor):
+        return gather_sequence(tree, n) if tree.dim() >= 2 and tree.shape[1] == local else tree
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_global_order(t, n, local) for t in tree)
+    if isinstance(tree, Mapping):
+        return type(tree)({k: _global_order(v, n, local) for k, v in tree.items()})
+    return tree
+
+
+def _sp_mean(loss: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """The mean over the sp group of the ranks' (shard) losses, held by each of them."""
+    loss = loss.detach().clone()
+    all_reduce(loss, sp.sp_group, "the loss mean over the sequence-parallel group")
+    return loss / sp.sp_size
+
+
+class SequenceParallelTrainerMixin:
+    """Put before a ``transformers.Trainer`` class to train with the sequence split over the sp group.
+
+    :func:`prepare_trainer` applies it to a built trainer. Subclassing works
+    too (``class T(SequenceParallelTrainerMixin, SFTTrainer)``) with the model
+    loaded with ``attn_implementation="ring_dilated"`` and
+    :func:`hf_ring.setup_sequence_parallel` called before training. With no
+    active sequence-parallel setup every method is the base class's.
+    """
+
+    def get_cp_size(self) -> int:
+        # The ranks of an sp group see one batch: the trainer divides its token count by this and sizes the
+        # global batch with it, exactly as for accelerate's context parallelism.
+        sp = current()
+        return super().get_cp_size() * (sp.sp_size if sp is not None else 1)
+
+    def _loader(self, build):
+        sp = current()
+        if sp is None:
+            return build()
+        with _mesh_for_data(self.accelerator, data_mesh(sp, self.is_deepspeed_enabled)):
+            loader = build()
+        _refuse_dispatch(loader)
+        return loader
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        count = super()._get_num_items_in_batch(batch_samples, device)
+        sp = current()
+        if sp is None or count is None or TRAINER_DIVIDES_TOKEN_COUNT:
+            return count
+        # The ranks of an sp group count one batch: the count is the group's share, as later releases make it.
+        return count / sp.sp_size
+
+    def get_train_dataloader(self):
+        return self._loader(super().get_train_dataloader)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self._loader(lambda: super(SequenceParallelTrainerMixin, self).get_eval_dataloader(eval_dataset))
+
+    def get_test_dataloader(self, test_dataset):
+        return self._loader(lambda: super(SequenceParallelTrainerMixin, self).get_test_dataloader(test_dataset))
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        sp = current()
+        if sp is None:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        attach_shard_hook(self.model)
+        if num_items_in_batch is None and inputs.get("labels") is not None:
+            # A shard's loss is a share of the sequence loss: normalise every shard by the global token count,
+            # counted the trainer's way (a collective: every rank evaluates the same number of batches).
+            num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
+        tokens = getattr(self, "_total_train_tokens", None)
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if num_items_in_batch is None and self.model.training:
+            # The model normalised by the batch's global count (shard_batch), and DDP averages over dp x sp.
+            out = (out[0] * sp.sp_size, out[1]) if return_outputs else out * sp.sp_size
+        if tokens is not None and self.model.training:
+            # TRL's SFTTrainer adds up the tokens of every rank's batch; the ranks of an sp group share one.
+            self._total_train_tokens = tokens + (self._total_train_tokens - tokens) // sp.sp_size
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return out
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        sp = current()
+        if sp is not None and self.is_deepspeed_enabled:
+            # compute_loss scales the loss for an average over every rank
+            zero.check_engine(model, sp.sp_size, sp.dp_size, sp.tp_size)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        # The trainer logs the mean over all ranks (unchanged by this) but reports its last unlogged steps from
+        # rank-local values: make those the sp group's, as a run without the split would have.
+        return loss if sp is None else _sp_mean(loss, sp)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        sp = current()
+        if sp is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        attach_shard_hook(self.model)
+        if not prediction_loss_only:
+            inputs = dict(inputs, return_logits=True)  # the sequence-tiled loss would not make them
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        n = batch_shape(inputs)[1]
+        if loss is not None:
+            loss = _sp_mean(loss, sp)  # one value per sp group, for a gather over the dp replicas
+        if logits is not None:
+            logits = _global_order(logits, n, model_rows(n, sp))
+        return loss, logits, labels
+
+    def evaluation_loop(self, *args, **kwargs):
+        if current() is None:
+            return super().evaluation_loop(*args, **kwargs)
+        saved, self.gather_function = self.gather_function, self._gather_over_dp
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.gather_function = saved
+
+    def _gather_over_dp(self, data):
+        """``accelerator.gather_for_metrics`` with one copy per sp group (all its ranks hold the same values)."""
+        sp = current()
+        gathered = self.accelerator.gather(data)
+
+        def keep(t):
+            t = t.reshape(sp.dp_size, sp.sp_size, -1, *t.shape[1:])[:, 0]
+            t = t.reshape(-1, *t.shape[2:])
+            state = self.accelerator.gradient_state
+            if state.end_of_dataloader and state.remainder > 0:
+                t = t[: state.remainder]  # the samples accelerate repeated to even out the last batch
+            return t
+
+        return recursively_apply(keep, gathered)
+
+    def _track_num_input_tokens(self, inputs):
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        sp = current()
+        if sp is not None:  # every rank of an sp group counted the same batch
+            self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // sp.sp_size
+
+
+_CLASSES: Dict[type, type] = {}
+
+
+_TRAINER_WHY = ("its class gains SequenceParallelTrainerMixin (sharded batches, one sequence's loss over the group, "
+                "sp-aware data loaders and checkpoints); undone by clear_sequence_parallel")
+
+
+def _sequence_parallel_class(cls: type) -> type:
+    if issubclass(cls, SequenceParallelTrainerMixin):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"SequenceParallel{cls.__name__}", (SequenceParallelTrainerMixin, cls), {})
+    return _CLASSES[cls]
+
+
+def _use_ring_attention(model: torch.nn.Module) -> None:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    if not ring_config.runs_ring(base.config):
+        base.set_attn_implementation(ring_config.ATTN_IMPLEMENTATION)
+
+
+def _training_started(trainer: Any) -> bool:
+    """Whether ``trainer.train()`` has run or is running (a callback calls in from inside it)."""
+    state = getattr(trainer, "state", None)
+    # train() sets is_in_train on entry; the state's max_steps (0 until then) and global_step stay set after it.
+    return bool(getattr(trainer, "is_in_train", False) or getattr(state, "max_steps", 0)
+                or getattr(state, "global_step", 0))
+
+
+def _refuse_misuse(trainer: Any, sp_size: Optional[int], layout: str, ulysses_size: Optional[int]) -> None:
+    """Refuse a second call and a call once training has started: the same, local outcome on every rank."""
+    done = getattr(trainer, _PREPARED_ATTR, None)
+    if done is not None:
+        raise ValueError(
+            f"prepare_trainer was already called on this trainer ({done}); the second call "
+            f"({_describe(sp_size, layout, ulysses_size)}) is refused and the first call's setup stays in force. "
+            "Call hf_ring.prepare_trainer once per trainer, after building it and before train(); for another "
+            "split, build a new trainer and prepare that one"
+        )
+    if _training_started(trainer):
+        raise ValueError(
+            "prepare_trainer was called after trainer.train() started (e.g. from a callback): the model, optimizer "
+            "and data loaders are already built for an unsplit run. Call hf_ring.prepare_trainer(trainer, sp_size=...) "
+            "once, after building the trainer and before trainer.train()"
+        )
+
+
+def _describe(sp_size: Optional[int], layout: str, ulysses_size: Optional[int]) -> str:
+    return f"sp_size={sp_size}, layout={layout!r}, ulysses_size={ulysses_size}"
+
+
+def _deepspeed_config(trainer: Any) -> Optional[dict]:
+    """The trainer's DeepSpeed config (the dict its engine will be built from), None without DeepSpeed."""
+    return trainer.accelerator.state.deepspeed_plugin.deepspeed_config if trainer.is_deepspeed_enabled else None
+
+
+def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: Optional[str] = None,
+                    ulysses_size: Optional[int] = None, tp_size: Optional[int] = None) -> Any:
+    """Make a built ``transformers.Trainer`` (or subclass, e.g. TRL's ``SFTTrainer``) split every sequence over ``sp_size`` ranks.
+
+    Call it once, after the trainer is built and before ``train``/``evaluate``/``predict``;
+    a second call, or one after ``train()`` has started (e.g. from a callback), raises ``ValueError``.
+    The remaining factor of the world is data parallel. Sets up the groups
+    (:func:`hf_ring.setup_sequence_parallel` with the trainer's accelerator),
+    switches the model's attention to ``ring_dilated`` and returns the trainer.
+    ``ulysses_size`` picks the ring (1), head parallelism (``sp_size``) or both
+    (see :func:`hf_ring.setup_sequence_parallel`); ``layout`` and
+    ``ulysses_size`` default to the model config's ``ring_dilated`` values
+    (:func:`hf_ring.configure`), else ``"zigzag"`` and 1, and one given here
+    that differs from the config's is refused before the setup, naming both.
+    ``tp_size``: the tensor-parallel size of a model sharded at load time
+    (``DistributedConfig(tp_size=..., fsdp_size=...)``), by default the model's own.
+    Under DeepSpeed (ZeRO 1-3) it refuses DeepSpeed's own sequence or tensor
+    parallelism and sizes its ``train_batch_size`` over the data-parallel
+    replicas (:mod:`hf_ring.training.zero`). In one process it only switches the attention.
+    """
+    from transformers import Trainer  # here, not at the top: importing it costs seconds that `import hf_ring` need not pay
+
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"trainer must be a transformers.Trainer (or subclass), got {type(trainer).__name__}")
+    _refuse_misuse(trainer, sp_size, layout, ulysses_size)
+    if getattr(trainer, "model_init", None) is not None:
+        raise ValueError("prepare_trainer needs a trainer built with model=..., not model_init")
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    if tp_size is None:
+        tp_size = loaded_tp_size(trainer.model)
+    # The Trainer itself sets accelerate's tp_size from a model sharded at load time: that one is the model's.
+    if pc is not None and (pc.cp_enabled or pc.sp_enabled or (pc.tp_enabled and pc.tp_size != tp_size)):
+        raise ValueError("prepare_trainer splits sequences itself; remove cp_size/sp_size/tp_size from parallelism_config")
+    base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model  # PEFT
+    saved = ring_config.parse(getattr(base.config, ring_config.CONFIG_KEY, None))
+    layout = saved.layout if layout is None else layout
+    ulysses_size = saved.ulysses_size or 1 if ulysses_size is None else ulysses_size
+    conflict = ring_config.shape_conflict(saved, layout, ulysses_size)
+    if conflict is not None:
+        raise ValueError(conflict)
+    heads = ring_config.model_heads(base.config)
+    if heads is not None:
+        check_heads(heads, check_tp_size(tp_size), check_ulysses_size(ulysses_size))  # now, not at the first step
+    check_trainer_model(trainer.model, tp_size, trainer.is_deepspeed_enabled)
+    ds_config = _deepspeed_config(trainer)
+    if ds_config is not None:  # refused before the setup, which is a collective
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        zero.check_config(ds_config, world if sp_size is None else sp_size)
+    sp = setup_sequence_parallel(trainer.accelerator, sp_size, layout=layout, ulysses_size=ulysses_size,
+                                 tp_size=tp_size)
+    if ds_config is not None:
+        zero.count_sequences_once(ds_config, sp.sp_size, sp.dp_size)
+    _use_ring_attention(trainer.model)
+    registry.replace(trainer, "__class__", _sequence_parallel_class, _TRAINER_WHY)
+    attach_shard_hook(trainer.model)
+    setattr(trainer, _PREPARED_ATTR, _describe(sp.sp_size, sp.layout, sp.ulysses_size))
+    return trainer

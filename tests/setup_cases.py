@@ -1,0 +1,31 @@
+"""Rank functions of the setup tests: the sequence-parallel scope (module-level so they pickle)."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+import hf_ring
+
+
+def scope_case(path):
+    """A sharded step inside ``with hf_ring.sequence_parallel(...)``; what is set up inside and left after, and
+    whether an error inside the block and a block inside another were handled."""
+    from models import batch, load
+
+    seen = {}
+    with hf_ring.sequence_parallel(None) as sp:
+        seen["inside"] = hf_ring.current() is sp and sp.sp_size == dist.get_world_size()
+        seen["patched"] = len(hf_ring.patches.applied()) > 1
+        model = load(path, "ring_dilated").train()
+        seen["loss"] = float(model(**hf_ring.shard_batch(batch(1, 1, 17))).loss)
+        try:
+            with hf_ring.sequence_parallel(None):
+                pass
+        except ValueError as err:
+            seen["nested"] = str(err)
+    seen["after"] = hf_ring.current() is None and [p.name for p in hf_ring.patches.applied()] == ["__call__"]
+    try:
+        with hf_ring.sequence_parallel(None):
+            raise KeyError("inside the block")
+    except KeyError:
+        seen["after_error"] = hf_ring.current() is None and len(hf_ring.patches.applied()) == 1
+    return seen

@@ -1,0 +1,223 @@
+"""Rank functions of the Trainer and TRL tests (module-level so they pickle)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import hf_ring
+from hf_ring.integration.seams import CHECKPOINTING_ARGUMENT, checkpointing_on
+
+
+class RowDataset(torch.utils.data.Dataset):
+    """Rows of a dict of (rows, n) tensors, as a Trainer dataset."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data["input_ids"])
+
+    def __getitem__(self, i):
+        return {k: v[i] for k, v in self.data.items()}
+
+
+class GradRecorder:
+    """A Trainer callback keeping each optimizer step's gradients of the trainable parameters (full tensors)."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        self.steps = []
+        self.callback = type("Recorder", (TrainerCallback,), {"on_pre_optimizer_step": self._record})()
+
+    def _record(self, args, state, control, model=None, **kwargs):
+        from torch.distributed.tensor import DTensor
+
+        grads = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad and p.grad is not None:
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                grads[name.replace("module.", "")] = g.detach().clone()
+        self.steps.append(grads)
+
+
+def trainer_env():
+    """Point accelerate at the running gloo world (the pool starts it from a file, not from the environment)."""
+    import os
+
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", ACCELERATE_USE_CPU="true")
+
+
+def trainer_data(seed, rows, n, pad="right"):
+    """Rows of random tokens (by default the first right-padded, labels -100 on padding)."""
+    from models import batch
+
+    return batch(seed, rows, n, pad=pad)
+
+
+@dataclass
+class TrainerRun:
+    """How :func:`trainer_case` trains: its batch, steps, model options and what it returns."""
+
+    per_device: int = 1
+    accum: int = 2
+    steps: int = 2
+    n: int = 23
+    lora: bool = False
+    checkpointing: bool = False
+    fsdp: bool = False
+    eval_rows: int = 3
+    eval_pad: str = "right"
+    predict_rows: int = 3
+    resume_at: Optional[int] = None
+    layout: str = "zigzag"
+    out_dir: Optional[str] = None
+    ulysses_size: Optional[int] = None
+
+
+def trainer_case(path, sp_size=None, **options):
+    """Train a tiny model with transformers.Trainer (sequence parallel when sp_size is given), then evaluate and predict
+    (``options``: the fields of :class:`TrainerRun`).
+
+    Returns logged losses, every optimizer step's gradients, eval_loss, predicted logits and final parameters.
+    """
+    import tempfile
+
+    from accelerate.state import AcceleratorState
+    from models import load
+    from transformers import Trainer, TrainingArguments
+
+    run = TrainerRun(**options)
+    trainer_env()
+    AcceleratorState._reset_state()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    kw = {}
+    if run.fsdp:  # transformers shards the model with FSDP2 at load time (accelerate's FSDP plugin needs GPUs)
+        from transformers.distributed import DistributedConfig
+
+        kw["distributed_config"] = DistributedConfig(fsdp_size=world)
+    model = load(path, "sdpa" if sp_size is None else "ring_dilated", **kw).train()
+    if run.lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(0)  # the adapters' random initial values, the same in every process
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 init_lora_weights=False, lora_dropout=0.0))
+    rows = run.per_device * run.accum * run.steps * (world // (sp_size or 1))
+    run.out_dir = run.out_dir or tempfile.mkdtemp(prefix="hf_ring_trainer_")  # ranks that resume share one directory
+    args = TrainingArguments(
+        output_dir=run.out_dir, per_device_train_batch_size=run.per_device, per_device_eval_batch_size=2,
+        gradient_accumulation_steps=run.accum, max_steps=run.steps, learning_rate=0.5, optim="sgd",
+        lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, use_cpu=True,
+        train_sampling_strategy="sequential", disable_tqdm=True, **{CHECKPOINTING_ARGUMENT: run.checkpointing},
+        save_strategy="steps" if run.resume_at else "no", save_steps=run.resume_at or 500,
+    )
+    recorder = GradRecorder()
+    trainer = Trainer(model=model, args=args, train_dataset=RowDataset(trainer_data(1, rows, run.n)),
+                      eval_dataset=RowDataset(trainer_data(2, run.eval_rows, run.n, run.eval_pad)),
+                      callbacks=[recorder.callback])
+    if sp_size is not None:
+        hf_ring.prepare_trainer(trainer, sp_size, layout=run.layout, ulysses_size=run.ulysses_size)
+    try:
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        result = {"losses": losses, "grads": recorder.steps, "eval_loss": trainer.evaluate()["eval_loss"]}
+        if run.predict_rows:
+            pred = trainer.predict(RowDataset(trainer_data(3, run.predict_rows, run.n)))
+            result["logits"], result["label_ids"] = torch.as_tensor(pred.predictions), torch.as_tensor(pred.label_ids)
+            unlabelled = {k: v for k, v in trainer_data(3, run.predict_rows, run.n).items() if k != "labels"}
+            result["logits_unlabelled"] = torch.as_tensor(trainer.predict(RowDataset(unlabelled)).predictions)
+        from torch.distributed.tensor import DTensor
+
+        params = dict(trainer.model.named_parameters())
+        result["params"] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                            for k, v in params.items()}
+        result["wrapped"] = type(trainer.model_wrapped).__name__
+        result["dtensor"] = any(isinstance(v, DTensor) for v in params.values())
+        result["checkpointing"] = checkpointing_on(trainer.model)
+        sp = hf_ring.integration.groups.current()
+        result["ulysses_size"] = None if sp is None else sp.ulysses_size
+        if run.resume_at:
+            result["resumed"] = _resume_case(trainer, f"{run.out_dir}/checkpoint-{run.resume_at}", sp_size, run.layout)
+        return result if not dist.is_initialized() or dist.get_rank() == 0 else {"losses": losses}
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+def _resume_case(trainer, checkpoint, sp_size, layout):
+    """Train again from a saved checkpoint: the final parameters must equal the uninterrupted run's."""
+    from transformers import Trainer
+
+    from models import load
+
+    model = load(checkpoint, "sdpa" if sp_size is None else "ring_dilated").train()
+    again = Trainer(model=model, args=trainer.args, train_dataset=trainer.train_dataset)
+    if sp_size is not None:
+        hf_ring.prepare_trainer(again, sp_size, layout=layout)
+    again.train(resume_from_checkpoint=checkpoint)
+    return {k: v.detach().clone() for k, v in again.model.named_parameters()}
+
+
+def sft_case(path, sp_size=None, *, padding_free=False, steps=2, per_device=2, accum=2):
+    """Train with TRL's SFTTrainer (examples/sft.py's tokenizer and data)."""
+    import os
+    import sys
+    import tempfile
+
+    from accelerate.state import AcceleratorState
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import sft
+
+    trainer_env()
+    AcceleratorState._reset_state()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rows = per_device * accum * steps * (world // (sp_size or 1))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    args = SFTConfig(
+        output_dir=tempfile.mkdtemp(prefix="hf_ring_sft_"), per_device_train_batch_size=per_device,
+        per_device_eval_batch_size=2, gradient_accumulation_steps=accum, max_steps=steps, learning_rate=0.5,
+        optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0,
+        use_cpu=True, train_sampling_strategy="sequential", disable_tqdm=True, save_strategy="no",
+        padding_free=padding_free, max_length=None if padding_free else 128, bf16=False,
+        **{CHECKPOINTING_ARGUMENT: True},  # TRL's default, by the name this release takes without a warning
+    )
+    recorder = GradRecorder()
+    trainer = SFTTrainer(model=model, args=args, processing_class=sft.char_tokenizer(),
+                         train_dataset=Dataset.from_list(sft.reverse_pairs(rows, 0)),
+                         eval_dataset=Dataset.from_list(sft.reverse_pairs(3, 1)), callbacks=[recorder.callback])
+    if sp_size is not None:
+        hf_ring.prepare_trainer(trainer, sp_size)
+    try:
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        metrics = trainer.evaluate()
+        result = {"losses": losses, "grads": recorder.steps, "eval_loss": metrics["eval_loss"],
+                  "num_tokens": metrics.get("eval_num_tokens"), "accuracy": metrics.get("eval_mean_token_accuracy")}
+        return result if not dist.is_initialized() or dist.get_rank() == 0 else {"losses": losses}
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+def sft_example_case(argv):
+    """examples/sft.py's main on every rank (as under torchrun)."""
+    import os
+    import sys
+
+    from accelerate.state import AcceleratorState
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import sft
+
+    trainer_env()
+    AcceleratorState._reset_state()
+    return sft.main(argv)
