@@ -348,8 +348,68 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+class Schedule:
+    """What step ``step`` trains on: its sequence length (the passkey curriculum), its attention pattern, its batch
+    and its learning rate. The same on every rank of a sequence-parallel group."""
+
+    def __init__(self, args: argparse.Namespace, sp: hf_ring.SequenceParallel, model,
+                 pattern: Optional[hf_ring.DilatedPattern], text: Optional[torch.Tensor]):
+        self.args, self.sp, self.model, self.pattern, self.text = args, sp, model, pattern, text
+
+    def length_at(self, step: int) -> int:
+        """Passkey curriculum: short sequences teach the retrieval cheaply, then full length.
+
+        The first --warmup-frac of the steps doubles the length from --warmup-len,
+        the shortest stage taking half of that time; the rest is all --seq-len.
+        """
+        args = self.args
+        if self.text is not None or not args.warmup_len or args.warmup_len >= args.seq_len:
+            return args.seq_len
+        stages = max(1, math.ceil(math.log2(args.seq_len / args.warmup_len)))
+        frac = step / max(1, int(args.steps * args.warmup_frac))
+        if frac >= 1:
+            return args.seq_len
+        # stage 0 takes [0, 1/2), stage i > 0 an equal share of [1/2, 1)
+        stage = 0 if frac < 0.5 else 1 + int((frac - 0.5) * 2 * (stages - 1))
+        return min(args.seq_len, max(self.sp.sp_size, args.warmup_len << stage))
+
+    def pattern_at(self, step: int) -> Optional[hf_ring.DilatedPattern]:
+        """The pattern a training step runs: dense for the first --dense-frac of the steps (the model first learns
+        to retrieve at all), then the pattern with its segments scaled to the curriculum's length, so that the short
+        stages already need the long branches as the full length does (a 32-token stage would otherwise run dense;
+        a linear pattern that instead kept its base segment and grew a branch per doubling learned far less)."""
+        if self.pattern is None or step < self.args.dense_frac * self.args.steps:
+            return None
+        length = self.length_at(step)
+        return hf_ring.DilatedPattern([max(r, w * length // self.args.seq_len) for w, r in self.pattern.branches],
+                                      self.pattern.dilation_rates)
+
+    def use(self, chosen: Optional[hf_ring.DilatedPattern]) -> None:
+        """Run the model with pattern ``chosen`` from now on (None: dense)."""
+        if self.pattern is not None:
+            hf_ring.configure(self.model, pattern=chosen, layout=self.args.layout,
+                              ulysses_size=self.args.ulysses_size)
+
+    def batch_for(self, step: int, micro: int) -> Dict[str, torch.Tensor]:
+        """Same batch on every rank of an sp group, different across dp replicas and steps."""
+        args = self.args
+        g = torch.Generator().manual_seed(hash((args.seed, step, micro, self.sp.dp_rank)) % 2**31)
+        if self.text is None:
+            length = self.length_at(step)
+            # about the same number of tokens per step at every length
+            return passkey_batch(g, max(1, args.batch_size * args.seq_len // length), length,
+                                 None if args.min_distance is None else min(args.min_distance, length // 2))
+        rows = torch.randint(0, self.text.shape[0], (args.batch_size,), generator=g)
+        return {"input_ids": self.text[rows], "labels": self.text[rows]}
+
+    def lr_at(self, step: int) -> float:
+        args = self.args
+        warm = max(1, args.steps // 20)
+        return args.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
+
+
+def launch(args: argparse.Namespace):
+    """The accelerator, its mixed precision and the sequence-parallel groups of this launch."""
     from accelerate import Accelerator
 
     cuda = torch.cuda.is_available()
@@ -364,16 +424,18 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--sp-size {sp_size} does not divide the {world} processes")
     if args.seq_len < sp_size:
         raise SystemExit(f"--seq-len {args.seq_len} is shorter than --sp-size {sp_size}: every rank needs a token")
-    sp = hf_ring.setup_sequence_parallel(accelerator, sp_size, layout=args.layout,
-                                         ulysses_size=args.ulysses_size)
-    is_main = accelerator.is_main_process
-    torch.manual_seed(args.seed)
+    sp = hf_ring.setup_sequence_parallel(accelerator, sp_size, layout=args.layout, ulysses_size=args.ulysses_size)
+    return accelerator, mixed, sp
 
+
+def build(args: argparse.Namespace, device):
+    """The model (new, given, or resumed from --output) with its attention pattern, its optimizer, and the step
+    and history a resumed run continues from."""
     resume_dir = args.output if args.resume else None
     if args.resume and not os.path.isfile(os.path.join(args.output, "trainer_state.pt")):
         raise SystemExit(f"--resume: no checkpoint in {args.output}")
     model = load_model(resume_dir or args.model, args.seq_len, torch.float32, args.heads,
-                       args.head_dim, args.layers).to(accelerator.device)
+                       args.head_dim, args.layers).to(device)
     pattern = None
     if args.segment_lengths:
         pattern = hf_ring.DilatedPattern(args.segment_lengths, args.dilation_rates)
@@ -391,74 +453,26 @@ def main(argv=None) -> dict:
         state = torch.load(os.path.join(resume_dir, "trainer_state.pt"), weights_only=True)
         optimizer.load_state_dict(state["optimizer"])
         start, history = state["step"], state["history"]
+    return model, pattern, optimizer, start, history
 
-    text = pack_bytes(read_text(args.data), args.seq_len) if args.data else None
-    eval_gen = torch.Generator().manual_seed(10_000 + args.seed)
-    eval_batches = [] if text is not None else [
-        passkey_batch(eval_gen, args.batch_size, args.seq_len, args.min_distance) for _ in range(args.eval_batches)
-    ]
 
-    def length_at(step: int) -> int:
-        """Passkey curriculum: short sequences teach the retrieval cheaply, then full length.
-
-        The first --warmup-frac of the steps doubles the length from --warmup-len,
-        the shortest stage taking half of that time; the rest is all --seq-len.
-        """
-        if text is not None or not args.warmup_len or args.warmup_len >= args.seq_len:
-            return args.seq_len
-        stages = max(1, math.ceil(math.log2(args.seq_len / args.warmup_len)))
-        frac = step / max(1, int(args.steps * args.warmup_frac))
-        if frac >= 1:
-            return args.seq_len
-        # stage 0 takes [0, 1/2), stage i > 0 an equal share of [1/2, 1)
-        stage = 0 if frac < 0.5 else 1 + int((frac - 0.5) * 2 * (stages - 1))
-        return min(args.seq_len, max(sp_size, args.warmup_len << stage))
-
-    def pattern_at(step: int) -> Optional[hf_ring.DilatedPattern]:
-        """The pattern a training step runs: dense for the first --dense-frac of the steps (the model first learns
-        to retrieve at all), then the pattern with its segments scaled to the curriculum's length, so that the short
-        stages already need the long branches as the full length does (a 32-token stage would otherwise run dense;
-        a linear pattern that instead kept its base segment and grew a branch per doubling learned far less)."""
-        if pattern is None or step < args.dense_frac * args.steps:
-            return None
-        length = length_at(step)
-        return hf_ring.DilatedPattern([max(r, w * length // args.seq_len) for w, r in pattern.branches],
-                                      pattern.dilation_rates)
-
-    def use(chosen: Optional[hf_ring.DilatedPattern]) -> None:
-        if pattern is not None:
-            hf_ring.configure(model, pattern=chosen, layout=args.layout, ulysses_size=args.ulysses_size)
-
-    def batch_for(step: int, micro: int) -> Dict[str, torch.Tensor]:
-        # Same batch on every rank of an sp group, different across dp replicas and steps.
-        g = torch.Generator().manual_seed(hash((args.seed, step, micro, sp.dp_rank)) % 2**31)
-        if text is None:
-            length = length_at(step)
-            # about the same number of tokens per step at every length
-            return passkey_batch(g, max(1, args.batch_size * args.seq_len // length), length,
-                                 None if args.min_distance is None else min(args.min_distance, length // 2))
-        rows = torch.randint(0, text.shape[0], (args.batch_size,), generator=g)
-        return {"input_ids": text[rows], "labels": text[rows]}
-
-    def lr_at(step: int) -> float:
-        warm = max(1, args.steps // 20)
-        return args.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
-
-    if not history and eval_batches:
-        history.append({"step": 0, "accuracy": retrieval_accuracy(model, eval_batches, sp)})
+def train(args, accelerator, sp, schedule: Schedule, optimizer, start: int, history: List[dict],
+          eval_batches: List[Dict[str, torch.Tensor]]) -> int:
+    """The training loop from step ``start``, appending a record per step to ``history``; the step it reached."""
+    model = schedule.model
     bar = None
-    if is_main:
+    if accelerator.is_main_process:
         from tqdm import tqdm
 
         bar = tqdm(total=args.steps, initial=start, desc="train", file=sys.stdout, mininterval=10)
     t0, tokens, reached = time.perf_counter(), 0, start
     for step in range(start, args.steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = schedule.lr_at(step)
         loss, began = 0.0, time.perf_counter()
-        use(pattern_at(step))
+        schedule.use(schedule.pattern_at(step))
         for micro in range(args.grad_accum):
-            batch = {k: v.to(accelerator.device) for k, v in batch_for(step, micro).items()}
+            batch = {k: v.to(accelerator.device) for k, v in schedule.batch_for(step, micro).items()}
             loss += train_step(model, batch, sp) / args.grad_accum
             tokens += batch["input_ids"].numel() * sp.dp_size
         for p in model.parameters():
@@ -471,12 +485,12 @@ def main(argv=None) -> dict:
         record = {"step": step + 1, "loss": loss, "seq_len": batch["input_ids"].shape[1],
                   "step_s": round(time.perf_counter() - began, 4)}
         if eval_batches and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
-            use(pattern)  # evaluated, and saved, with the full pattern
+            schedule.use(schedule.pattern)  # evaluated, and saved, with the full pattern
             record["accuracy"] = retrieval_accuracy(model, eval_batches, sp)
         history.append(record)
         reached = step + 1
-        if is_main and args.save_every and reached % args.save_every == 0 and reached < args.steps:
-            use(pattern)
+        if accelerator.is_main_process and args.save_every and reached % args.save_every == 0 and reached < args.steps:
+            schedule.use(schedule.pattern)
             save_checkpoint(model, optimizer, reached, history, args.output)
         if bar is not None:
             shown = {"loss": f"{loss:.3f}", "tok/s": f"{tokens / (time.perf_counter() - t0):.0f}"}
@@ -487,39 +501,65 @@ def main(argv=None) -> dict:
             bar.update(1)
     if bar is not None:
         bar.close()
-    wall = time.perf_counter() - t0
-    use(pattern)
+    return reached
+
+
+def report(args, accelerator, sp, schedule: Schedule, optimizer, start: int, reached: int, history: List[dict],
+           wall: float, mixed: str, evaluated: bool) -> None:
+    """Accuracy by passkey depth, each rank's memory peak, the final checkpoint, the plot and summary.json."""
+    model, pattern, world = schedule.model, schedule.pattern, accelerator.num_processes
+    schedule.use(pattern)
     by_depth = {}
-    if eval_batches and args.depth_prompts:
+    if evaluated and args.depth_prompts:
         anywhere = args.min_distance is not None and args.min_distance < args.seq_len // 2
         by_depth = accuracy_by_depth(model, sp, args.seq_len, args.depth_prompts, args.seed,
                                      DEPTHS_ANYWHERE if anywhere else DEPTHS, args.min_distance)
-        if is_main:
+        if accelerator.is_main_process:
             print("accuracy by passkey depth: " + ", ".join(f"{float(d):.0%} {a:.2f}" for d, a in by_depth.items()))
     # ru_maxrss is in KiB on Linux: the process's resident peak over the whole run, evaluation included
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64,
                         device=accelerator.device)
     peaks = hf_ring.engine.comm.all_gather(peak, None, "the peak memory report").flatten().tolist() if world > 1 else [
         float(peak)]
-    if is_main:
-        save_checkpoint(model, optimizer, reached, history, args.output)
-        plot(history, by_depth, args.seq_len, os.path.join(args.output, "accuracy.png"))
-        accs = [h["accuracy"] for h in history if "accuracy" in h]
-        full = [h["step_s"] for h in history if h.get("seq_len") == args.seq_len and "step_s" in h]
-        summary = {"wall_s": round(wall, 1), "steps": reached - start, "world": world, "sp_size": sp_size,
-                   "seed": args.seed, "seq_len": args.seq_len,
-                   "pattern": None if pattern is None else pattern.to_dict(),
-                   "heads": model.config.num_attention_heads, "layers": model.config.num_hidden_layers,
-                   "mixed_precision": mixed, "min_distance": args.min_distance,
-                   "accuracy_before": accs[0] if accs else None, "accuracy_after": accs[-1] if accs else None,
-                   "accuracy_by_depth": by_depth, "chance": 1 / N_KEYS,
-                   "final_loss": history[-1].get("loss") if history else None,
-                   # the median training step at full length (after the curriculum), and each rank's resident peak
-                   "step_s_at_full_length": round(statistics.median(full), 3) if full else None,
-                   "peak_rss_mb_per_rank": [round(x, 1) for x in peaks]}
-        with open(os.path.join(args.output, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        print(json.dumps(summary))
+    if not accelerator.is_main_process:
+        return
+    save_checkpoint(model, optimizer, reached, history, args.output)
+    plot(history, by_depth, args.seq_len, os.path.join(args.output, "accuracy.png"))
+    accs = [h["accuracy"] for h in history if "accuracy" in h]
+    full = [h["step_s"] for h in history if h.get("seq_len") == args.seq_len and "step_s" in h]
+    summary = {"wall_s": round(wall, 1), "steps": reached - start, "world": world, "sp_size": sp.sp_size,
+               "seed": args.seed, "seq_len": args.seq_len,
+               "pattern": None if pattern is None else pattern.to_dict(),
+               "heads": model.config.num_attention_heads, "layers": model.config.num_hidden_layers,
+               "mixed_precision": mixed, "min_distance": args.min_distance,
+               "accuracy_before": accs[0] if accs else None, "accuracy_after": accs[-1] if accs else None,
+               "accuracy_by_depth": by_depth, "chance": 1 / N_KEYS,
+               "final_loss": history[-1].get("loss") if history else None,
+               # the median training step at full length (after the curriculum), and each rank's resident peak
+               "step_s_at_full_length": round(statistics.median(full), 3) if full else None,
+               "peak_rss_mb_per_rank": [round(x, 1) for x in peaks]}
+    with open(os.path.join(args.output, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(json.dumps(summary))
+
+
+def main(argv=None) -> dict:
+    """The recipe: launch, build the model, train on the schedule, report."""
+    args = parse_args(argv)
+    accelerator, mixed, sp = launch(args)
+    torch.manual_seed(args.seed)
+    model, pattern, optimizer, start, history = build(args, accelerator.device)
+    text = pack_bytes(read_text(args.data), args.seq_len) if args.data else None
+    eval_gen = torch.Generator().manual_seed(10_000 + args.seed)
+    eval_batches = [] if text is not None else [
+        passkey_batch(eval_gen, args.batch_size, args.seq_len, args.min_distance) for _ in range(args.eval_batches)]
+    schedule = Schedule(args, sp, model, pattern, text)
+    if not history and eval_batches:
+        history.append({"step": 0, "accuracy": retrieval_accuracy(model, eval_batches, sp)})
+    t0 = time.perf_counter()
+    reached = train(args, accelerator, sp, schedule, optimizer, start, history, eval_batches)
+    report(args, accelerator, sp, schedule, optimizer, start, reached, history, time.perf_counter() - t0, mixed,
+           bool(eval_batches))
     accelerator.wait_for_everyone()
     hf_ring.clear_sequence_parallel()
     return {"history": history}

@@ -6,7 +6,10 @@
 
 Runs offline: the default model is a small Llama built from a config (saved to
 ``--output``/base and loaded back), the tokenizer is character level, and the
-data, prompt -> completion pairs that reverse a word, are made here. An existing
+data, prompt -> completion pairs that shift every letter of some words to the
+next one (``next: abc yz -> bcd za``), are made here. It ends by printing the
+model's token accuracy on the completions of held-out words (chance is 1 in 29):
+above 0.9 in the default 300 steps (under a minute on 2 CPU processes). An existing
 SFTTrainer script needs one more line, ``hf_ring.prepare_trainer(trainer, sp_size)``,
 after the trainer is built (``--no-trl`` runs the same with transformers' Trainer).
 """
@@ -17,7 +20,7 @@ import json
 import os
 import random
 import string
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -40,15 +43,45 @@ def char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=UNK)
 
 
-def reverse_pairs(count: int, seed: int) -> List[dict]:
-    """Prompt/completion pairs: ``"reverse: abc ->"`` followed by ``" cba"``."""
+def _next_letter(text: str) -> str:
+    return "".join(chr((ord(c) - ord("a") + 1) % 26 + ord("a")) if c.isalpha() else c for c in text)
+
+
+def shift_pairs(count: int, seed: int) -> List[dict]:
+    """Prompt/completion pairs: ``"next: abc yz ->"`` followed by ``" bcd za"`` (every letter moved on by one)."""
     rng = random.Random(seed)
     rows = []
     for _ in range(count):
-        words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 8))) for _ in range(rng.randint(1, 4))]
+        words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 8))) for _ in range(rng.randint(1, 2))]
         text = " ".join(words)
-        rows.append({"prompt": f"reverse: {text} ->", "completion": " " + text[::-1]})
+        rows.append({"prompt": f"next: {text} ->", "completion": " " + _next_letter(text)})
     return rows
+
+
+def data(args: argparse.Namespace) -> Tuple[List[dict], List[dict]]:
+    """Training rows (one epoch of the steps over every data-parallel replica unless --train-rows says otherwise) and
+    evaluation rows whose words are none of the training rows' (held out)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    replicas = max(1, world // (args.sp_size or world))
+    train = shift_pairs(args.train_rows or args.steps * args.batch_size * args.grad_accum * replicas, args.seed)
+    seen = {word for row in train for word in row["prompt"].split()}
+    fresh = [row for row in shift_pairs(4 * args.eval_rows, args.seed + 1)
+             if not seen & set(row["prompt"].split()[1:-1])]
+    return train, fresh[:args.eval_rows]
+
+
+def held_out_accuracy(trainer, metrics: dict, rows: List[dict], tokenizer) -> float:
+    """The share of completion tokens of ``rows`` (the evaluation set: words not trained on) the model predicts
+    right, teacher-forced: TRL's own evaluation metric, or the plain Trainer's predictions."""
+    if "eval_mean_token_accuracy" in metrics:
+        return float(metrics["eval_mean_token_accuracy"])
+    from datasets import Dataset
+
+    pred = trainer.predict(Dataset.from_list(tokenized(rows, tokenizer)))
+    logits, labels = torch.as_tensor(pred.predictions), torch.as_tensor(pred.label_ids)
+    guess, target = logits[:, :-1].argmax(-1), labels[:, 1:]
+    scored = target != -100
+    return float(((guess == target) & scored).sum() / scored.sum())
 
 
 def default_model(out_dir: str, vocab_size: int, seed: int) -> str:
@@ -69,12 +102,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sp-size", type=int, default=None, help="ranks per sequence (default: all)")
     ap.add_argument("--model", default=None, help="local causal LM directory (default: a small Llama built here)")
-    ap.add_argument("--steps", type=int, default=60, help="optimizer steps (default: %(default)s)")
-    ap.add_argument("--batch-size", type=int, default=8,
+    ap.add_argument("--steps", type=int, default=300, help="optimizer steps (default: %(default)s)")
+    ap.add_argument("--batch-size", type=int, default=32,
                     help="sequences per step and data-parallel replica (default: %(default)s)")
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default: %(default)s)")
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
-    ap.add_argument("--train-rows", type=int, default=2000, help="training examples made (default: %(default)s)")
+    ap.add_argument("--train-rows", type=int, default=None,
+                    help="training examples made (default: one epoch of the steps)")
     ap.add_argument("--eval-rows", type=int, default=64, help="evaluation examples made (default: %(default)s)")
     ap.add_argument("--lora", action="store_true", help="train LoRA adapters (needs peft) (default: off)")
     ap.add_argument("--gradient-checkpointing", action="store_true",
@@ -120,8 +154,7 @@ def build_trainer(args: argparse.Namespace, tokenizer, model_path: str):
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    train = reverse_pairs(args.train_rows, args.seed)
-    evals = reverse_pairs(args.eval_rows, args.seed + 1)
+    train, evals = data(args)
     if args.no_trl:
         from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
@@ -161,13 +194,16 @@ def main(argv: Optional[List[str]] = None) -> dict:
     resume = args.resume and any(d.startswith("checkpoint-") for d in os.listdir(args.output))
     result = trainer.train(resume_from_checkpoint=True if resume else None)
     metrics = trainer.evaluate()
+    accuracy = held_out_accuracy(trainer, metrics, data(args)[1], tokenizer)
     trainer.save_model(args.output)
-    summary = {"train_loss": result.training_loss, "eval_loss": metrics["eval_loss"], "steps": trainer.state.global_step,
+    summary = {"train_loss": result.training_loss, "eval_loss": metrics["eval_loss"],
+               "held_out_token_accuracy": accuracy, "steps": trainer.state.global_step,
                "world": trainer.args.world_size, "sp_size": args.sp_size or trainer.args.world_size}
     if trainer.is_world_process_zero():
         with open(os.path.join(args.output, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         print(json.dumps(summary))
+        print(f"held-out token accuracy: {accuracy:.3f} of the completions of words not trained on (chance 1/29)")
     hf_ring.clear_sequence_parallel()
     return summary
 

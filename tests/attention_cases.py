@@ -1,4 +1,5 @@
-"""Rank functions of the attention tests: ring attention, documents, spans and head parallelism on every rank of a pool (module-level so they pickle)."""
+"""Rank functions of the attention tests: ring attention, documents, spans and head parallelism on every rank of a
+pool (module-level so they pickle)."""
 from __future__ import annotations
 
 import torch

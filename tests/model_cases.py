@@ -1,4 +1,5 @@
-"""Rank functions of the sharded-model tests: training steps, logits, the forward's agreement and its refusals (module-level so they pickle)."""
+"""Rank functions of the sharded-model tests: training steps, logits, the forward's agreement and its refusals
+(module-level so they pickle)."""
 from __future__ import annotations
 
 import torch

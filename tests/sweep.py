@@ -189,7 +189,7 @@ def one_process_row(model_type: str) -> Dict[str, Any]:
         return {"type": model_type, "status": "crashed",
                 "why": f"{type(err).__name__}: {str(err)[:200]} | {traceback.format_exc(limit=-3)[-600:]}"}
     err = ((got - ref).abs().max() / ref.abs().max()).item()
-    if err > 1e-5:  # where eager and sdpa part ways (a mask left out, which sdpa reads as causal), either is the reference
+    if err > 1e-5:  # where eager and sdpa part ways (a mask left out, which sdpa reads as causal), either is right
         try:
             sdpa, _ = logits_of(model, batch, "sdpa")
             err = min(err, ((got - sdpa).abs().max() / sdpa.abs().max()).item())

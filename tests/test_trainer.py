@@ -159,6 +159,7 @@ def test_sft_example_sp2_equals_one_process(pools, sft_model, tmp_path, trl):
     for g in got:
         for key in ("train_loss", "eval_loss"):
             assert abs(g[key] - ref[key]) <= TOL * abs(ref[key]), key
+        assert g["held_out_token_accuracy"] == ref["held_out_token_accuracy"]
     assert os.path.isfile(tmp_path / "sp" / "model.safetensors") and os.path.isfile(tmp_path / "sp" / "summary.json")
 
 

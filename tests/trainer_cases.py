@@ -193,8 +193,8 @@ def sft_case(path, sp_size=None, *, padding_free=False, steps=2, per_device=2, a
     )
     recorder = GradRecorder()
     trainer = SFTTrainer(model=model, args=args, processing_class=sft.char_tokenizer(),
-                         train_dataset=Dataset.from_list(sft.reverse_pairs(rows, 0)),
-                         eval_dataset=Dataset.from_list(sft.reverse_pairs(3, 1)), callbacks=[recorder.callback])
+                         train_dataset=Dataset.from_list(sft.shift_pairs(rows, 0)),
+                         eval_dataset=Dataset.from_list(sft.shift_pairs(3, 1)), callbacks=[recorder.callback])
     if sp_size is not None:
         hf_ring.prepare_trainer(trainer, sp_size)
     try:

@@ -126,7 +126,8 @@ def classify(q: Progression, k: Progression, causal: bool, window: Optional[int]
     return "mask"
 
 
-def tiles(q: Progression, k: Progression, causal: bool, window: Optional[int], tile: int) -> List[Tuple[Progression, Progression, str]]:
+def tiles(q: Progression, k: Progression, causal: bool, window: Optional[int],
+          tile: int) -> List[Tuple[Progression, Progression, str]]:
     """Split ``q x k`` into classified tiles of at most ``tile`` rows a side, dropping empty ones.
 
     Under a sliding window (stride 1) each query tile is cut against the keys
@@ -219,7 +220,8 @@ class KeyValidity:
 
 def padding_parts(q: Progression, keys: Progression, kind: str, causal: bool, window: Optional[int],
                   valid: Optional[KeyValidity], mask: Optional[torch.Tensor], tile: Optional[int], padded_tile: int,
-                  split_rows: bool) -> Iterator[Tuple[slice, Progression, Progression, str, slice, Optional[torch.Tensor]]]:
+                  split_rows: bool
+                  ) -> Iterator[Tuple[slice, Progression, Progression, str, slice, Optional[torch.Tensor]]]:
     """What the block ``q x keys`` of kind ``kind`` computes under key padding: ``(batch rows, query rows, key
     rows, kind, the keys' slice of their piece, key mask or None)`` per kernel call.
 

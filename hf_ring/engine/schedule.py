@@ -171,7 +171,8 @@ def _segments(runs, wt: int) -> List[int]:
     return sorted(segs)
 
 
-def _document_tiles(q_progs: List[Progression], kp: Progression, tile: int, documents: Documents, seq_len: int, causal: bool,
+def _document_tiles(q_progs: List[Progression], kp: Progression, tile: int, documents: Documents, seq_len: int,
+                    causal: bool,
                     window: Optional[int]) -> List[Tuple[Progression, Tuple[Progression, Progression, str]]]:
     """Tiles whose rows share a document, each cut to the key rows its queries may see there.
 

@@ -116,7 +116,8 @@ def _refuse_unsupported(dropout: float, training: bool, kwargs: dict, sharded: b
         )
     for name, why in UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
-            raise NotImplementedError(f"the model passed {name}= to the attention: {why}; use attn_implementation='eager'")
+            raise NotImplementedError(f"the model passed {name}= to the attention: {why}; use "
+                                      "attn_implementation='eager'")
     for name, value in kwargs.items():  # a score-shaped tensor under a name not listed is a bias all the same
         bias = (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 2
                 and tuple(value.shape[-2:]) == scores)
@@ -350,7 +351,8 @@ def ring_dilated_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
         sp = current()
         read = read_mask(mask_function or causal_mask_function, batch_size, q_length,
                          sharded=sp is not None and sp.sp_size > 1)
-        return RingMask(None if attention_mask is None else attention_mask.to(torch.bool), read, (batch_size, kv_length))
+        padding = None if attention_mask is None else attention_mask.to(torch.bool)
+        return RingMask(padding, read, (batch_size, kv_length))
     kwargs.pop("allow_is_causal_skip", None)
     return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function or causal_mask_function,
                      attention_mask, allow_is_causal_skip=False, **kwargs)

@@ -85,7 +85,8 @@ def _factory_codes() -> Dict[Any, str]:
     made = {
         "and": lambda: mu.and_masks(one), "or": lambda: mu.or_masks(one),
         "window": lambda: mu.sliding_window_overlay(1), "chunk": lambda: mu.chunked_overlay(1, ids[0]),
-        "blocks": lambda: getattr(mu, "blockwise_overlay")(ids), "documents": lambda: mu.packed_sequence_mask_function(ids),
+        "blocks": lambda: getattr(mu, "blockwise_overlay")(ids),
+        "documents": lambda: mu.packed_sequence_mask_function(ids),
         "remap": lambda: getattr(mu, "remap_positions_for_packed_sequence")(one, ids),
         "offsets": lambda: mu.add_offsets_to_mask_function(one, 0, 0),
         "mirror": lambda: mu.sliding_window_bidirectional_overlay(1),
@@ -137,7 +138,8 @@ def known_codes() -> Dict[Any, str]:
     mu = masking_utils
     ids = torch.tensor([[0, 0, -1, 1, 1, 1, -1, 2], [-1, 3, 3, 3, 3, -1, -1, -1]])
     start = torch.tensor([0, 3])
-    samples = {"window": (mu.sliding_window_overlay, (3,), 3, None), "chunk": (mu.chunked_overlay, (3, start), 3, start),
+    samples = {"window": (mu.sliding_window_overlay, (3,), 3, None),
+               "chunk": (mu.chunked_overlay, (3, start), 3, start),
                "blocks": (getattr(mu, "blockwise_overlay", None), (ids,), None, ids),
                "documents": (mu.packed_sequence_mask_function, (ids,), None, ids),
                "mirror": (mu.sliding_window_bidirectional_overlay, (2,), 2, None)}
@@ -146,7 +148,8 @@ def known_codes() -> Dict[Any, str]:
         if factory is None:
             continue
         fn = factory(*args)
-        if not torch.equal(grid(fn, 2, range(8), 8), torch.broadcast_to(_meaning(kind, value, data, q, k, b), (2, 8, 8))):
+        meant = torch.broadcast_to(_meaning(kind, value, data, q, k, b), (2, 8, 8))
+        if not torch.equal(grid(fn, 2, range(8), 8), meant):
             codes.pop(fn.__code__, None)
     causal = grid(mu.causal_mask_function, 1, range(8), 8)
     if not torch.equal(causal, torch.ones(8, 8, dtype=torch.bool).tril()[None]):
