@@ -108,6 +108,16 @@ def step_case(config, pad: int = 0, ulysses: int = 1, generate: bool = False) ->
         hf_ring.clear_sequence_parallel()
 
 
+def _with_and_without_types(model, inputs, types):
+    """``ring_dilated``'s and ``eager``'s logits with the token types, and ``eager``'s without them."""
+    out = []
+    for attn, kw in (("ring_dilated", {"token_type_ids": types}), ("eager", {"token_type_ids": types}), ("eager", {})):
+        model.set_attn_implementation(attn)
+        with torch.no_grad():
+            out.append(model(**inputs, **kw).logits)
+    return tuple(out)
+
+
 def gemma3_image_logits():
     """Gemma 3 with one image of 4 tokens inside a model of sliding (8) and full layers: ``ring_dilated``,
     ``eager``, and ``eager`` without the token types that make the image's tokens attend both ways."""
@@ -126,12 +136,7 @@ def gemma3_image_logits():
     ids[0, 10], ids[0, 11:15], ids[0, 15] = 297, 299, 298
     inputs = {"input_ids": ids, "pixel_values": torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))}
     types = (ids == 299).long()
-    out = []
-    for attn, kw in (("ring_dilated", {"token_type_ids": types}), ("eager", {"token_type_ids": types}), ("eager", {})):
-        model.set_attn_implementation(attn)
-        with torch.no_grad():
-            out.append(model(**inputs, **kw).logits)
-    return tuple(out)
+    return _with_and_without_types(model, inputs, types)
 
 
 def paligemma_logits():
@@ -151,9 +156,4 @@ def paligemma_logits():
     types = torch.ones_like(ids)
     types[0, :24] = 0  # prefix: image and prompt; suffix: the answer
     inputs = {"input_ids": ids, "pixel_values": torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))}
-    out = []
-    for attn, kw in (("ring_dilated", {"token_type_ids": types}), ("eager", {"token_type_ids": types}), ("eager", {})):
-        model.set_attn_implementation(attn)
-        with torch.no_grad():
-            out.append(model(**inputs, **kw).logits)
-    return tuple(out)
+    return _with_and_without_types(model, inputs, types)
