@@ -26,18 +26,18 @@ recorded in :mod:`.registry`: :func:`applied` lists them, :func:`revert_all`
 from __future__ import annotations
 
 import warnings
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from . import registry, rope, structure, tiling
-from .families import FAMILIES, Family
+from .families import FAMILIES, MULTIMODAL, Family, Multimodal
 from .temperature import at_global_positions
 
 from .registry import Patch, applied
 
-__all__ = ["FAMILIES", "Family", "Patch", "applied", "apply", "apply_all", "at_global_positions", "check_supported",
-           "is_applied", "revert", "revert_all", "rotary_modules", "supported"]
+__all__ = ["FAMILIES", "MULTIMODAL", "Family", "Multimodal", "Patch", "applied", "apply", "apply_all",
+           "at_global_positions", "check_supported", "is_applied", "multimodal_problem", "revert", "revert_all", "rotary_modules", "supported"]
 
 
 def supported() -> Tuple[str, ...]:
@@ -56,29 +56,59 @@ def _model_type(model_or_config: Any) -> str:
     return getattr(config, "model_type", None) or type(model_or_config).__name__
 
 
+def tested() -> Tuple[str, ...]:
+    """Every model type tested under sequence parallelism: the decoder families, the multimodal ones and their
+    language models."""
+    decoders = {t for m in MULTIMODAL.values() for t in m.decoders}
+    return tuple(sorted(set(FAMILIES) | set(MULTIMODAL) | decoders))
+
+
+def _decoder(model_or_config: Any) -> Any:
+    """What a multimodal model splits: its language model (or that model's config)."""
+    if isinstance(model_or_config, torch.nn.Module):
+        return model_or_config.get_decoder()
+    return model_or_config.get_text_config(decoder=True)
+
+
 def check_supported(model_or_config: Any) -> str:
     """Return the model type if its sequence can be split; raise ValueError naming the type and the reason.
 
     Takes a model (config and modules are checked) or its config (the config,
     and whether its causal-LM class uses transformers' attention interface).
+    A multimodal model of a tested family (:data:`MULTIMODAL`) is checked by
+    its language model, the part whose sequence is split.
     """
     model_type = _model_type(model_or_config)
     if isinstance(model_or_config, str):
-        if model_type not in FAMILIES:
-            raise ValueError(f"model type {model_type!r} is not a tested family ({', '.join(supported())}); "
+        if model_type not in tested():
+            raise ValueError(f"model type {model_type!r} is not a tested family ({', '.join(tested())}); "
                              "pass the model or its config so that its structure can be checked")
         return model_type
-    found = structure.problems(model_or_config)
-    if isinstance(model_or_config, torch.nn.Module):
-        found += _rotary_problems(model_or_config)
+    target = _decoder(model_or_config) if model_type in MULTIMODAL else model_or_config
+    found = structure.problems(target)
+    if isinstance(target, torch.nn.Module):
+        found += _rotary_problems(target)
     if found:
         raise ValueError(f"model type {model_type!r} cannot run with its sequence split across ranks: "
                          + "; ".join(found))
-    if model_type not in FAMILIES:
+    if model_type not in tested():
         warnings.warn(f"model type {model_type!r} passes hf_ring's structural checks but is not among the tested "
                       f"families ({', '.join(supported())}); compare a sharded run with an unsharded one before "
                       "relying on it", stacklevel=2)
     return model_type
+
+
+def multimodal_problem(model: torch.nn.Module) -> Optional[str]:
+    """Why a batch holding images cannot be split for ``model`` (None: it can, see :data:`MULTIMODAL`)."""
+    model_type = _model_type(model)
+    if model_type in MULTIMODAL:
+        return None
+    name = f"{type(model).__name__} (model type {model_type!r})"
+    if structure.multimodal_keys(_config(model)):
+        return (f"{name} is a multimodal family whose sequence split is not tested (tested: "
+                f"{', '.join(sorted(MULTIMODAL))}); train its language model alone, or run it in one process")
+    return (f"{name} takes no images, but the batch given to hf_ring.shard_batch holds them (pixel_values or "
+            "video); shard a text batch for it")
 
 
 def _rotary_problems(model: torch.nn.Module) -> List[str]:

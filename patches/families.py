@@ -76,3 +76,25 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
     Family("olmo2", "olmo2", ("Olmo2RotaryEmbedding",), (), "all full", "default"),
 )}
 
+
+
+@dataclass(frozen=True)
+class Multimodal:
+    """A vision-language family tested under sequence parallelism: its towers see whole images, and its language
+    model (of the ``decoders`` types) is split after the image features are merged."""
+
+    model_type: str
+    decoders: Tuple[str, ...]  # model types of its language models
+    inputs: str  # what its batches carry beside input_ids, attention_mask and labels
+
+
+MULTIMODAL: Dict[str, Multimodal] = {m.model_type: m for m in (
+    Multimodal("llava", ("llama", "mistral"), "pixel_values"),
+    Multimodal("mistral3", ("mistral",), "pixel_values, image_sizes"),
+    Multimodal("qwen2_5_vl", ("qwen2_5_vl_text",), "pixel_values(_videos), image/video_grid_thw, mm_token_type_ids"),
+    Multimodal("qwen3_vl", ("qwen3_vl_text",), "pixel_values(_videos), image/video_grid_thw, mm_token_type_ids"),
+    Multimodal("gemma3", ("gemma3_text",), "pixel_values, token_type_ids"),
+    Multimodal("paligemma", ("gemma", "gemma2"), "pixel_values, token_type_ids (0: the prefix, which attends both ways)"),
+    Multimodal("idefics3", ("llama",), "pixel_values (batch, images, ...), pixel_attention_mask"),
+    Multimodal("smolvlm", ("llama",), "pixel_values (batch, images, ...), pixel_attention_mask"),
+)}

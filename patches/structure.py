@@ -15,6 +15,8 @@ from typing import Any, List, Optional
 import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from .families import MULTIMODAL
+
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 """Layer types the ring attention computes exactly (windows and chunks are applied on global positions)."""
 TOKENWISE_LAYER_TYPES = ("moe", "mlp", "dense", "sparse")
@@ -68,14 +70,20 @@ def _backend_problems(cls: Optional[type]) -> List[str]:
             "so ring_dilated would never see the other shards"]
 
 
+def multimodal_keys(config) -> List[str]:
+    """The sub-configs of towers beside the language model (empty for a text model)."""
+    return [k for k in MULTIMODAL_KEYS if getattr(config, k, None) is not None]
+
+
 def config_problems(config) -> List[str]:
     """Reasons, read from the config, why sharding the sequence would change this model's result."""
     problems = []
-    multimodal = [k for k in MULTIMODAL_KEYS if getattr(config, k, None) is not None]
-    if multimodal:
+    multimodal = multimodal_keys(config)
+    if multimodal and getattr(config, "model_type", None) not in MULTIMODAL:
         problems.append(
-            f"it is multimodal ({', '.join(multimodal)}): image/audio tokens get masks and towers ring_dilated "
-            "does not shard; load the text model alone (e.g. AutoModelForCausalLM from the text config)"
+            f"it is multimodal ({', '.join(multimodal)}) and not among the multimodal families whose split is "
+            f"tested ({', '.join(sorted(MULTIMODAL))}); load the text model alone (e.g. AutoModelForCausalLM "
+            "from the text config)"
         )
     types = _layer_types(config)
     if types is not None:

@@ -67,3 +67,22 @@ def raises_on_rank(fn, *args, **kwargs):
     except Exception as err:  # the test inspects type and message
         return type(err).__name__, str(err)
     return None
+
+
+def cancelling(name, grads):
+    """The scale of the terms that cancel in a bias gradient that is zero in exact arithmetic (a key projection's
+    bias: the softmax does not change when one query's scores all move together): its weight's gradient, made of
+    the same per-pair terms. Only where the bias gradient is below a millionth of it; None otherwise."""
+    if not name.endswith(".bias") or name[:-5] + ".weight" not in grads:
+        return None
+    weight = grads[name[:-5] + ".weight"].abs().max().item()
+    return weight if 0 < weight and grads[name].abs().max().item() <= 1e-6 * weight else None
+
+
+def gradient_errors(got: dict, want: dict) -> dict:
+    """Each gradient's relative error (one that cancels to zero in exact arithmetic: against its terms' scale)."""
+    errs = {}
+    for name, g in want.items():
+        scale = cancelling(name, want)
+        errs[name] = rel_err(got[name], g) if scale is None else (got[name] - g).abs().max().item() / scale
+    return errs

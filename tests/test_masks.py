@@ -103,7 +103,7 @@ def test_a_factory_that_changed_its_meaning_is_not_read(monkeypatch):
 
 
 def test_a_ring_mask_used_as_a_tensor_says_why():
-    mask = RingMask(None, masks.MaskRead(), (1, N))
+    mask = RingMask(None, mu.causal_mask_function, (1, N))
     assert not hasattr(mask, "dtype")
     with pytest.raises(MaskUseError, match="uses its attention mask as a tensor"):
         torch.zeros(1, 1, N, N) + mask

@@ -86,8 +86,9 @@ def test_convolutions_and_mixers_are_found_in_the_modules_and_other_refusals():
         patches.check_supported(model)
     with pytest.raises(ValueError, match="BloomForCausalLM does not route its attention"):
         patches.check_supported(AutoConfig.for_model("bloom", n_layer=2, hidden_size=64, n_head=4))
-    with pytest.raises(ValueError, match="multimodal"):
-        patches.check_supported(AutoConfig.for_model("gemma3"))
+    with pytest.raises(ValueError, match="'llava_next' cannot run .* multimodal .* not among the multimodal families"):
+        patches.check_supported(AutoConfig.for_model("llava_next"))
+    assert patches.check_supported(AutoConfig.for_model("gemma3")) == "gemma3"  # checked by its language model
     with pytest.raises(ValueError, match="output_router_logits=False"):
         patches.check_supported(tiny_config("qwen3_moe", output_router_logits=True))
     patches.check_supported(tiny_config("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.0))

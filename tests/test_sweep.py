@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import sweep
-from helpers import rel_err
+from helpers import gradient_errors, rel_err
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -31,16 +31,6 @@ def row(model_type):
 def skip_unrunnable(found):
     if found["status"] in ("unbuilt", "eager-fails", "not-routed"):
         pytest.skip(f"{found['status']}: {found['why'][:200]}")
-
-
-def cancelling(name, grads):
-    """The scale of the terms that cancel in a bias gradient that is zero in exact arithmetic (a key projection's
-    bias: the softmax does not change when one query's scores all move together): its weight's gradient, made of
-    the same per-pair terms. Only where the bias gradient is below a millionth of it; None otherwise."""
-    if not name.endswith(".bias") or name[:-5] + ".weight" not in grads:
-        return None
-    weight = grads[name[:-5] + ".weight"].abs().max().item()
-    return weight if 0 < weight and grads[name].abs().max().item() <= 1e-6 * weight else None
 
 
 @pytest.mark.compat  # the net for a new release: every type of it, in one process
@@ -69,11 +59,6 @@ def test_two_ranks_are_exact_or_refused_alike(pools, model_type):
     if any(refusals):
         assert refusals[0] == refusals[1], refusals  # the same error on every rank
         return
-    grads = want["grads"]
-    errs = {"loss": rel_err(got[0]["loss"], want["loss"])}
-    for name, g in grads.items():
-        scale = cancelling(name, grads)
-        errs[name] = rel_err(got[0]["grads"][name], g) if scale is None else (
-            (got[0]["grads"][name] - g).abs().max().item() / scale)
+    errs = {"loss": rel_err(got[0]["loss"], want["loss"]), **gradient_errors(got[0]["grads"], want["grads"])}
     worst = max(errs, key=errs.get)
     assert errs[worst] <= TOL, (worst, errs[worst])

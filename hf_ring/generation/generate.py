@@ -37,6 +37,7 @@ from ..integration import config as ring_config
 from ..integration.context import CONTEXT_KEY, ShardedForward
 from ..integration.groups import SequenceParallel, current
 from ..integration.guard import other_attention_message
+from ..integration.media import MediaForward, has_media
 from ..integration.seams import CACHE_KEYWORD, cache_argument
 from ..patches import apply as apply_patches
 from .cache import ShardedCache
@@ -132,18 +133,22 @@ def _pre_forward(state: Generation):
         b, m = ids.shape
         if cache.seq_len == 0 and min(shard_sizes(m, world, cache.layout, cache.ulysses)) > 0:
             pos = cache.begin_prefill(m).to(ids.device)
-            positions = kwargs.get("position_ids")
-            if positions is None:
-                positions = torch.arange(m, device=ids.device).expand(b, m)
-            kwargs["input_ids"] = ids[:, pos]
-            kwargs["position_ids"] = positions[..., pos]
             mask = kwargs.get("attention_mask")
-            if mask is not None:
-                kwargs["attention_mask"] = mask[:, pos]
             # The ranks already agreed on the prompt (_agree), so the batch fingerprint is not needed here.
-            kwargs[CONTEXT_KEY] = ShardedForward.over(state.sp if state.comm is not None else None, m, cache.layout,
-                                                      padded=mask is not None and not bool(mask.all()),
-                                                      left_padding=left_padding(mask))
+            prefill = ShardedForward.over(state.sp if state.comm is not None else None, m, cache.layout,
+                                          padded=mask is not None and not bool(mask.all()),
+                                          left_padding=left_padding(mask))
+            if has_media(kwargs):  # the towers see whole images; the language model's call is split
+                kwargs[CONTEXT_KEY] = MediaForward(prefill, pos)
+            else:
+                positions = kwargs.get("position_ids")
+                if positions is None:
+                    positions = torch.arange(m, device=ids.device).expand(b, m)
+                kwargs["input_ids"] = ids[:, pos]
+                kwargs["position_ids"] = positions[..., pos]
+                if mask is not None:
+                    kwargs["attention_mask"] = mask[:, pos]
+                kwargs[CONTEXT_KEY] = prefill
             # The owner's last local row is the prompt's last token.
             state.src = owner(m - 1, m, world, cache.layout, cache.ulysses)
         else:
@@ -262,13 +267,13 @@ def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], all
     for key, why in _UNSUPPORTED.items():
         if generate_kwargs.get(key) is not None:
             raise ValueError(f"hf_ring.generate does not take {key}: {why}")
-    config = model.config
+    config = model.config.get_text_config(decoder=True)  # a multimodal model's cache holds its language model's rows
     setting = lambda name: _setting(model, generate_kwargs, name)  # noqa: E731
     n = input_ids.shape[1]
     max_new = setting("max_new_tokens")
     total = n + max_new if max_new is not None else max(n, setting("max_length") or n)
     check_length(config, n, total, allow_beyond)
-    if not ring_config.runs_ring(config):
+    if not ring_config.runs_ring(model.config):
         if comm is not None:
             raise ValueError(other_attention_message(model))
         return model, None

@@ -11,6 +11,9 @@ It dispatches on what the forward carries (see :mod:`hf_ring.integration.context
 - nothing, in one process: whole sequences run the ring on this process alone,
   new tokens over transformers' own cache attend the cached rows at the positions
   the cache reports. Under sequence parallelism a forward without a context is refused.
+
+A multimodal model's towers (:func:`~hf_ring.integration.media.is_tower`) are not
+the split decoder: their calls go to transformers' ``sdpa``, with their own masks.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from ..engine.agreement import full_key_mask, option_codes
@@ -35,7 +39,8 @@ from ..patches import at_global_positions, check_supported
 from . import config as ring_config
 from .context import CONTEXT_KEY, ForwardContext, ShardedForward, refuse_unsharded
 from .groups import current, tp_place
-from .masks import MaskRead, RingMask, read as read_mask, remaps_packed_rows
+from .masks import MaskRead, RingMask, remaps_packed_rows
+from .media import MediaForward, is_tower
 from .tp import tensor_parallel_head_base
 
 Tensor = torch.Tensor
@@ -147,12 +152,20 @@ def ring_dilated_attention(
 ) -> Tuple[Tensor, None]:
     """transformers attention function for ``attn_implementation="ring_dilated"``."""
     forward = kwargs.get(CONTEXT_KEY)
+    if is_tower(module.config):
+        return _tower(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
     decoding = isinstance(forward, ForwardContext) and forward.decodes
     sp = current()
     sharded = sp is not None and sp.sp_size > 1
     whole = query.shape[2] == key.shape[2]  # else new tokens over a cache
-    read = attention_mask.read if isinstance(attention_mask, RingMask) else None
+    read = None
+    if isinstance(attention_mask, RingMask):  # its function describes one rank's rows, or (made before a split) all
+        covers = isinstance(forward, ShardedForward) and attention_mask.size[1] == forward.seq_len
+        read = attention_mask.read(partial=sharded and not covers)
     try:  # under sequence parallelism a rank whose arguments fail makes every rank raise, at once
+        if isinstance(forward, MediaForward):
+            raise ValueError(f"the {module.config.model_type} language model ran before its multimodal model split "
+                             "the sequence; call the model that shard_batch's batch was made for")
         _refuse_unsupported(dropout, module.training, kwargs, sharded, module.config, (query.shape[2], key.shape[2]))
         if read is not None and read.refusal is not None:
             raise NotImplementedError(
@@ -198,7 +211,7 @@ def ring_dilated_attention(
                 f"chunked attention ({module.config.model_type}, attention_chunk_size={read.chunk}) is not "
                 "implemented over hf_ring.generate's sharded cache; generate with model.generate in one process")
     except (TypeError, ValueError, NotImplementedError) as err:
-        if isinstance(forward, ShardedForward):
+        if isinstance(forward, (ShardedForward, MediaForward)):
             forward.fail(err)
         raise
     if decoding:
@@ -245,9 +258,26 @@ def _sharded_mask(forward: ShardedForward, read: Optional[MaskRead],
         documents = forward.documents
     else:
         documents = forward.chunked(read.chunk, remaps_packed_rows())
-    if read is not None and read.blocks is not None:  # one process: the shard is the whole row
+    if read is not None and read.blocks is not None:  # blocks are read only from a function of every row
         return documents, within_documents(spans_of_ids(read.blocks), documents, forward.seq_len)
     return documents, None
+
+
+def _tower(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, dropout: float,
+           scaling: Optional[float], is_causal: Optional[bool], kwargs: dict) -> Tuple[Tensor, None]:
+    """A tower's attention (over its own patches, in one piece on every rank): transformers' ``sdpa``."""
+    forward = kwargs.pop(CONTEXT_KEY, None)
+    if isinstance(forward, ForwardContext):
+        error = ValueError(f"the {module.config.model_type} tower was given sequence-sharded inputs; its images stay "
+                           "whole: give shard_batch the multimodal batch (with its pixel_values), which splits the "
+                           "sequence where the language model starts")
+        if isinstance(forward, ShardedForward):
+            forward.fail(error)
+        raise error
+    if isinstance(attention_mask, RingMask):
+        raise ValueError(f"the {module.config.model_type} tower was handed a mask made for the language model")
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
 
 
 def _layer_spec(module, cfg: ring_config.RingConfig, query: Tensor, causal: Any, scaling: Any, sliding_window: Any,
@@ -335,24 +365,25 @@ def ring_dilated_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
     """Mask function for ``ring_dilated``.
 
     A whole-sequence forward gets a :class:`~hf_ring.integration.masks.RingMask`: the 2-D
-    key padding mask and what the model's mask function asks for, read into
-    the ring's terms (causality, window, chunks, documents, bidirectional
-    blocks) or refused (:mod:`hf_ring.integration.masks`); the attention applies them from
+    key padding mask and the model's mask function, which the attention reads
+    into the ring's terms (causality, window, chunks, documents, bidirectional
+    blocks) or refuses (:mod:`hf_ring.integration.masks`) and applies from
     global positions, since a mask of the whole sequence would be quadratic.
     A forward over a KV cache gets the cache's own 4-D boolean mask, the one
-    ``sdpa`` would use, since only the cache knows where its rows sit.
+    ``sdpa`` would use, since only the cache knows where its rows sit; a
+    tower's call gets the mask ``sdpa`` would, for its own attention.
     """
+    if is_tower(kwargs.get("config")):  # a tower's own mask, for its own attention (see _tower)
+        return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function or causal_mask_function,
+                         attention_mask, **kwargs)
     over_cache = q_length != kv_length or int(q_offset) != 0 or int(kv_offset) != 0
     if isinstance(attention_mask, RingMask):  # prepared already, for this call or for the prompt before a cache
-        if not over_cache and attention_mask.size == (batch_size, q_length):
+        if not over_cache and attention_mask.rows_seen == (batch_size, q_length):
             return attention_mask
         attention_mask = attention_mask.padding
     if not over_cache:
-        sp = current()
-        read = read_mask(mask_function or causal_mask_function, batch_size, q_length,
-                         sharded=sp is not None and sp.sp_size > 1)
         padding = None if attention_mask is None else attention_mask.to(torch.bool)
-        return RingMask(padding, read, (batch_size, kv_length))
+        return RingMask(padding, mask_function or causal_mask_function, (batch_size, kv_length))
     kwargs.pop("allow_is_causal_skip", None)
     return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function or causal_mask_function,
                      attention_mask, allow_is_causal_skip=False, **kwargs)

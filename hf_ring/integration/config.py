@@ -100,7 +100,8 @@ def shape_conflict(saved: RingConfig, layout: str, ulysses_size: int) -> Optiona
 
 def configure(model: Any, pattern: Union[DilatedPattern, Mapping[str, Any], None] = None,
               layout: str = "zigzag", ulysses_size: Optional[int] = None) -> Any:
-    """Set the dilation pattern, layout and head-parallel size of ``model`` (stored in ``model.config.ring_dilated``).
+    """Set the dilation pattern, layout and head-parallel size of ``model`` (stored in ``model.config.ring_dilated``;
+    a multimodal model's in its text config's, which its language model's layers read).
 
     ``pattern=None`` is exact dense attention; a pattern whose dilation rates
     exceed the model's query heads leaves some positions unread by every
@@ -130,6 +131,7 @@ def configure(model: Any, pattern: Union[DilatedPattern, Mapping[str, Any], None
         if conflict is not None:
             raise ValueError(conflict)
     config = getattr(model, "config", model)
+    config = getattr(config, "get_text_config", lambda **_: config)(decoder=True)  # what the attention layers read
     warn_coverage(pattern, config)
     setattr(config, CONFIG_KEY, value)
     return model

@@ -1,4 +1,5 @@
-"""Sequence-sharded inputs reach only models whose attention is ``ring_dilated``.
+"""Sequence-sharded inputs reach only models whose attention is ``ring_dilated``; a multimodal forward is split
+where its language model starts.
 
 A forward given :func:`hf_ring.shard_batch` inputs (or a step of
 :func:`hf_ring.generate`) carries a context the ring reads in every layer.
@@ -7,7 +8,10 @@ attends each rank's rows to that rank's own keys only: a wrong loss with
 nothing raised. :func:`install` makes every transformers model refuse such a
 call, on every rank at once, before the model computes anything. Calls
 without that context (every call of a model that hf_ring never sees) pass
-through untouched.
+through untouched. A multimodal batch from :func:`hf_ring.shard_batch` carries a
+:class:`~hf_ring.integration.media.MediaForward`: the call of the model's
+language model gets this rank's rows (:func:`~hf_ring.integration.media.enter`),
+and is checked like any sharded call.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from ..patches import registry
 from .config import ATTN_IMPLEMENTATION, CONFIG_KEY, attn_implementations, parse, runs_ring, shape_conflict
 from .context import CONTEXT_KEY, ForwardContext, ShardedForward
 from .groups import tp_place
+from .media import MediaForward, enter
 from .tp import sharding_error
 
 def other_attention_message(model: Any) -> str:
@@ -83,9 +88,18 @@ def _refuse(model: Any, kwargs: Mapping[str, Any]) -> None:
     refuse_other_sharding(model, kwargs)
 
 
+@torch.compiler.disable  # binds the forward's decoder, and may join its agreement exchange
+def _enter(model: Any, forward: MediaForward, kwargs: dict) -> dict:
+    return enter(model, forward, kwargs)
+
+
 def _guarded(original):
     def __call__(self, *args, **kwargs):
-        if kwargs.get(CONTEXT_KEY) is not None:
+        forward = kwargs.get(CONTEXT_KEY)
+        if isinstance(forward, MediaForward):  # a multimodal forward: split where its language model starts
+            kwargs = _enter(self, forward, kwargs)
+            forward = kwargs.get(CONTEXT_KEY)
+        if forward is not None and not isinstance(forward, MediaForward):
             _refuse(self, kwargs)
         return original(self, *args, **kwargs)
 

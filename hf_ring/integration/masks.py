@@ -399,7 +399,13 @@ def _refuse_use(what: str):
 @dataclass(frozen=True)
 class RingMask:
     """What ``ring_dilated``'s mask hook hands the attention of a whole-sequence forward: the ``(B, keys)`` key
-    padding (None: none) and the read of the model's mask function.
+    padding of the rows the attention sees (None: none) and the model's mask function, read on first use.
+
+    ``size`` is ``(batch, rows)`` of the call the function was made for: the
+    rows its data pieces (token types, document ids) describe. A multimodal
+    forward makes its masks over the whole sequence and splits them where its
+    decoder starts (:meth:`rows`): the padding becomes the shard's, the function
+    still describes every row, so its blocks are read on each rank whole.
 
     It is no tensor: a model whose own code adds the mask to scores or reads it
     as one gets a :class:`MaskUseError` saying so, instead of a mask that says
@@ -410,14 +416,34 @@ class RingMask:
     """
 
     padding: Optional[Tensor]
-    read: MaskRead
-    size: Tuple[int, int] = (0, 0)  # (batch, rows): the call it was made for
+    function: Callable
+    size: Tuple[int, int] = (0, 0)
+    held: Optional[int] = None  # rows of a split sequence the attention sees (None: all of ``size``)
+    _reads: Dict[bool, MaskRead] = field(default_factory=dict, compare=False, repr=False)
+
+    def read(self, partial: bool = False) -> MaskRead:
+        """The function read into the ring's terms (once per mask); ``partial``: the rows it describes are one
+        rank's of a split sequence, so its data pieces are not read."""
+        if partial not in self._reads:
+            self._reads[partial] = read(self.function, self.size[0], self.size[1], sharded=partial)
+        return self._reads[partial]
+
+    def rows(self, positions: Tensor) -> "RingMask":
+        """This mask for the rows at ``positions`` of a split sequence: their padding, the same function."""
+        padding = None if self.padding is None else self.padding[:, positions]
+        return RingMask(padding, self.function, self.size, len(positions), self._reads)
+
+    @property
+    def rows_seen(self) -> Tuple[int, int]:
+        """``(batch, rows)`` of the calls this mask is for: the whole sequence's, or one rank's after a split."""
+        return (self.size[0], self.size[1] if self.held is None else self.held)
 
     ndim = 4
 
     @property
     def shape(self) -> Tuple[int, int, int, int]:
-        return (self.size[0], 1, self.size[1], self.size[1])
+        b, rows = self.rows_seen
+        return (b, 1, rows, rows)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):

@@ -18,6 +18,7 @@ from ..engine.layout import local_positions, shard_sizes
 from ..engine.relay import fail_together
 from ..integration.context import CONTEXT_KEY, ShardedForward
 from ..integration.groups import SequenceParallel, current
+from ..integration.media import MEDIA_INPUTS, MediaForward, has_media
 
 IGNORE_INDEX = -100
 
@@ -91,6 +92,9 @@ PER_TOKEN = ("input_ids", "inputs_embeds", "labels", "attention_mask", "position
              "token_type_ids", "completion_mask", "assistant_masks")
 """Per-token inputs a model forward (or a trainer's loss) takes: split along the sequence like the tokens."""
 
+LOSS_INPUTS = ("labels", "shift_labels", "completion_mask", "assistant_masks")
+"""Per-token inputs of the loss: a multimodal batch splits these now, its model inputs at the language model."""
+
 
 def batch_shape(batch: Mapping[str, Any]) -> Tuple[int, int]:
     """``(batch size, sequence length)`` of a global batch, from ``input_ids`` or ``inputs_embeds``."""
@@ -115,13 +119,19 @@ def _check_batch(batch: Any) -> None:
     if CONTEXT_KEY in batch:
         raise ValueError(f"this batch is already sharded (it carries {CONTEXT_KEY!r}); shard the global batch once")
     b, n = batch_shape(batch)
-    for key in PER_TOKEN[2:]:
+    media = has_media(batch)
+    for key in PER_TOKEN[2:] + ("mm_token_type_ids",):
         t = batch.get(key)
-        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (b, n)):
+        if key == "position_ids" and media and isinstance(t, torch.Tensor) and t.dim() == 3:
+            shape = (t.shape[0], b, n)  # mRoPE's axes first
+        else:
+            shape = (b, n)
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
             raise ValueError(f"{key} must have the shape (batch, seq_len) = {(b, n)}, got "
                              f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}")
+    known = PER_TOKEN + VARLEN_KEYS + (MEDIA_INPUTS if media else ())
     for key, t in batch.items():
-        if key not in PER_TOKEN and key not in VARLEN_KEYS and isinstance(t, torch.Tensor) and t.dim() >= 2 \
+        if key not in known and isinstance(t, torch.Tensor) and t.dim() >= 2 \
                 and tuple(t.shape[:2]) == (b, n):
             raise ValueError(
                 f"shard_batch does not know whether {key!r} (shape {tuple(t.shape)}) holds one entry per token; "
@@ -173,6 +183,13 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
     ``attention_mask``, or ``cu_seq_lens_q``, as ``DataCollatorWithFlattening``
     makes them) keep their documents apart: attention never crosses a
     document border, and neither do the shifted labels.
+
+    A multimodal batch (``pixel_values`` or ``pixel_values_videos``, from a
+    vision-language processor) is handed to the model whole but for its loss
+    inputs: the towers encode whole images, and the sequence is split where the
+    model's language model starts, after the image features are merged
+    (:mod:`hf_ring.integration.media`). Llava, Mistral 3, Qwen2.5-VL, Qwen3-VL
+    and Gemma 3 are tested; another multimodal family is refused at its call.
     """
     group = _sp(sp)
     documents = shifted = None
@@ -183,7 +200,8 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
         if tp_mismatch is not None:
             raise tp_mismatch
         b, n = batch_shape(batch)
-        documents = _documents(batch, batch.get("position_ids"), b, n)
+        given = batch.get("position_ids")
+        documents = _documents(batch, given if given is None or given.dim() == 2 else None, b, n)
         if batch.get("labels") is not None:
             shifted = _shifted_labels(batch, batch["labels"], documents)
         elif batch.get("shift_labels") is not None:
@@ -198,16 +216,22 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
     if placeholder:  # model code cannot run on zero rows: one row that nothing sees and no loss reads
         pos = torch.zeros(PLACEHOLDER_ROWS, dtype=torch.long, device=tokens.device)
 
+    media = has_media(batch)
     out: Dict[str, Any] = {k: v for k, v in batch.items() if k not in PER_TOKEN + VARLEN_KEYS}
-    for key in ("input_ids", "inputs_embeds", "attention_mask", "token_type_ids", "completion_mask",
-                "assistant_masks"):
+    split_now = LOSS_INPUTS[2:] if media else ("input_ids", "inputs_embeds", "attention_mask", "token_type_ids",
+                                                "completion_mask", "assistant_masks")
+    for key in split_now:
         if batch.get(key) is not None:
             out[key] = batch[key][:, pos]
     mask = batch.get("attention_mask")
     positions = batch.get("position_ids")
-    if positions is None:
-        positions = torch.arange(n, device=tokens.device).expand(b, n)
-    out["position_ids"] = positions[:, pos]
+    if media:  # the model's own inputs stay whole: its language model's call is split (integration.media)
+        out.update({k: batch[k] for k in ("input_ids", "inputs_embeds", "attention_mask", "token_type_ids",
+                                          "position_ids") if batch.get(k) is not None})
+    else:
+        if positions is None:
+            positions = torch.arange(n, device=tokens.device).expand(b, n)
+        out["position_ids"] = positions[:, pos]
     if shifted is not None:
         out["labels"] = batch["labels"][:, pos]
         out["shift_labels"] = shifted[:, pos]
@@ -215,14 +239,15 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
         if placeholder:
             out["labels"] = torch.full_like(out["labels"], IGNORE_INDEX)
             out["shift_labels"] = torch.full_like(out["shift_labels"], IGNORE_INDEX)
-    out[CONTEXT_KEY] = ShardedForward.over(
+    forward = ShardedForward.over(
         group, n, layout, padded=mask is not None and not bool(mask.all()), left_padding=left_padding(mask),
-        positions=batch.get("position_ids"),
+        positions=None if positions is None or positions.dim() != 2 else positions,
         contents=0 if group is None else (
             fingerprint(tokens, documents)),
         documents=documents,
         placeholder=placeholder,
     )
+    out[CONTEXT_KEY] = MediaForward(forward, pos) if media else forward
     out.setdefault("use_cache", False)  # a KV cache of a training shard is never read
     return out
 
