@@ -14,14 +14,17 @@ from trainer_cases import GradRecorder, RowDataset, trainer_data, trainer_env
 
 
 class _Told(logging.Handler):
-    """Every warning torch's own loggers print (dynamo's graph breaks and untraceable calls go there)."""
+    """Every warning torch's own loggers print (dynamo's graph breaks and untraceable calls go there). The CUDA
+    build's once-per-process note on where CUDA lives, printed on a machine without a GPU whatever is compiled,
+    keeps its file, so it reads as torch's own warning."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
         self.lines = []
 
     def emit(self, record):
-        self.lines.append(("torch log", record.getMessage()[:300]))
+        where = record.pathname if record.name == "torch.utils.cpp_extension" else "torch log"
+        self.lines.append((where, record.getMessage()[:300]))
 
 
 def compiled_trainer_case(path: str, sp_size: Optional[int] = None, ulysses_size: Optional[int] = None,
