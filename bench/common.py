@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import resource
 import statistics
 import tempfile
 import time
+import traceback
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional
 
@@ -228,7 +230,11 @@ def _entry(rank, world_size, init_file, fn, args, results, backend="gloo"):
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=600))
     try:
-        results.put((rank, fn(*args)))
+        try:
+            results.put((rank, fn(*args)))
+        except BaseException:
+            results.put((rank, _Failed(traceback.format_exc())))
+            raise
     finally:
         if world_size > 1:
             import torch.distributed as dist
@@ -269,10 +275,37 @@ def run_ranks(world_size: int, fn: Callable, *args, exact_peak: bool = True, bac
             os.environ.pop(MMAP_VAR, None)
             if outer is not None:
                 os.environ[MMAP_VAR] = outer
-        got = dict(results.get(timeout=3600) for _ in range(world_size))
+        got = _collect(results, procs)
         for p in procs:
             p.join()
     return [got[r] for r in range(world_size)]
+
+
+class _Failed(str):
+    """A rank's traceback, sent in place of its result."""
+
+
+def _collect(results, procs: List, timeout_s: float = 3600.0) -> Dict[int, Dict]:
+    """Every rank's result; a rank that raised or died ends the run at once, with its traceback or exit code."""
+    got: Dict[int, Dict] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(got) < len(procs):
+        try:
+            rank, value = results.get(timeout=5)
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"rank {dead[0][0]} died (exit code {dead[0][1]}) before its result" if dead
+                                   else f"no result from every rank in {timeout_s:.0f} s")
+            continue
+        if isinstance(value, _Failed):
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"rank {rank} failed:\n{value}")
+        got[rank] = value
+    return got
 
 
 def format_table(rows: List[Dict], columns: List[str]) -> str:
