@@ -98,8 +98,9 @@ def check_supported(model_or_config: Any) -> str:
     return model_type
 
 
-def multimodal_problem(model: torch.nn.Module) -> Optional[str]:
-    """Why a batch holding images cannot be split for ``model`` (None: it can, see :data:`MULTIMODAL`)."""
+def multimodal_problem(model: torch.nn.Module, given_media: bool = True) -> Optional[str]:
+    """Why ``model`` cannot have its sequence split as a multimodal model (None: it can, see :data:`MULTIMODAL`);
+    ``given_media``: it was handed images, so a text model is refused too."""
     model_type = _model_type(model)
     if model_type in MULTIMODAL:
         return None
@@ -107,6 +108,8 @@ def multimodal_problem(model: torch.nn.Module) -> Optional[str]:
     if structure.multimodal_keys(_config(model)):
         return (f"{name} is a multimodal family whose sequence split is not tested (tested: "
                 f"{', '.join(sorted(MULTIMODAL))}); train its language model alone, or run it in one process")
+    if not given_media:
+        return None
     return (f"{name} takes no images, but the batch given to hf_ring.shard_batch holds them (pixel_values or "
             "video); shard a text batch for it")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -29,8 +29,9 @@ def _qwen_rope(text: dict) -> dict:
     return dict(text, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]})
 
 
-def _qwen_pixels(images: int, g: torch.Generator, patch: int, grid: int) -> Dict[str, torch.Tensor]:
+def _qwen_pixels(counts: Sequence[int], g: torch.Generator, patch: int, grid: int) -> Dict[str, torch.Tensor]:
     """Qwen-VL's flattened patches: one frame per image repeated over the temporal patch of 2, grid x grid."""
+    images = sum(counts)
     return {"pixel_values": torch.randn(images * grid * grid, 3 * 2 * patch * patch, generator=g),
             "image_grid_thw": torch.tensor([[1, grid, grid]] * images)}
 
@@ -43,10 +44,11 @@ class Family:
     model_type: str
     config: Callable[[], dict]
     tokens_per_image: int
-    pixels: Callable[[int, torch.Generator], Dict[str, torch.Tensor]]
+    pixels: Callable[[Sequence[int], torch.Generator], Dict[str, torch.Tensor]]  # from each row's image count
     token_types: bool = False  # Gemma 3: token_type_ids mark the image tokens, which attend both ways
     prefix: int = 0  # PaliGemma: images first, then the prompt; token type 0 (both ways) on these first rows
     starts: Sequence[int] = (14, 45)  # where a row's images start, unless the call says
+    two_rows: Sequence[Sequence[int]] = ((14, 45), (30,))  # a batch of two rows with different image counts
     mm_types: bool = False  # Qwen-VL: mm_token_type_ids mark the image tokens, for the three-axis positions
     around: Sequence[int] = field(default=())  # tokens before and after an image's placeholders (start, end)
 
@@ -92,8 +94,7 @@ class Family:
             if row < len(pad) and pad[row]:
                 mask[row, n - pad[row]:] = 0
                 ids[row, n - pad[row]:] = 0
-        images = sum(len(s) for s in where)
-        out = {"input_ids": ids, "attention_mask": mask, **self.pixels(images, g)}
+        out = {"input_ids": ids, "attention_mask": mask, **self.pixels([len(s) for s in where], g)}
         if self.prefix:
             out["token_type_ids"] = torch.ones_like(ids)
             out["token_type_ids"][:, :self.prefix] = 0
@@ -104,6 +105,21 @@ class Family:
         out["labels"] = ids.masked_fill((mask == 0) | (ids == IMAGE), -100)
         out["labels"][:, :self.prefix] = -100
         return out
+
+
+def packed(batch: dict, mrope: Optional[torch.Tensor] = None) -> dict:
+    """The rows of ``batch`` (all of one length, no padding) packed into one row, as
+    ``DataCollatorWithFlattening`` packs them: position ids restart at each document, no attention mask.
+    ``mrope``: the rows' mRoPE positions (3, batch, seq_len), packed after the text positions (four axes)."""
+    b, n = batch["input_ids"].shape
+    out = {k: v for k, v in batch.items() if k != "attention_mask"}
+    for key in ("input_ids", "labels", "token_type_ids", "mm_token_type_ids"):
+        if key in batch:
+            out[key] = batch[key].reshape(1, b * n)
+    out["position_ids"] = torch.arange(n).repeat(b)[None]
+    if mrope is not None:
+        out["position_ids"] = torch.cat([out["position_ids"][None], mrope.reshape(3, 1, b * n)])
+    return out
 
 
 def _llava(text_type: str) -> Callable[[], dict]:
@@ -154,15 +170,20 @@ def _idefics3() -> dict:
                 scale_factor=2)
 
 
-def _idefics3_pixels(images: int, g: torch.Generator) -> Dict[str, torch.Tensor]:
-    return {"pixel_values": torch.randn(1, images, 3, 16, 16, generator=g)}
+def _idefics3_pixels(counts: Sequence[int], g: torch.Generator) -> Dict[str, torch.Tensor]:
+    """Idefics3's images per row, (rows, most images, ...); an all-zero image is a row's padding."""
+    pixels = torch.zeros(len(counts), max(counts), 3, 16, 16)
+    for row, count in enumerate(counts):
+        pixels[row, :count] = torch.randn(count, 3, 16, 16, generator=g)
+    return {"pixel_values": pixels}
 
 
 def _images(size: int) -> Callable[[int, torch.Generator], Dict[str, torch.Tensor]]:
-    return lambda images, g: {"pixel_values": torch.randn(images, 3, size, size, generator=g)}
+    return lambda counts, g: {"pixel_values": torch.randn(sum(counts), 3, size, size, generator=g)}
 
 
-def _pixtral(images: int, g: torch.Generator) -> Dict[str, torch.Tensor]:
+def _pixtral(counts: Sequence[int], g: torch.Generator) -> Dict[str, torch.Tensor]:
+    images = sum(counts)
     return {"pixel_values": torch.randn(images, 3, 16, 16, generator=g), "image_sizes": torch.tensor([[16, 16]] * images)}
 
 
@@ -170,17 +191,25 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in (
     Family("llava", "llava", _llava("llama"), 16, _images(16)),
     Family("llava_mistral", "llava", _llava("mistral"), 16, _images(16)),
     Family("mistral3", "mistral3", _mistral3, 4, _pixtral),
-    Family("qwen2_5_vl", "qwen2_5_vl", _qwen2_5_vl, 4, lambda images, g: _qwen_pixels(images, g, 4, 4),
+    Family("qwen2_5_vl", "qwen2_5_vl", _qwen2_5_vl, 4, lambda counts, g: _qwen_pixels(counts, g, 4, 4),
            around=(IMAGE - 2, IMAGE - 3), mm_types=True),
-    Family("qwen3_vl", "qwen3_vl", _qwen3_vl, 4, lambda images, g: _qwen_pixels(images, g, 4, 4),
+    Family("qwen3_vl", "qwen3_vl", _qwen3_vl, 4, lambda counts, g: _qwen_pixels(counts, g, 4, 4),
            around=(IMAGE - 2, IMAGE - 3), mm_types=True),
     Family("gemma3", "gemma3", _gemma3, 4, _images(16), token_types=True, around=(IMAGE - 2, IMAGE - 1)),
-    Family("paligemma", "paligemma", _paligemma, 16, _images(16), prefix=24, starts=(0,)),
+    Family("paligemma", "paligemma", _paligemma, 16, _images(16), prefix=24, starts=(0,),
+           two_rows=((0,), (0,))),
     Family("idefics3", "idefics3", _idefics3, 4, _idefics3_pixels),
     Family("smolvlm", "smolvlm", _idefics3, 4, _idefics3_pixels),
 )}
 """The supported multimodal families, by name."""
 
 
-def names() -> List[str]:
-    return list(FAMILIES)
+def _aya_vision() -> dict:
+    text = dict(TEXT, model_type="cohere2", layer_types=["full_attention"] * 2)
+    vision = dict(VISION, model_type="siglip_vision_model", image_size=16, patch_size=4)
+    return dict(text_config=text, vision_config=vision, image_token_id=IMAGE, downsample_factor=2,
+                vision_feature_layer=-1)
+
+
+UNTESTED = Family("aya_vision", "aya_vision", _aya_vision, 4, _images(16))
+"""A multimodal family whose split is not tested: refused by name."""

@@ -267,7 +267,7 @@ def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], all
     for key, why in _UNSUPPORTED.items():
         if generate_kwargs.get(key) is not None:
             raise ValueError(f"hf_ring.generate does not take {key}: {why}")
-    config = model.config.get_text_config(decoder=True)  # a multimodal model's cache holds its language model's rows
+    config = ring_config.decoder_config(model.config)  # a multimodal model's cache holds its language model's rows
     setting = lambda name: _setting(model, generate_kwargs, name)  # noqa: E731
     n = input_ids.shape[1]
     max_new = setting("max_new_tokens")

@@ -31,6 +31,12 @@ def attn_implementations(config: Any) -> Tuple[str, ...]:
     return (str(impl),)
 
 
+def decoder_config(config: Any) -> Any:
+    """The config of the model's layers that run the ring: a multimodal model's text config, else ``config``."""
+    text = getattr(config, "get_text_config", None)
+    return config if text is None else text(decoder=True)
+
+
 def runs_ring(config: Any) -> bool:
     """Whether a model with this config runs ``ring_dilated`` attention in every layer."""
     return all(impl == ATTN_IMPLEMENTATION for impl in attn_implementations(config))
@@ -130,8 +136,7 @@ def configure(model: Any, pattern: Union[DilatedPattern, Mapping[str, Any], None
         conflict = shape_conflict(parse(value), sp.layout, sp.ulysses_size)
         if conflict is not None:
             raise ValueError(conflict)
-    config = getattr(model, "config", model)
-    config = getattr(config, "get_text_config", lambda **_: config)(decoder=True)  # what the attention layers read
+    config = decoder_config(getattr(model, "config", model))
     warn_coverage(pattern, config)
     setattr(config, CONFIG_KEY, value)
     return model

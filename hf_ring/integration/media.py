@@ -100,6 +100,10 @@ def enter(model: torch.nn.Module, forward: MediaForward, kwargs: Dict[str, Any])
 PER_TOKEN = ("inputs_embeds", "input_ids", "token_type_ids", "mm_token_type_ids")
 """Per-token inputs a decoder may take, split along the sequence (dim 1) like the embeddings."""
 
+LOSS_INPUTS = ("labels", "shift_labels", "completion_mask", "assistant_masks")
+"""Per-token inputs of the loss: ``shard_batch`` gives a rank its own rows of these at once, and a model that
+hands its keyword arguments on to its language model passes them through as they are."""
+
 
 def split_at_decoder(kwargs: Dict[str, Any], forward: MediaForward) -> Dict[str, Any]:
     """This rank's rows of a decoder call made over the whole sequence (pure but for the tensors it slices)."""
@@ -110,6 +114,11 @@ def split_at_decoder(kwargs: Dict[str, Any], forward: MediaForward) -> Dict[str,
     b, n = embeds.shape[:2]
     if n != forward.sharded.seq_len:
         raise ValueError(f"the language model got {n} rows, but shard_batch was given {forward.sharded.seq_len} tokens")
+    if forward.sharded.documents is not None and _mrope(forward.decoder) and not _four_axes(kwargs.get("position_ids")):
+        raise ValueError("packed rows of a model with mRoPE positions take position_ids of shape (4, batch, "
+                         "seq_len): each document's text positions, then its three mRoPE axes; "
+                         "with 2-D position ids the model would give its images text positions. Pass the four-axis "
+                         "form, or one document per row, padded (attention_mask)")
     rows = forward.rows.to(embeds.device)
     out: Dict[str, Any] = {}
     for key, value in kwargs.items():
@@ -121,6 +130,8 @@ def split_at_decoder(kwargs: Dict[str, Any], forward: MediaForward) -> Dict[str,
             out[key] = _position_rows(value, rows, b, n, embeds.device)
         elif key in ("visual_pos_masks", "deepstack_visual_embeds"):
             continue
+        elif key in LOSS_INPUTS:  # already this rank's rows
+            out[key] = value
         elif key == "cache_position":  # the decoder counts its shard's rows from 0, as for any split forward
             if value is not None and not torch.equal(value.cpu(), torch.arange(n)):
                 raise ValueError("a multimodal forward over a cache cannot be split; generate with hf_ring.generate")
@@ -139,6 +150,17 @@ def split_at_decoder(kwargs: Dict[str, Any], forward: MediaForward) -> Dict[str,
         out["visual_pos_masks"], out["deepstack_visual_embeds"] = _deepstack_rows(
             kwargs["visual_pos_masks"], kwargs.get("deepstack_visual_embeds"), rows)
     return out
+
+
+def _mrope(decoder: Any) -> bool:
+    """Whether a language model rotates by mRoPE's sections (position ids of three axes)."""
+    config = getattr(decoder, "config", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return isinstance(rope, dict) and rope.get("mrope_section") is not None
+
+
+def _four_axes(positions: Any) -> bool:
+    return isinstance(positions, Tensor) and positions.dim() == 3 and positions.shape[0] == 4
 
 
 def _mask_rows(mask: Any, rows: Tensor, b: int, n: int) -> Any:

@@ -18,7 +18,7 @@ from ..engine.layout import local_positions, shard_sizes
 from ..engine.relay import fail_together
 from ..integration.context import CONTEXT_KEY, ShardedForward
 from ..integration.groups import SequenceParallel, current
-from ..integration.media import MEDIA_INPUTS, MediaForward, has_media
+from ..integration.media import LOSS_INPUTS, MEDIA_INPUTS, MediaForward, has_media
 
 IGNORE_INDEX = -100
 
@@ -92,9 +92,6 @@ PER_TOKEN = ("input_ids", "inputs_embeds", "labels", "attention_mask", "position
              "token_type_ids", "completion_mask", "assistant_masks")
 """Per-token inputs a model forward (or a trainer's loss) takes: split along the sequence like the tokens."""
 
-LOSS_INPUTS = ("labels", "shift_labels", "completion_mask", "assistant_masks")
-"""Per-token inputs of the loss: a multimodal batch splits these now, its model inputs at the language model."""
-
 
 def batch_shape(batch: Mapping[str, Any]) -> Tuple[int, int]:
     """``(batch size, sequence length)`` of a global batch, from ``input_ids`` or ``inputs_embeds``."""
@@ -110,6 +107,20 @@ def batch_shape(batch: Mapping[str, Any]) -> Tuple[int, int]:
                          f"{getattr(embeds, 'shape', type(embeds))}")
     shape = (ids if ids is not None else embeds).shape
     return shape[0], shape[1]
+
+
+PACKED_MROPE = ("position_ids of three axes restart inside a row: packed rows of a model with mRoPE positions "
+                "(Qwen2.5-VL, Qwen3-VL) need the four-axis form, each document's text positions first "
+                "(position_ids of shape (4, batch, seq_len)), so that the documents can be told apart; or give one "
+                "document per row, padded (attention_mask)")
+
+
+def _text_positions(positions: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The (batch, seq_len) positions documents are read from: 2-D position ids, or the text positions that lead
+    mRoPE's four-axis form (a multimodal batch's three-axis form holds no document borders)."""
+    if positions is None or positions.dim() == 2:
+        return positions
+    return positions[0] if positions.dim() == 3 and positions.shape[0] == 4 else None
 
 
 def _check_batch(batch: Any) -> None:
@@ -129,6 +140,9 @@ def _check_batch(batch: Any) -> None:
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
             raise ValueError(f"{key} must have the shape (batch, seq_len) = {(b, n)}, got "
                              f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}")
+        if key == "position_ids" and t is not None and t.dim() == 3 and t.shape[0] != 4 \
+                and bool((t[0].diff(dim=-1) < 0).any()):
+            raise ValueError(PACKED_MROPE)
     known = PER_TOKEN + VARLEN_KEYS + (MEDIA_INPUTS if media else ())
     for key, t in batch.items():
         if key not in known and isinstance(t, torch.Tensor) and t.dim() >= 2 \
@@ -200,8 +214,7 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
         if tp_mismatch is not None:
             raise tp_mismatch
         b, n = batch_shape(batch)
-        given = batch.get("position_ids")
-        documents = _documents(batch, given if given is None or given.dim() == 2 else None, b, n)
+        documents = _documents(batch, _text_positions(batch.get("position_ids")), b, n)
         if batch.get("labels") is not None:
             shifted = _shifted_labels(batch, batch["labels"], documents)
         elif batch.get("shift_labels") is not None:
@@ -241,7 +254,7 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
             out["shift_labels"] = torch.full_like(out["shift_labels"], IGNORE_INDEX)
     forward = ShardedForward.over(
         group, n, layout, padded=mask is not None and not bool(mask.all()), left_padding=left_padding(mask),
-        positions=None if positions is None or positions.dim() != 2 else positions,
+        positions=_text_positions(positions),
         contents=0 if group is None else (
             fingerprint(tokens, documents)),
         documents=documents,

@@ -42,7 +42,7 @@ from ..integration.groups import SequenceParallel, current
 from ..integration.parallel import check_tp_size, setup_sequence_parallel
 from ..integration.seams import TRAINER_DIVIDES_TOKEN_COUNT, cache_argument
 from ..integration.tp import check_heads, check_trainer_model, loaded_tp_size
-from ..patches import registry
+from ..patches import multimodal_problem, registry
 from . import zero
 from .data import batch_shape, gather_sequence, model_rows, shard_batch
 
@@ -346,7 +346,10 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: Optiona
     if pc is not None and (pc.cp_enabled or pc.sp_enabled or (pc.tp_enabled and pc.tp_size != tp_size)):
         raise ValueError("prepare_trainer splits sequences itself; remove cp_size/sp_size/tp_size from parallelism_config")
     base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model  # PEFT
-    saved = ring_config.parse(getattr(base.config, ring_config.CONFIG_KEY, None))
+    problem = multimodal_problem(base, given_media=False)
+    if problem is not None:
+        raise ValueError(problem)
+    saved = ring_config.parse(getattr(ring_config.decoder_config(base.config), ring_config.CONFIG_KEY, None))
     layout = saved.layout if layout is None else layout
     ulysses_size = saved.ulysses_size or 1 if ulysses_size is None else ulysses_size
     conflict = ring_config.shape_conflict(saved, layout, ulysses_size)
