@@ -5,7 +5,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import hf_ring
-from hf_ring.engine.comm import CONTROL_INTS
+from hf_ring.engine.comm import CONTROL_INTS, FUSE_BYTES, fused
 from attention_cases import make_qkv
 
 COLLECTIVES = ["all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "broadcast",
@@ -72,7 +72,8 @@ def test_no_allgather_and_no_global_length_tensor(pools):
             # Only the agreement: one fixed-size control message per rank, whatever the length.
             assert all(numel <= CONTROL_INTS for _, numel in res["collectives"]), res["collectives"]
             assert any(op == "isend" for op, _ in res["p2p"]), "K/V must travel point-to-point"
-            kv_numel = 1 * 2 * max(r["local"] for r in results) * 8
+            # One shard's K and V (a small message's K and V travel as one transfer over gloo: comm.fused).
+            kv_numel = 2 * (1 * 2 * max(r["local"] for r in results) * 8)
             assert max(numel for _, numel in res["p2p"]) <= kv_numel + 2 * 8, "no message beyond one shard"
             assert any("flash_attention_for_cpu_backward" in op for op in res["ops"]), "backward not observed"
             # Packed messages are flat; every shaped tensor must stay below the global length.
@@ -100,3 +101,36 @@ def test_dilated_branch_sends_one_rth_of_the_dense_bytes(pools):
         dil = pools(2).run(_traffic_case, n, "contiguous", None, pattern, heads, False)
         for a, b in zip(dil, dense):
             assert _sent_bytes(a) * r == _sent_bytes(b) > 0
+
+
+def test_small_messages_travel_as_one_transfer_over_gloo_only():
+    f32, b = torch.float32, torch.bool
+    small = FUSE_BYTES // 8  # elements of a float32 tensor of a quarter of the bound
+    assert fused([(small, f32), (small, f32)], "gloo") == [0, 1]
+    assert fused([(small, f32), (small, f32), (small, b)], "gloo") == [0, 1]  # the key mask travels alone
+    assert fused([(0, f32), (small, f32), (small, f32)], "gloo") == [1, 2]  # empty tensors are never sent
+    assert fused([(small, f32)], "gloo") == []
+    assert fused([(2 * small, f32), (2 * small + 1, f32)], "gloo") == []  # past the bound: as they are
+    assert fused([(small, f32), (small, f32)], "nccl") == []  # NCCL groups a batch's transfers itself
+    assert fused([], "gloo") == []
+
+
+def test_small_and_large_messages_arrive_whole(pools):
+    """Rank r sends rank r+1 K, V (small or large) and a key mask; what arrives is what was sent."""
+    for res in pools(2).run(_exchange_case, (4, 40), (4, 40 + FUSE_BYTES)):
+        assert res
+
+
+def _exchange_case(*sizes):
+    from hf_ring.engine.comm import RingComm
+
+    comm = RingComm(None)
+    ok = True
+    for numel in sizes:
+        send = [torch.arange(n, dtype=torch.float32) + 1000 * comm.rank + i for i, n in enumerate(numel)]
+        send.append(torch.arange(7) % 2 == comm.rank)
+        peer = (comm.rank + 1) % comm.world_size
+        got = comm.exchange(send, peer, [(t.shape, t.dtype) for t in send], peer).wait()
+        want = [torch.arange(n, dtype=torch.float32) + 1000 * peer + i for i, n in enumerate(numel)]
+        ok &= all(torch.equal(g, w) for g, w in zip(got, want)) and torch.equal(got[-1], torch.arange(7) % 2 == peer)
+    return ok

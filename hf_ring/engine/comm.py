@@ -308,6 +308,34 @@ def leave(groups: Sequence[dist.ProcessGroup], reason: str, timeout: float) -> L
     return []
 
 
+FUSE_BYTES = 1 << 20
+"""A message's tensors up to this many bytes in all travel as one transfer where gloo carries them: a short
+sequence's step is measurably faster so (``python -m bench fixed``), and copying a MiB costs a fraction of a
+transfer's latency."""
+
+
+def fused(sizes: Sequence[Tuple[int, torch.dtype]], backend: str) -> List[int]:
+    """Which of a message's tensors (``(numel, dtype)`` each) travel together in one flat buffer.
+
+    gloo sends each tensor of a batch as its own transfer, with its own latency, which small messages (a
+    short sequence's K and V, their gradients) pay in full; copying them into one buffer costs far less.
+    NCCL runs a batch's transfers as one group already, so nothing is fused there, nor a large message
+    (its copy would cost what the transfer does). Pure, so the sender (from its tensors) and the receiver
+    (from the shapes it expects) decide alike: the non-empty tensors of the first one's dtype, when more
+    than one and small in all.
+    """
+    if backend != "gloo":
+        return []
+    present = [(i, n, dtype) for i, (n, dtype) in enumerate(sizes) if n]
+    if not present:
+        return []
+    first = present[0][2]
+    chosen = [(i, n) for i, n, dtype in present if dtype == first]
+    if len(chosen) < 2 or sum(n for _, n in chosen) * first.itemsize > FUSE_BYTES:
+        return []
+    return [i for i, _ in chosen]
+
+
 class RingComm:
     """A process group's ring: point-to-point exchanges with any peer, and small bounded collectives."""
 
@@ -334,17 +362,32 @@ class RingComm:
         """
         if device is None:
             device = send[0].device if send else torch.device("cpu")
+        backend = self.carriers.get(device.type, "")
+        sent = [t.contiguous() for t in send]
+        together = fused([(t.numel(), t.dtype) for t in sent], backend)
+        outgoing = list(enumerate(sent))
+        if together:  # one transfer under the first one's tag; the receiver expects it so (see fused)
+            outgoing = [(together[0], torch.cat([sent[i].reshape(-1) for i in together]))] + [
+                (i, t) for i, t in outgoing if i not in together]
         received = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in recv_like]
-        ops, sent = [], [t.contiguous() for t in send]
-        for i, t in enumerate(sent):
-            if t.numel():
-                ops.append(dist.P2POp(dist.isend, t, group=self.group, group_peer=send_to, tag=tag + i))
-        for i, t in enumerate(received):
-            if t.numel():
-                ops.append(dist.P2POp(dist.irecv, t, group=self.group, group_peer=recv_from, tag=tag + i))
+        incoming = list(enumerate(received))
+        together = fused([(math.prod(shape), dtype) for shape, dtype in recv_like], backend)
+        if together:
+            flat = torch.empty(sum(received[i].numel() for i in together), dtype=received[together[0]].dtype,
+                               device=device)
+            offset = 0
+            for i in together:
+                n = received[i].numel()
+                received[i] = flat[offset:offset + n].view(received[i].shape)
+                offset += n
+            incoming = [(together[0], flat)] + [(i, t) for i, t in incoming if i not in together]
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=send_to, tag=tag + i)
+               for i, t in outgoing if t.numel()]
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=recv_from, tag=tag + i)
+                for i, t in incoming if t.numel()]
         what = f"exchange (send to rank {send_to}, receive from rank {recv_from})"
         works = _post(what, self.timeout, lambda: dist.batch_isend_irecv(ops)) if ops else []
-        return Pending(works, sent, received, what, self.timeout, self.carriers.get(device.type, ""))
+        return Pending(works, [t for _, t in outgoing], received, what, self.timeout, backend)
 
     def all_gather_ints(self, values: Sequence[int], what: str) -> List[List[int]]:
         """Every rank's copy of a few small integers, by rank (one small all-gather).
