@@ -5,5 +5,5 @@ BENCHES = {"ring": "bench.ring", "dilated": "bench.dilated", "generate": "bench.
            "gpu": "bench.gpu", "quality": "bench.quality",
            "linear": "bench.linear",
            "tables": "bench.tables", "plan": "bench.plan", "compat": "bench.compat",
-           "compile": "bench.compile", "sft": "bench.sft", "vision": "bench.vision"}
+           "compile": "bench.compile", "sft": "bench.sft", "vision": "bench.vision", "fixed": "bench.fixed"}
 """Each command's module."""

@@ -118,6 +118,7 @@ DERIVED: Dict[str, Tuple[str, Callable[[Dict], str]]] = {
     "quality_timing": ("quality", lambda payload: render("quality_timing", {"rows": payload.get("timing", [])})),
     "quality_convert": ("quality", lambda payload: render("quality_convert", {"rows": payload.get("converted", [])})),
     "linear_extension": ("linear", lambda payload: render("linear_extension", {"rows": payload.get("extension", [])})),
+    "fixed_exchanges": ("fixed", lambda payload: render("fixed_exchanges", {"rows": payload.get("exchanges", [])})),
     "vision_curve": ("vision", lambda payload: render("vision_curve", {"rows": payload.get("curve", [])})),
     "linear_timing": ("linear", lambda payload: render("linear_timing", {"rows": payload.get("timing", [])})),
 }
