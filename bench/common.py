@@ -6,6 +6,7 @@ import os
 import queue
 import resource
 import statistics
+import subprocess
 import tempfile
 import time
 import traceback
@@ -14,6 +15,14 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.multiprocessing as mp
+
+
+def commit(root: str) -> str:
+    """The checkout's commit, short, with ``+changes`` when tracked files differ from it."""
+    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                           text=True).stdout.strip()
+    return (run.stdout.strip() or "unknown") + ("+changes" if dirty else "")
 
 
 def rss_mb() -> float:

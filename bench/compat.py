@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from hf_ring.versions import FLOORS, installed
-from .common import run_ranks
+from .common import commit, run_ranks
 
 PACKAGES = tuple(FLOORS)
 
@@ -172,20 +172,13 @@ def _suite(root: Path) -> Dict:
     return {"compat_subset": told or f"pytest exit {run.returncode}", "compat_failures": failed}
 
 
-def _commit(root: Path) -> str:
-    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                           text=True).stdout.strip()
-    return (run.stdout.strip() or "unknown") + ("+changes" if dirty else "")
-
-
 def probe(suite: bool) -> Dict:
     root = Path(__file__).resolve().parents[1]
     row: Dict = {p: installed(p) for p in PACKAGES}
     row["python"] = ".".join(map(str, sys.version_info[:3]))
     row["where"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU, gloo"
     row["date"] = datetime.date.today().isoformat()
-    row["commit"] = _commit(root)
+    row["commit"] = commit(str(root))
     row["command"] = "python -m bench compat" + (" --suite" if suite else "")
     row["ran"] = True
     with tempfile.TemporaryDirectory() as tmp:
@@ -243,7 +236,7 @@ def matrix(out: str, venvs: str, only: Optional[List[int]] = None) -> None:
         if why is None and interpreter is None:
             why = f"no Python {python} on this machine"
         if why is not None:
-            write(out, dict(releases, python=python, date=datetime.date.today().isoformat(), commit=_commit(root),
+            write(out, dict(releases, python=python, date=datetime.date.today().isoformat(), commit=commit(str(root)),
                             command="python -m bench compat --matrix", ran=False, why=why))
             continue
         env = os.path.join(venvs, "-".join([f"py{python}"] + [f"{p}{v}" for p, v in releases.items()]))

@@ -15,8 +15,12 @@ Each part launches ``examples/finetune.py`` on ``--ranks`` processes as a user d
 
 The accuracy runs are long and their wall times are those of a shared
 machine; only the timing part's step times are comparisons.
-``--parts`` picks the parts; a part's rows replace that part's rows in an
-existing ``linear.json`` (``--append`` adds them instead, e.g. more seeds).
+``--parts`` picks the parts. Every row records the settings it was run with
+(``settings``: the part's options and the row's own length, seed or
+attention), the command and the commit; a row joins an existing
+``linear.json`` by replacing the row run with the same settings, or after
+the others, so runs made at different times (more seeds, another machine)
+gather in one file with nothing merged by hand.
 """
 from __future__ import annotations
 
@@ -24,12 +28,13 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 from typing import Dict, List, Optional
 
 import torch
 
-from .common import finish_figure, format_table, save
+from .common import commit, finish_figure, format_table, save
 from .quality import EXAMPLE, depth_cells, example_args, launch, pattern_cell
 
 PARTS = ("retrieval", "extension", "timing")
@@ -222,7 +227,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--timing-repeats", type=int, default=1,
                     help="timing: runs per attention and length, alternating (default: %(default)s)")
     ap.add_argument("--out", default="bench_results", help="where linear.json goes (default: %(default)s)")
-    ap.add_argument("--append", action="store_true", help="add rows to an existing linear.json (default: replace)")
     args = ap.parse_args(argv)
     got: Dict[str, List[Dict]] = {}
     with tempfile.TemporaryDirectory() as work:
@@ -242,10 +246,44 @@ def main(argv: Optional[List[str]] = None) -> None:
     if os.path.exists(path):
         with open(path) as f:
             payload.update(json.load(f))
+    command = "python -m bench linear " + " ".join(sys.argv[1:] if argv is None else argv)
+    made = commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for key, rows in got.items():
-        payload[key] = (payload[key] + rows) if args.append else rows
+        for row in rows:
+            row.update(settings=settings(key, vars(args), row), command=command.strip(), commit=made)
+        payload[key] = merge(payload[key], rows)
     payload["runs"] = payload["runs"] + [vars(args)]
     save(args.out, "linear", payload, _plot(payload))
+
+
+OPTIONS = {
+    "rows": ("ranks", "tokens_per_step", "base_segment"),
+    "extension": ("ranks", "extend_from", "extend_to", "extend_steps", "extend_lr", "extend_every",
+                  "extend_base_segment", "extend_warmup_len"),
+    "timing": ("ranks", "timing_steps", "timing_repeats", "base_segment"),
+}
+"""The options each part's runs depend on; with :data:`OWN` they make a row's settings."""
+
+OWN = {"rows": ("n", "seed"), "extension": ("attention",), "timing": ("n",)}
+"""What tells a part's rows of one run apart."""
+
+
+def settings(part: str, options: Dict, row: Dict) -> Dict:
+    """What ``row`` of ``part`` was run with: the part's options, then the row's own length, seed or attention."""
+    return {**{k: options[k] for k in OPTIONS[part]}, **{k: row[k] for k in OWN[part]}}
+
+
+def merge(old: List[Dict], new: List[Dict]) -> List[Dict]:
+    """``old`` with each row of ``new`` in the place of the row of the same settings, or after them all; rows
+    written before rows recorded their settings are kept as they are."""
+    out = list(old)
+    for row in new:
+        same = [i for i, r in enumerate(out) if r.get("settings") == row["settings"]]
+        if same:
+            out[same[0]] = row
+        else:
+            out.append(row)
+    return out
 
 
 if __name__ == "__main__":
