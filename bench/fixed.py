@@ -129,6 +129,7 @@ def measure(attn: str, n: int, repeats: int, account: bool, fuse: bool = True) -
             _count(log)
             clock(backend, "_sharded", "attention forward", spent)
             clock(ring, "ring_backward", "attention backward", spent)
+            clock(comm.RingComm, "exchange", "ring K/V and gradient messages", spent)  # posting (gloo sends here)
             clock(comm.Pending, "wait", "ring K/V and gradient messages", spent)
             clock(comm.RingComm, "all_gather", "small all-gathers", spent)
             for _ in range(repeats):

@@ -45,6 +45,24 @@ def ring_case(seed, b, hq, hkv, n, d, *, dtype=torch.float32, layout="zigzag", m
     tile a block is cut into around a padding edge. ``max_mask`` reports the largest mask side any
     forward kernel got, ``masked_calls`` and ``calls`` how many forward kernel calls had a mask.
     """
+    keep = kw.pop("keep", None)
+    if keep is not None:  # the forward keeps its K/V for the backward (or never), whatever the sizes
+        import hf_ring.engine.ring as ring
+        from hf_ring.engine.comm import RingComm
+
+        saved_keep, exchange, made = ring.KEEP_BYTES, RingComm.exchange, [0]
+
+        def counted(self, *args, **kwargs):
+            made[0] += 1
+            return exchange(self, *args, **kwargs)
+
+        ring.KEEP_BYTES, RingComm.exchange = (1 << 40) if keep else 0, counted
+        try:
+            res = ring_case(seed, b, hq, hkv, n, d, dtype=dtype, layout=layout, message_rows=message_rows, pad=pad,
+                            pad_side=pad_side, padded_tile=padded_tile, **kw)
+        finally:
+            ring.KEEP_BYTES, RingComm.exchange = saved_keep, exchange
+        return dict(res, exchanges=made[0])
     if padded_tile is not None:
         import hf_ring.engine.block_args as block_args
         import hf_ring.engine.ring as ring

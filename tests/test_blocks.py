@@ -263,3 +263,17 @@ def test_padding_parts_keep_a_diagonal_block_one_causal_call():
     assert {(p[0].start, p[0].stop) for p in parts if p[0] != slice(None)} == {(1, 2)}
     pairs = {(p[1].pos, p[2].pos, p[3]) for p in parts}
     assert (6, 6, "causal") in pairs and (0, 0, "causal") in pairs and (6, 0, "full") in pairs
+
+
+def test_a_forward_keeps_its_kv_only_where_every_rank_can_tell_the_backward_sends_none():
+    from hf_ring.engine.ring import KEEP_BYTES, keeps
+    from hf_ring.engine.schedule import message_budget
+
+    geo = Geometry(256, 4, "zigzag", True, None, ((256, 1),), 4, 2)
+    budget = message_budget(256, 4, 2)
+    assert keeps(geo, budget, 2 * budget, KEEP_BYTES)  # messages not cut: the forward's steps are the backward's
+    assert keeps(geo, 64, None, KEEP_BYTES)  # a message size the caller chose: one plan for both
+    assert not keeps(geo, budget, 2 * budget, KEEP_BYTES + 1)  # too large to keep
+    assert not keeps(geo, budget, 2 * budget, None)
+    assert not keeps(geo, 64, 128, KEEP_BYTES)  # the forward's larger messages make other steps
+    assert not keeps(Geometry(256, 1, "contiguous", True, None, ((256, 1),), 4, 2), budget, None, 1)

@@ -118,6 +118,28 @@ def test_causal_output_ignores_future_tokens(pools):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pad", [0, 9])
+def test_a_forward_that_keeps_its_kv_is_exact_and_spares_the_backward_an_exchange(pools, world, mode, pad):
+    """Short sequences' forwards keep the K/V rows they receive (ring.KEEP_BYTES); forced on and off here."""
+    args = (world * 7 + pad, 2, 4, 2, 101, 16)
+    made = {}
+    for keep in (True, False):
+        results = pools(world).run(ring_case, *args, keep=keep, pad=pad, **mode)
+        got = {name: assemble(results, name, args[4]) for name in ("out", "dq", "dk", "dv")}
+        if pad:
+            q, k, v, dout = make_qkv(*args)
+            ref = R.with_grads(padded_dense, q, k, v, dout, key_mask=key_mask_of(2, 101, pad), **mode)
+            errs = {n: rel_err(got[n], r) for n, r in zip(("out", "dq", "dk", "dv"), ref)}
+            assert max(errs.values()) <= FP32_TOL, errs
+        else:
+            check_against_reference(got, *args, FP32_TOL, **mode)
+        made[keep] = [r["exchanges"] for r in results]
+    # each rank's K/V exchanges of the backward are the forward's again, or none
+    assert all(kept < sent for kept, sent in zip(made[True], made[False])), made
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", MODES)
 def test_shards_in_many_small_messages(pools, world, mode):
     args = (17, 1, 4, 2, 101, 8)
     got = run_ring(pools, world, *args, message_rows=5, **mode)

@@ -3,8 +3,9 @@
 A step's plan (:mod:`hf_ring.engine.schedule`) names the pieces (heads x rows) a rank
 sends and receives; each direction is one flat buffer per tensor (K, V, and
 the key mask when some rank is padded), so a message is one transfer per
-tensor whatever the pieces. A piece that is a strided view of another one
-travels inside its parent.
+tensor whatever the pieces (and over gloo a small message's K and V are one
+transfer, :func:`hf_ring.engine.comm.fused`). A piece that is a strided view
+of another one travels inside its parent.
 """
 from __future__ import annotations
 

@@ -40,7 +40,8 @@ from .merge import accumulator_dtype, add_sinks, merge_into, sinks_backward
 from .messages import GRAD_TAG, KV_TAG, covers, kv_traffic, kv_views, numels, piece_view, post, sent_views, unpack
 from .pattern import head_slice
 from .relay import caught
-from .schedule import MIN_MESSAGE_ROWS, Block, Geometry, RankPlan, Step, local_causal, message_budget, rank_plan, sent
+from .schedule import (MIN_MESSAGE_ROWS, Block, Geometry, RankPlan, Step, local_causal, message_budget,
+                       messages_per_transfer, rank_plan, sent)
 from .spans import check_spans, within_documents
 from .spec import AttentionSpec
 
@@ -61,6 +62,11 @@ FORWARD_MESSAGE_SCALE = 2
 """The forward's messages carry this many times the backward's rows: it holds no gradients, so larger messages
 (fewer rounds, fewer merges into the output) stay below the backward's peak."""
 
+KEEP_BYTES = 1 << 20
+"""A forward keeps the K/V rows it was sent for its backward when the whole sequence's K and V take at most this
+many bytes: the backward then makes two exchanges per step, not three, and at such sizes an exchange's latency
+costs more than the rows' memory (one more shard's K/V, at most this, per layer until its backward)."""
+
 SOFTCAP_TILE = 512
 """Rows per side of blocks with ``softcap``: the exact math kernel holds several score tiles at once."""
 
@@ -76,6 +82,8 @@ class RingCall:
     own_causal: bool = False  # the own step is one causal call over all rows (see schedule.local_causal)
     forward_plan: Optional[RankPlan] = None
     """The same steps cut into the forward's larger messages (None: ``plan``'s)."""
+    keep: bool = False
+    """The forward keeps the K/V rows it is sent for the backward, which then sends none (see :func:`keeps`)."""
 
 
 def rows_major(b: int, h: int, s: int, d: int, dtype: torch.dtype, device) -> Tensor:
@@ -103,21 +111,32 @@ def _single_block(plan: RankPlan, q: Tensor, k: Tensor) -> Optional[Block]:
     return blk if whole_q and covers(plan.steps[0].recv.pieces, k) and blk.nk == k.shape[2] else None
 
 
-def _visits(call: RingCall, plan: RankPlan, k: Tensor, v: Tensor) -> Iterator[Tuple[Step, list]]:
-    """Each step with its K/V pieces; the next step's transfer is posted before a step is handed out."""
+def _visits(call: RingCall, plan: RankPlan, k: Tensor, v: Tensor, keep: Optional[list] = None,
+            kept: Optional[list] = None) -> Iterator[Tuple[Step, list]]:
+    """Each step with its K/V pieces; the next step's transfer is posted before a step is handed out.
+
+    ``keep``: a list each step's received tensors are appended to (the forward's, for :attr:`RingCall.keep`);
+    ``kept``: those of a forward over the same steps, used instead of receiving them again."""
     steps, incoming = plan.steps, None
     for i, step in enumerate(steps):
-        got = incoming.wait() if incoming is not None else None
-        incoming = None
-        if i + 1 < len(steps):
-            nxt = steps[i + 1]
-            incoming = post(call.comm, nxt, *kv_traffic(nxt, k, v, call.spec.key_mask), k.device, tag=KV_TAG)
+        if kept is not None:
+            got = kept[i]
+        else:
+            got = incoming.wait() if incoming is not None else None
+            incoming = None
+            if i + 1 < len(steps):
+                nxt = steps[i + 1]
+                incoming = post(call.comm, nxt, *kv_traffic(nxt, k, v, call.spec.key_mask), k.device, tag=KV_TAG)
+        if keep is not None:
+            keep.append(got)
         yield step, kv_views(step, k, v, call.spec.key_mask, got)
-        del got  # the visiting rows are done with; only the next step's stay in memory
+        del got  # the visiting rows are done with; only the next step's stay in memory (unless kept)
 
 
-def ring_forward(q: Tensor, k: Tensor, v: Tensor, call: RingCall, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """This rank's rows of the output (``q.dtype``) and their LSE, with the sinks (if any) joined once per row."""
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, call: RingCall, sinks: Optional[Tensor] = None,
+                 keep: Optional[list] = None) -> Tuple[Tensor, Tensor]:
+    """This rank's rows of the output (``q.dtype``) and their LSE, with the sinks (if any) joined once per row;
+    ``keep``: a list that gets the K/V rows each step received (see :func:`_visits`)."""
     plan, spec = call.forward_plan or call.plan, call.spec
     b, hq, s, d = q.shape
     k, v = kv_storage(k), kv_storage(v)
@@ -132,7 +151,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, call: RingCall, sinks: Optiona
     if not own_causal:
         out = rows_major(b, hq, s, d, acc, q.device)
         lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
-    for step, kv in _visits(call, plan, k, v):
+    for step, kv in _visits(call, plan, k, v, keep=keep):
         blocks = step.recv.blocks
         if step.shift == 0 and own_causal:
             # It sees every row's own key, so the accumulators start as its result: no zeros, no first merge.
@@ -200,7 +219,8 @@ def _scatter_grads(dk: Tensor, dv: Tensor, step: Step, got: List[Tensor]) -> Non
         piece_view(dv, piece).add_(gv)
 
 
-def ring_backward(dout, q, k, v, out, lse, call: RingCall) -> Tuple[Tensor, Tensor, Tensor]:
+def ring_backward(dout, q, k, v, out, lse, call: RingCall, kept: Optional[list] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """dQ, dK, dV of this rank's rows; ``kept``: the K/V rows the forward received (``call.keep``), not sent again."""
     plan, comm, spec = call.plan, call.comm, call.spec
     b, hq, s, d = q.shape
     k, v = kv_storage(k), kv_storage(v)  # the saved K/V stay as given: a copy is made again rather than kept
@@ -216,7 +236,7 @@ def ring_backward(dout, q, k, v, out, lse, call: RingCall) -> Tuple[Tensor, Tens
         dk = rows_major(*k.shape, acc, q.device)
         dv = rows_major(*k.shape, acc, q.device)
     returning: Optional[Tuple[Step, Pending]] = None
-    for step, kv in _visits(call, plan, k, v):
+    for step, kv in _visits(call, plan, k, v, kept=kept):
         blocks = step.recv.blocks
         if step.shift == 0 and own_causal:
             dq, dk, dv = _own_backward(call, dout, q, k, v, out, lse, acc)
@@ -267,9 +287,10 @@ class RingAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, call: RingCall):
-        out, lse = ring_forward(q, k, v, call, sinks)
+        kept = [] if call.keep else None
+        out, lse = ring_forward(q, k, v, call, sinks, keep=kept)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.call = call
+        ctx.call, ctx.kept = call, kept or None  # none when the forward made no step (one block)
         return out
 
     @staticmethod
@@ -278,7 +299,8 @@ class RingAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         if dout.stride(-1) != 1:  # e.g. the expanded gradient of a sum; the kernels read any other strides
             dout = dout.contiguous()
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.call)
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.call, ctx.kept)
+        ctx.kept = None
         dsinks = None if sinks is None else sinks_backward(dout, out, lse, sinks)
         return dq, dk, dv, dsinks, None
 
@@ -294,8 +316,22 @@ def _tile(spec: AttentionSpec) -> Optional[int]:
     return tile
 
 
-def plan(hq: int, hkv: int, comm: Optional[RingComm], spec: AttentionSpec) -> RingCall:
-    """What this rank's ring computes and sends for ``hq`` query and ``hkv`` K/V heads under a checked spec."""
+def keeps(geo: Geometry, budget: int, forward_budget: Optional[int], kv_bytes: Optional[int]) -> bool:
+    """Whether the forward keeps its received K/V for the backward (:attr:`RingCall.keep`): the whole sequence's
+    K and V (``kv_bytes``) within :data:`KEEP_BYTES`, and the forward cut into the backward's very steps. Pure
+    and global (sizes every rank agreed, transfers cut alike on every rank), so every rank decides alike: a
+    rank that skipped the backward's K/V exchange while its peer made it would leave the peer waiting."""
+    if geo.world_size == 1 or kv_bytes is None or kv_bytes > KEEP_BYTES:
+        return False
+    return forward_budget is None or all(
+        messages_per_transfer(geo, s, budget) == messages_per_transfer(geo, s, forward_budget)
+        for s in range(1, geo.world_size))
+
+
+def plan(hq: int, hkv: int, comm: Optional[RingComm], spec: AttentionSpec,
+         kv_bytes: Optional[int] = None) -> RingCall:
+    """What this rank's ring computes and sends for ``hq`` query and ``hkv`` K/V heads under a checked spec;
+    ``kv_bytes``: what the whole sequence's K and V take (the forward may then keep what it receives)."""
     rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
     budget = message_budget(spec.seq_len, world, hkv) if spec.message_rows is None else spec.message_rows * hkv
     tile = _tile(spec)
@@ -305,11 +341,12 @@ def plan(hq: int, hkv: int, comm: Optional[RingComm], spec: AttentionSpec) -> Ri
     geo = Geometry(spec.seq_len, world, spec.layout if world > 1 else "contiguous", spec.causal, spec.window,
                    spec.planned_branches, hq, hkv, tile, spec.documents, spec.head_base, spec.spans)
     # A message size the caller chose bounds the forward's messages too.
-    forward = None if world == 1 or spec.message_rows is not None else rank_plan(
-        geo, rank, budget * FORWARD_MESSAGE_SCALE)
+    forward_budget = None if world == 1 or spec.message_rows is not None else budget * FORWARD_MESSAGE_SCALE
+    forward = None if forward_budget is None else rank_plan(geo, rank, forward_budget)
     # A tile is set exactly where something besides causality and padding masks (documents, softcap).
     return RingCall(comm, rank_plan(geo, rank, budget), spec, backward_tile=backward_tile,
-                    own_causal=tile is None and local_causal(geo, rank), forward_plan=forward)
+                    own_causal=tile is None and local_causal(geo, rank), forward_plan=forward,
+                    keep=keeps(geo, budget, forward_budget, kv_bytes))
 
 
 def agreed_spec(comm: Optional[RingComm], q: Tensor, k: Tensor, v: Tensor, options: Mapping[str, Any],
@@ -341,7 +378,8 @@ def run(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], spec: Attenti
 
     ``spec.key_mask`` only when some rank has padded keys.
     """
-    return RingAttentionFunction.apply(q, k, v, spec.sinks, plan(q.shape[1], k.shape[1], comm, spec))
+    kv_bytes = 2 * k.shape[0] * spec.seq_len * k.shape[1] * k.shape[3] * k.element_size()
+    return RingAttentionFunction.apply(q, k, v, spec.sinks, plan(q.shape[1], k.shape[1], comm, spec, kv_bytes))
 
 
 def ring_attention(
