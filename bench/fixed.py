@@ -30,7 +30,7 @@ from typing import Dict, List
 
 import torch
 
-from .common import clock, format_table, run_ranks, save
+from .common import clock, format_table, run_ranks, save, timed
 from .scale import MODEL as SCALE
 
 MODEL = dict(SCALE, vocab_size=1024)
@@ -112,17 +112,9 @@ def measure(attn: str, n: int, repeats: int, account: bool, fuse: bool = True) -
             given = hf_ring.shard_batch(batch) if world > 1 else batch
             model(**given).loss.backward()
 
-        for _ in range(2):
-            step()
+        step()  # with timed's own warm-up, two untimed steps, as the accounting below follows
         barrier = dist.barrier if world > 1 else None
-        times = []
-        for _ in range(repeats):
-            if barrier is not None:
-                barrier()
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        out: Dict = {"steps": times}
+        out: Dict = {"steps": timed(step, repeats, barrier)}
         if account:
             log: Dict[str, List[float]] = {}
             spent: Dict[str, float] = {}
