@@ -57,12 +57,6 @@ def _model(attn: str):
     return AutoModelForCausalLM.from_config(LlamaConfig(**MODEL), attn_implementation=attn).train()
 
 
-def _kind(what: str) -> str:
-    if what.startswith("exchange"):
-        return "ring K/V and gradient messages"
-    return what
-
-
 def _count(log: Dict[str, List[float]]):
     """Wrap the ring's exchanges and all-gathers so each call adds (count, transfers, bytes) under its kind."""
     from hf_ring.engine import comm
@@ -80,7 +74,7 @@ def _count(log: Dict[str, List[float]]):
         return pending
 
     def counted_gather(self, tensor, what):
-        row = log.setdefault(_kind(what), [0, 0, 0])
+        row = log.setdefault(what, [0, 0, 0])
         row[0] += 1
         row[1] += 1
         row[2] += tensor.numel() * tensor.element_size()

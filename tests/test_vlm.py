@@ -14,7 +14,7 @@ from hf_ring.integration import backend
 from helpers import gradient_errors
 from models import saved_model_dir
 from vlm import FAMILIES, UNTESTED, packed
-from vlm_cases import TOL, generate, refused, step, trainer, vision_example_case, worst
+from vlm_cases import TOL, generate, mrope_positions, refused, step, trainer, vision_example_case, worst
 
 NAMES = list(FAMILIES)
 
@@ -103,8 +103,7 @@ def test_packed_rows_a_model_cannot_tell_apart_are_refused_on_every_rank(pools, 
     batch = family.batch(0, 40, where=((4,), (4,)) if family.prefix == 0 else ((0,), (0,)))
     if positions == "3-axis":
         model = family.load("eager")
-        batch = packed(batch, model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
-                                                         image_grid_thw=batch["image_grid_thw"])[0])
+        batch = packed(batch, mrope_positions(model, batch))
         batch["position_ids"] = batch["position_ids"][1:]
     else:
         batch = packed(batch)

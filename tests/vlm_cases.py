@@ -36,7 +36,7 @@ def step(name: str, path: str, n: int = 64, where: Sequence[Sequence[int]] = ((1
     try:
         model = family.load("ring_dilated", dtype, path).train()
         if pack:
-            batch = packed(batch, _mrope(model, batch))
+            batch = packed(batch, mrope_positions(model, batch))
         out = model(**hf_ring.shard_batch(batch))
         out.loss.backward()
         hf_ring.sync_gradients(model)
@@ -47,7 +47,7 @@ def step(name: str, path: str, n: int = 64, where: Sequence[Sequence[int]] = ((1
         hf_ring.clear_sequence_parallel()
 
 
-def _mrope(model, batch: Dict[str, Any]) -> Optional[torch.Tensor]:
+def mrope_positions(model, batch: Dict[str, Any]) -> Optional[torch.Tensor]:
     """The rows' mRoPE positions as a Qwen-VL model computes them (None for other models)."""
     if not hasattr(model.model, "get_rope_index"):
         return None

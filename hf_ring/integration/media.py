@@ -114,7 +114,7 @@ def split_at_decoder(kwargs: Dict[str, Any], forward: MediaForward) -> Dict[str,
     b, n = embeds.shape[:2]
     if n != forward.sharded.seq_len:
         raise ValueError(f"the language model got {n} rows, but shard_batch was given {forward.sharded.seq_len} tokens")
-    if forward.sharded.documents is not None and _mrope(forward.decoder) and not _four_axes(kwargs.get("position_ids")):
+    if forward.sharded.documents is not None and _mrope(forward.decoder) and not four_axes(kwargs.get("position_ids")):
         raise ValueError("packed rows of a model with mRoPE positions take position_ids of shape (4, batch, "
                          "seq_len): each document's text positions, then its three mRoPE axes; "
                          "with 2-D position ids the model would give its images text positions. Pass the four-axis "
@@ -159,7 +159,9 @@ def _mrope(decoder: Any) -> bool:
     return isinstance(rope, dict) and rope.get("mrope_section") is not None
 
 
-def _four_axes(positions: Any) -> bool:
+def four_axes(positions: Any) -> bool:
+    """Whether ``positions`` are mRoPE's four-axis form (4, batch, seq_len): the text positions, whose restarts
+    mark packed documents, then the three rotary axes."""
     return isinstance(positions, Tensor) and positions.dim() == 3 and positions.shape[0] == 4
 
 

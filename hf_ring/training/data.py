@@ -18,7 +18,7 @@ from ..engine.layout import local_positions, shard_sizes
 from ..engine.relay import fail_together
 from ..integration.context import CONTEXT_KEY, ShardedForward
 from ..integration.groups import SequenceParallel, current
-from ..integration.media import LOSS_INPUTS, MEDIA_INPUTS, MediaForward, has_media
+from ..integration.media import LOSS_INPUTS, MEDIA_INPUTS, MediaForward, four_axes, has_media
 
 IGNORE_INDEX = -100
 
@@ -120,7 +120,7 @@ def _text_positions(positions: Optional[torch.Tensor]) -> Optional[torch.Tensor]
     mRoPE's four-axis form (a multimodal batch's three-axis form holds no document borders)."""
     if positions is None or positions.dim() == 2:
         return positions
-    return positions[0] if positions.dim() == 3 and positions.shape[0] == 4 else None
+    return positions[0] if four_axes(positions) else None
 
 
 def _check_batch(batch: Any) -> None:
@@ -140,7 +140,7 @@ def _check_batch(batch: Any) -> None:
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
             raise ValueError(f"{key} must have the shape (batch, seq_len) = {(b, n)}, got "
                              f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}")
-        if key == "position_ids" and t is not None and t.dim() == 3 and t.shape[0] != 4 \
+        if key == "position_ids" and t is not None and t.dim() == 3 and not four_axes(t) \
                 and bool((t[0].diff(dim=-1) < 0).any()):
             raise ValueError(PACKED_MROPE)
     known = PER_TOKEN + VARLEN_KEYS + (MEDIA_INPUTS if media else ())
