@@ -150,6 +150,21 @@ def test_all_visible_shortcut_is_taken_for_dense_decoding():
     assert not _every_pair_allowed(torch.tensor([100]), torch.arange(100), True, None, ((128, 2),))  # dilated
 
 
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4), (6, 3)])
+def test_query_heads_of_one_kv_head_keep_their_own_rows_and_masks(hq, hkv):
+    # A decode kernel runs the query heads that share a K/V head as that head's rows; a mask that differs
+    # per query row and per sample must still reach each head's own row.
+    q, k, v = qkv(5, b=2, hq=hq, hkv=hkv, n=40)
+    queries = q[:, :, 30:36]
+    pair = torch.rand(2, 1, 6, 40, generator=torch.Generator().manual_seed(1)) > 0.4
+    pair[..., 0] = True  # every row sees a key
+    blocks = cached_blocks(torch.arange(30, 36), torch.arange(40), hq=hq, hkv=hkv, causal=False)
+    out, lse = cached_attention(queries, k, v, blocks, scale=q.shape[-1] ** -0.5, pair_mask=pair)
+    bias = torch.zeros(2, 1, 6, 40, dtype=torch.float64).masked_fill(~pair, float("-inf"))
+    assert rel_err(out, attention(queries, k, v, bias=bias)) <= TOL
+    assert lse.shape == (2, hq, 6)
+
+
 def test_merge_partials_ignores_empty_partials():
     out = torch.randn(3, 1, 2, 1, 4)
     lse = torch.tensor([0.5, float("-inf"), -1.0]).view(3, 1, 1, 1).expand(3, 1, 2, 1).clone()
