@@ -41,17 +41,89 @@ TABLES = {
 """The columns of this benchmark's tables in the docs: (JSON key, header), in order (see :mod:`bench.tables`)."""
 
 
+MERGE_EXCHANGE = "of it the all-gather (posting and waiting)"
+
+
+def _clock_merge_exchange(spent: Dict[str, float], seen: List) -> None:
+    """Time the decode merge's all-gather apart from the merge's own arithmetic; ``seen`` gets its ring and row."""
+    from hf_ring.engine.comm import RingComm
+    from hf_ring.engine.decode import MERGE_WHAT
+
+    inner = RingComm.all_gather
+
+    def timed(self, tensor, what):
+        t0 = time.perf_counter()
+        try:
+            return inner(self, tensor, what)
+        finally:
+            if what == MERGE_WHAT:
+                spent[MERGE_EXCHANGE] = spent.get(MERGE_EXCHANGE, 0.0) + time.perf_counter() - t0
+                seen[:] = [self, tensor]
+
+    RingComm.all_gather = timed
+
+
+def _exchange_alone(seen: List, calls: int = 300) -> List[float]:
+    """The merge's all-gather of the same row with nothing around it, ``calls`` times back to back: its floor
+    on this machine and backend (milliseconds per call)."""
+    if not seen:
+        return []
+    comm, row = seen
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        comm.all_gather(row, "the decode merge's exchange alone")
+        times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+class _Copies:
+    """A stand-in for the ranks that hands back this rank's row once per rank, at no exchange's cost."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def all_gather(self, tensor, what):
+        return tensor.unsqueeze(0).expand(self.world_size, *tensor.shape).clone()
+
+
+def _arithmetic_alone(partials: List, world_size: int, calls: int = 300) -> List[float]:
+    """The merge's own work on the last layer's partials (its all-gather a local copy), ``calls`` times back to
+    back: milliseconds per call."""
+    from hf_ring.engine.decode import merge_ranks
+
+    if not partials:
+        return []
+    out, lse = partials
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        merge_ranks(out, lse, _Copies(world_size))
+        times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
 def _measure(impl: str, n: int, new_tokens: int, layout: str, repeats: int, broadcast_logits: bool) -> Dict:
     """Generate calls on this rank: forward start times give prefill and per-token decode time."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import hf_ring
-    from hf_ring.integration import backend
+    from hf_ring.generation import step
 
     spent: Dict[str, float] = {}  # clocked during the timed runs: microseconds against milliseconds
-    clock(backend, "cached_attention", "attention over the local cache", spent)
-    clock(backend, "merge_ranks", "merging partials (exchange and waits included)", spent)
+    clock(step, "cached_attention", "attention over the local cache", spent)
+    clock(step, "merge_ranks", "merging partials (exchange and waits included)", spent)
+    seen: List = []
+    _clock_merge_exchange(spent, seen)
+    partials: List = []  # the last merge's own partials, for its arithmetic alone
+    merge = step.merge_ranks
+
+    def keep_partials(out, lse, *args, **kwargs):
+        partials[:] = [out, lse]
+        return merge(out, lse, *args, **kwargs)
+
+    step.merge_ranks = keep_partials
     base = rss_mb()
     if dist.is_initialized():
         hf_ring.setup_sequence_parallel(None, layout=layout)
@@ -81,8 +153,11 @@ def _measure(impl: str, n: int, new_tokens: int, layout: str, repeats: int, broa
         steps = len(starts) - 2  # forwards after the prefill
         decode.append((starts[-1] - starts[1]) / steps)  # seconds per decoded token
         parts.append({k: v / steps for k, v in spent.items()})
+    alone = _exchange_alone(seen)
+    arithmetic = _arithmetic_alone(partials, dist.get_world_size()) if alone else []
     hf_ring.clear_sequence_parallel()
-    return {"prefill_runs": prefill[1:], "decode_s_runs": decode[1:], "decode_parts": parts[1:],
+    return {"prefill_runs": prefill[1:], "decode_s_runs": decode[1:], "decode_parts": parts[1:], "alone_ms": alone,
+            "arithmetic_ms": arithmetic,
             "cache_mb": cache_nbytes(getattr(out, CACHE_KEYWORD)) / 2**20, "peak_mb": peak_rss_mb() - base,
             "tokens": out.sequences[0, n:].tolist()}
 
@@ -186,7 +261,7 @@ def _decode_parts(res: List[Dict], decode_s: float) -> List[Dict[str, float]]:
     for r in res:
         labels = sorted({k for run in r["decode_parts"] for k in run})
         ms = {k: 1e3 * statistics.median(run.get(k, 0.0) for run in r["decode_parts"]) for k in labels}
-        ms["rest of the model and generate"] = 1e3 * decode_s - sum(ms.values())
+        ms["rest of the model and generate"] = 1e3 * decode_s - sum(v for k, v in ms.items() if k != MERGE_EXCHANGE)
         out.append({k: round(v, 2) for k, v in ms.items()})
     return out
 
@@ -197,7 +272,10 @@ def _summarise(res: List[Dict]) -> Dict:
             "decode_spread": f"{1 / decode['max']:.3g}-{1 / decode['min']:.3g}",
             "cache_mb": max(r["cache_mb"] for r in res), "peak_mb": max(r["peak_mb"] for r in res),
             "tokens": res[0]["tokens"], "same_on_ranks": all(r["tokens"] == res[0]["tokens"] for r in res),
-            "decode_ms_parts": _decode_parts(res, decode["median"])}
+            "decode_ms_parts": _decode_parts(res, decode["median"]),
+            "alone": [round(statistics.median(r["alone_ms"]), 3) for r in res if r["alone_ms"]],
+            "alone_mean": [round(statistics.mean(r["alone_ms"]), 3) for r in res if r["alone_ms"]],
+            "arithmetic": [round(statistics.median(r["arithmetic_ms"]), 3) for r in res if r["arithmetic_ms"]]}
 
 
 def run(sizes: List[int], new_tokens: int, layout: str, reference: bool, repeats: int,
@@ -227,16 +305,24 @@ def run(sizes: List[int], new_tokens: int, layout: str, reference: bool, repeats
                 "same_tokens": got["same_on_ranks"] and got["tokens"] == one["tokens"],
                 "repeats": got["prefill"]["runs"], "decode_ms_per_token_parts": got["decode_ms_parts"],
             }
+            if got["alone"]:  # per rank, 300 calls back to back: the same all-gather (median, mean), and the
+                # merge's own arithmetic with a local copy for the all-gather (median)
+                row["merge_allgather_alone_ms"] = {"median": got["alone"], "mean": got["alone_mean"]}
+                row["merge_arithmetic_alone_ms"] = got["arithmetic"]
             if ref is not None:
                 row.update({
                     "sdpa_prefill_s": round(ref["prefill"]["median"], 3), "sdpa_decode_tok_s": round(ref["decode_tok_s"], 1),
                     "sdpa_cache_mb": round(ref["cache_mb"], 2), "same_tokens_as_sdpa": got["tokens"] == ref["tokens"],
                 })
             rows.append(row)
-            print(format_table(rows[-1:], [c for c in rows[-1] if c != "decode_ms_per_token_parts"]), flush=True)
+            print(format_table(rows[-1:], [c for c in rows[-1] if c not in (
+                "decode_ms_per_token_parts", "merge_allgather_alone_ms", "merge_arithmetic_alone_ms")]), flush=True)
             for rank, ms in enumerate(row["decode_ms_per_token_parts"]):
                 print(f"  rank {rank}, ms per decoded token: " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()),
                       flush=True)
+            if "merge_allgather_alone_ms" in row:
+                print(f"  the merge's all-gather alone, ms: {row['merge_allgather_alone_ms']}; its arithmetic "
+                      f"alone, ms: {row['merge_arithmetic_alone_ms']}", flush=True)
     return rows
 
 

@@ -25,7 +25,8 @@ one value. ``FORMAT`` is a ``str.format`` string with one field (default
     <!-- fig:ring[n=8192,impl=ring,world=2,layout=zigzag].speedup_over_1_rank | {:.2f}× -->1.85×<!-- /fig -->
 
 ``--check`` exits non-zero when a page differs from what ``--write`` would
-make of it.
+make of it, or when a row holds a field its benchmark never writes (``WRITES``
+in the benchmark's module), which only an edit by hand could have put there.
 """
 from __future__ import annotations
 
@@ -45,8 +46,23 @@ from . import BENCHES
 
 COLUMNS: Dict[str, Any] = {}
 """Every table's columns, as each benchmark module states its own (``TABLES``)."""
+WRITERS: Dict[str, Dict[str, Tuple[str, ...]]] = {}
+"""Per JSON file, per list of rows, the fields its benchmark can write, where the module states them (``WRITES``)."""
 for _module in sorted(set(BENCHES.values()) - {__name__}):
     COLUMNS.update(getattr(importlib.import_module(_module), "TABLES", {}))
+    WRITERS.update(getattr(importlib.import_module(_module), "WRITES", {}))
+
+
+def unwritten(payloads: Dict[str, Any]) -> List[str]:
+    """Rows holding a field their benchmark never writes: no command could have made them."""
+    found = []
+    for name, lists in WRITERS.items():
+        for key, fields in lists.items():
+            for i, row in enumerate(payloads.get(name, {}).get(key, [])):
+                extra = sorted(set(row) - set(fields))
+                if extra:
+                    found.append(f"{name}.json {key}[{i}]: {', '.join(extra)}")
+    return found
 
 def _cell(value) -> str:
     if value is None or value == "":
@@ -82,18 +98,27 @@ def render(name: str, payload: Dict) -> str:
 
 
 def render_decode_parts(payload: Dict) -> str:
-    """Where a decoded token's time goes, rank 0, from ``bench generate``'s ``decode_ms_per_token_parts``."""
+    """Where a decoded token's time goes, rank 0, from ``bench generate``'s ``decode_ms_per_token_parts``; beside
+    it one merge's all-gather and one merge's arithmetic, each alone and back to back (milliseconds per call)."""
     parts = ("attention over the local cache", "merging partials (exchange and waits included)",
              "rest of the model and generate")
-    lines = ["| prompt | ranks | attention over the local cache | merging the partials (exchanges, waits included) "
-             "| rest of the model and `generate` | total |", "|---|---|---|---|---|---|"]
+    exchange = "of it the all-gather (posting and waiting)"
+    lines = ["| prompt | ranks | attention over the local cache | merging the partials (exchange, waits included) "
+             "| of it the all-gather | rest of the model and `generate` | total "
+             "| one all-gather alone: median / mean | one merge's arithmetic alone |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in payload["rows"]:
         got = (r.get("decode_ms_per_token_parts") or [None])[0]
         if not got:
             continue
         cells = [round(got[p], 1) for p in parts]
+        cells.insert(2, round(got[exchange], 1) if exchange in got else "-")
         total = round(sum(got[p] for p in parts), 1)
-        lines.append("| " + " | ".join(_cell(c) for c in [r["n"], r["world"], *cells, total]) + " |")
+        alone = r.get("merge_allgather_alone_ms")
+        floor = f"{alone['median'][0]:.2f} / {alone['mean'][0]:.2f}" if alone else "-"
+        arithmetic = r.get("merge_arithmetic_alone_ms")
+        own = f"{arithmetic[0]:.2f}" if arithmetic else "-"
+        lines.append("| " + " | ".join(_cell(c) for c in [r["n"], r["world"], *cells, total, floor, own]) + " |")
     return "\n".join(lines)
 
 
@@ -324,3 +349,7 @@ def main(argv=None) -> None:
             print(f"wrote the tables and figures of {page}")
     if args.check and stale:
         sys.exit(f"tables or figures differ from {args.dir}: {', '.join(stale)} (run with --write)")
+    made_by_hand = unwritten(payloads)
+    if args.check and made_by_hand:
+        sys.exit("rows with fields no benchmark writes (rerun the benchmark that makes them):\n  "
+                 + "\n  ".join(made_by_hand))
