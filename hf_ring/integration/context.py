@@ -84,6 +84,7 @@ class ShardedForward(ForwardContext):
     _chunks: Dict[Tuple[int, bool], Optional[Documents]] = field(default_factory=dict, repr=False)
     _agreed: Dict[Tuple, bool] = field(default_factory=dict, repr=False)
     _group_masks: List[Tuple[Tensor, Tensor]] = field(default_factory=list, repr=False)
+    _rows: Dict[str, Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def over(cls, sp: Optional[SequenceParallel], seq_len: int, layout: str, **facts: Any) -> "ShardedForward":
@@ -112,11 +113,17 @@ class ShardedForward(ForwardContext):
         return self._chunks[key]
 
     def rows(self, device: torch.device) -> Tensor:
-        """This rank's rows' global positions (none for a rank holding a placeholder row)."""
-        if self.placeholder:
-            return torch.zeros(0, dtype=torch.long, device=device)
-        rank = 0 if self.comm is None else self.comm.rank
-        return local_positions(self.seq_len, rank, self.world_size, self.layout, self.ulysses).to(device)
+        """This rank's rows' global positions (none for a rank holding a placeholder row); worked out once per
+        forward and device, since every layer asks."""
+        found = self._rows.get(str(device))
+        if found is None:
+            if self.placeholder:
+                found = torch.zeros(0, dtype=torch.long, device=device)
+            else:
+                rank = 0 if self.comm is None else self.comm.rank
+                found = local_positions(self.seq_len, rank, self.world_size, self.layout, self.ulysses).to(device)
+            self._rows[str(device)] = found
+        return found
 
     @property
     def world_size(self) -> int:
