@@ -11,7 +11,11 @@ Each part launches ``examples/finetune.py`` on ``--ranks`` processes as a user d
   length before, along the way and after, and at the original length after;
 - ``timing``: whole-model training steps at ``--timing-sizes``, the linear
   pattern against the dense ring on the same model, alternating, with each
-  rank's resident peak, and the growth of the step per doubling of n.
+  rank's resident peak, and the growth of the step per doubling of n;
+- ``recipes``: each ``--recipe`` (the example's own arguments; ``--model DEMO``
+  starts from README command 1's dense 4096-token demo, trained first) at each
+  of ``--seeds``, ``--parallel`` runs at a time (several fit one GPU), into
+  ``linear_recipes.json``: the sweeps that decide the preset.
 
 The accuracy runs are long and their wall times are those of a shared
 machine; only the timing part's step times are comparisons.
@@ -20,24 +24,30 @@ machine; only the timing part's step times are comparisons.
 attention), the command and the commit; a row joins an existing
 ``linear.json`` by replacing the row run with the same settings, or after
 the others, so runs made at different times (more seeds, another machine)
-gather in one file with nothing merged by hand.
+gather in one file with nothing merged by hand. ``WRITES`` names every field
+a row can hold, which ``python -m bench tables --check`` holds the files to.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
-from typing import Dict, List, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from .common import commit, finish_figure, format_table, save
 from .quality import EXAMPLE, depth_cells, example_args, launch, pattern_cell
 
-PARTS = ("retrieval", "extension", "timing")
+PARTS = ("retrieval", "extension", "timing", "recipes")
+DEMO = "DEMO"
+"""In a recipe, ``--model DEMO`` is README command 1's dense demo (4096 tokens, seed 0), trained first."""
+DEMO_LEN = 4096
 
 TABLES = {
     "linear": (("n", "n"), ("heads", "query heads"), ("pattern", "pattern"), ("seed", "seed"), ("steps", "steps"),
@@ -53,7 +63,7 @@ TABLES = {
                        ("first_length", "curriculum from"), ("layers", "layers"), ("steps", "steps"), ("lr", "peak lr"),
                        ("sequences_per_step", "sequences per step"), ("seed", "seed"), ("before", "at step 0"),
                        ("accuracy", "accuracy (8 held-out)"), ("accuracy_over_depths", "over all depths"),
-                       ("by_depth", "by passkey depth"), ("at_4096", "after, at 4096")),
+                       ("by_depth", "by passkey depth"), ("at_4096", "after, at 4096"), ("device", "device")),
     "linear_timing": (("n", "n"), ("ranks", "ranks"), ("base_segment", "base segment"),
                       ("dense_step_s", "dense ring step s"),
                       ("linear_step_s", "linear pattern step s"), ("step_over_dense", "linear / dense"),
@@ -170,6 +180,65 @@ def timing(script: str, sizes: List[int], ranks: int, steps: int, repeats: int, 
     return rows
 
 
+def _option(args: List[str], name: str, default=None):
+    """The value of ``name`` in a command's arguments (its last one), or ``default``."""
+    found = [args[i + 1] for i, a in enumerate(args[:-1]) if a == name]
+    return found[-1] if found else default
+
+
+def device_name() -> str:
+    """What a row ran on: the GPU's name, or the CPU's core count."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+def recipe_row(recipe: str, seed: int, got: Dict, at_demo: Optional[float]) -> Dict:
+    """A recipe run's row from its summary (``at_demo``: its accuracy at the demo's length, after)."""
+    args = shlex.split(recipe)
+    warmup = int(_option(args, "--warmup-len", 32))
+    return {"part": f"extension {DEMO_LEN} → {got['seq_len']}" if _option(args, "--model") == DEMO else "from scratch",
+            "attention": _option(args, "--dilated", "dense") if got["pattern"] is not None or "--dilated" in args
+            else "dense",
+            "n": got["seq_len"], "pattern": pattern_cell(got),
+            "first_length": warmup if 0 < warmup < got["seq_len"] else "none (full length)",
+            "layers": got["layers"], "steps": got["steps"], "lr": float(_option(args, "--lr", 5e-3)),
+            "sequences_per_step": int(_option(args, "--batch-size", 4)), "seed": seed,
+            "before": got["accuracy_before"], "accuracy": got["accuracy_after"],
+            "accuracy_over_depths": _over_depths(got), "by_depth": depth_cells(got), "at_4096": at_demo,
+            "recipe": recipe, "device": device_name()}
+
+
+def recipes(script: str, chosen: List[str], seeds: List[int], ranks: int, parallel: int, work: str) -> List[Dict]:
+    """Each recipe at each seed, ``parallel`` launches at a time; a row per run, in the order asked."""
+    for recipe in chosen:
+        if _option(shlex.split(recipe), "--seq-len") is None:
+            raise ValueError(f"--recipe {recipe!r}: give its length (--seq-len N)")
+        for name in ("--seed", "--output", "--sp-size"):
+            if name in shlex.split(recipe):
+                raise ValueError(f"--recipe {recipe!r}: leave {name} out (bench linear sets it: --seeds, --ranks)")
+    demo = os.path.join(work, "demo")
+    if any(_option(shlex.split(r), "--model") == DEMO for r in chosen):
+        launch(script, ranks, example_args(ranks, DEMO_LEN, 4, demo) + ["--seed", "0"])
+
+    def one(job: Tuple[int, str, int]) -> Dict:
+        index, recipe, seed = job
+        out = os.path.join(work, f"recipe_{index}_{seed}")
+        args = [demo if a == DEMO else a for a in shlex.split(recipe)]
+        got = launch(script, ranks, ["--sp-size", str(ranks), "--output", out, "--seed", str(seed),
+                                     "--save-every", "0"] + args)
+        at_demo = None
+        if _option(args, "--model") == demo:
+            at_demo = _evaluate(script, ranks, out, DEMO_LEN, 4, got["pattern"], out + "_at_demo_length")
+        row = recipe_row(recipe, seed, got, at_demo)
+        print(format_table([row], list(row)), flush=True)
+        return row
+
+    jobs = [(i, recipe, seed) for i, recipe in enumerate(chosen) for seed in seeds]
+    with ThreadPoolExecutor(max(1, parallel)) as pool:
+        return list(pool.map(one, jobs))
+
+
 def _plot(payload: Dict):
     rows = payload.get("timing", [])
     if not rows:
@@ -226,9 +295,19 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--timing-steps", type=int, default=3, help="timing: steps per run (default: %(default)s)")
     ap.add_argument("--timing-repeats", type=int, default=1,
                     help="timing: runs per attention and length, alternating (default: %(default)s)")
-    ap.add_argument("--out", default="bench_results", help="where linear.json goes (default: %(default)s)")
+    ap.add_argument("--recipe", action="append", default=[], metavar="ARGS",
+                    help="recipes: the example's arguments for one run, quoted, with its --seq-len, without --seed, "
+                         f"--output or --sp-size; --model {DEMO} starts from README command 1's dense demo; repeat "
+                         "for more (default: none)")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="recipes: runs at a time, e.g. several on one GPU with --ranks 1 (default: %(default)s)")
+    ap.add_argument("--out", default="bench_results",
+                    help="where linear.json and linear_recipes.json go (default: %(default)s)")
     args = ap.parse_args(argv)
+    if "recipes" in args.parts and not args.recipe:
+        ap.error("--parts recipes needs at least one --recipe")
     got: Dict[str, List[Dict]] = {}
+    swept: List[Dict] = []
     with tempfile.TemporaryDirectory() as work:
         if "retrieval" in args.parts:
             got["rows"] = retrieval(args.script, args.sizes, args.seeds, args.ranks, args.tokens_per_step,
@@ -241,19 +320,33 @@ def main(argv: Optional[List[str]] = None) -> None:
         if "timing" in args.parts:
             got["timing"] = timing(args.script, args.timing_sizes, args.ranks, args.timing_steps,
                                    args.timing_repeats, args.base_segment, work)
-    path = os.path.join(args.out, "linear.json")
-    payload: Dict = {"runs": [], "rows": [], "extension": [], "timing": []}
+        if "recipes" in args.parts:
+            swept = recipes(args.script, args.recipe, args.seeds, args.ranks, args.parallel, work)
+    command = ("python -m bench linear " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))).strip()
+    made = commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if swept:
+        for row in swept:
+            row.update(settings=settings("recipes", vars(args), row), command=command, commit=made)
+        _write(args.out, "linear_recipes", {"rows": swept}, vars(args))
+    if got:
+        _write(args.out, "linear", got, vars(args), command, made)
+
+
+def _write(out: str, name: str, got: Dict[str, List[Dict]], options: Dict, command: Optional[str] = None,
+           made: Optional[str] = None) -> None:
+    """Join this run's rows to ``out/NAME.json`` (see :func:`merge`) and record the run."""
+    path = os.path.join(out, f"{name}.json")
+    payload: Dict = {"runs": [], **{key: [] for key in WRITES[name] if key != "runs"}}
     if os.path.exists(path):
         with open(path) as f:
             payload.update(json.load(f))
-    command = "python -m bench linear " + " ".join(sys.argv[1:] if argv is None else argv)
-    made = commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for key, rows in got.items():
-        for row in rows:
-            row.update(settings=settings(key, vars(args), row), command=command.strip(), commit=made)
+        if command is not None:
+            for row in rows:
+                row.update(settings=settings(key, options, row), command=command, commit=made)
         payload[key] = merge(payload[key], rows)
-    payload["runs"] = payload["runs"] + [vars(args)]
-    save(args.out, "linear", payload, _plot(payload))
+    payload["runs"] = payload["runs"] + [options]
+    save(out, name, payload, _plot(payload) if name == "linear" else None)
 
 
 OPTIONS = {
@@ -264,8 +357,27 @@ OPTIONS = {
 }
 """The options each part's runs depend on; with :data:`OWN` they make a row's settings."""
 
-OWN = {"rows": ("n", "seed"), "extension": ("attention",), "timing": ("n",)}
+OPTIONS["recipes"] = ("ranks",)
+OWN = {"rows": ("n", "seed"), "extension": ("attention",), "timing": ("n",), "recipes": ("recipe", "seed")}
 """What tells a part's rows of one run apart."""
+
+_RECORDED = ("settings", "command", "commit")
+WRITES: Dict[str, Dict[str, Tuple[str, ...]]] = {
+    "linear": {
+        "rows": ("n", "heads", "pattern", "seed", "steps", "accuracy", "by_depth", "accuracy_over_depths", "wall_s",
+                 "peak_mb_per_rank") + _RECORDED,
+        "extension": ("from", "to", "attention", "pattern", "steps", "lr", "before", "curve", "after", "by_depth",
+                      "after_over_depths", "after_at_from", "wall_s", "step_s_at_full_length") + _RECORDED,
+        "timing": ("n", "ranks", "base_segment", "dense_step_s", "linear_step_s", "step_over_dense", "dense_peak_mb",
+                   "linear_peak_mb", "dense_growth", "linear_growth") + _RECORDED,
+    },
+    "linear_recipes": {
+        "rows": ("part", "attention", "n", "pattern", "first_length", "layers", "steps", "lr", "sequences_per_step",
+                 "seed", "before", "accuracy", "accuracy_over_depths", "by_depth", "at_4096", "recipe",
+                 "device") + _RECORDED,
+    },
+}
+"""Per file this benchmark writes, per list of rows in it, every field its writer can set."""
 
 
 def settings(part: str, options: Dict, row: Dict) -> Dict:

@@ -1,6 +1,8 @@
 """``python -m bench linear``'s timing part end to end at toy sizes: one rank, real launches of the example."""
 import json
 
+import pytest
+
 from bench import linear
 
 
@@ -38,3 +40,60 @@ def test_rows_from_before_settings_were_recorded_are_kept():
     old = [{"n": 64, "seed": 0}, {"n": 64, "seed": 1, "settings": {"n": 64, "seed": 1}}]
     new = [{"n": 64, "seed": 1, "settings": {"n": 64, "seed": 1}, "x": 2}, {"n": 64, "seed": 2, "settings": {"n": 64, "seed": 2}}]
     assert linear.merge(old, new) == [old[0], new[0], new[1]]
+
+
+def test_recipes_write_every_seed_with_its_command_and_only_fields_the_writer_knows(tmp_path):
+    recipe = "--seq-len 64 --steps 2 --dilated linear --base-segment 16 --eval-batches 1 --depth-prompts 1"
+    args = ["--parts", "recipes", "--ranks", "1", "--recipe", recipe, "--parallel", "2", "--out", str(tmp_path)]
+    linear.main(args + ["--seeds", "0", "1"])
+    rows = json.load(open(tmp_path / "linear_recipes.json"))["rows"]
+    assert [(r["seed"], r["n"], r["steps"], r["part"], r["attention"]) for r in rows] == [
+        (0, 64, 2, "from scratch", "linear"), (1, 64, 2, "from scratch", "linear")]
+    fields = set(linear.WRITES["linear_recipes"]["rows"])
+    assert all(set(r) <= fields for r in rows)
+    assert rows[0]["settings"] == {"ranks": 1, "recipe": recipe, "seed": 0}
+    assert "--recipe" in rows[0]["command"] and rows[0]["commit"] and rows[0]["device"]
+    linear.main(args + ["--seeds", "1"])  # seed 1 again: its row is replaced, seed 0's kept
+    again = json.load(open(tmp_path / "linear_recipes.json"))["rows"]
+    assert [r["seed"] for r in again] == [0, 1] and again[0] == rows[0]
+
+
+def test_recipes_from_the_demo_train_it_once_and_read_each_run_back_at_its_length(tmp_path, monkeypatch):
+    launched = []
+
+    def launch(script, ranks, args):
+        launched.append(args)
+        n = int(args[args.index("--seq-len") + 1])
+        return {"seq_len": n, "pattern": None, "layers": 2, "steps": 3, "accuracy_before": 0.5,
+                "accuracy_after": 1.0, "accuracy_by_depth": {"0.0": 1.0, "0.5": 0.5}}
+
+    monkeypatch.setattr(linear, "launch", launch)
+    linear.main(["--parts", "recipes", "--ranks", "1", "--seeds", "0", "1", "--out", str(tmp_path),
+                 "--recipe", "--model DEMO --seq-len 128 --lr 0.002"])
+    rows = json.load(open(tmp_path / "linear_recipes.json"))["rows"]
+    demo = launched[0][launched[0].index("--output") + 1]
+    assert launched[0][launched[0].index("--seq-len") + 1] == str(linear.DEMO_LEN)
+    assert sum(a[a.index("--output") + 1] == demo for a in launched) == 1  # trained once, for both seeds
+    trained = [a for a in launched[1:] if "--steps" not in a]
+    evaluated = [a for a in launched[1:] if "--steps" in a]  # each run read back at the demo's length, no training
+    assert len(trained) == len(evaluated) == 2 and all(a[a.index("--model") + 1] == demo for a in trained)
+    assert [(a[a.index("--model") + 1], a[a.index("--seq-len") + 1]) for a in evaluated] == [
+        (a[a.index("--output") + 1], str(linear.DEMO_LEN)) for a in trained]
+    assert [(r["part"], r["lr"], r["at_4096"], r["accuracy_over_depths"]) for r in rows] == [
+        (f"extension {linear.DEMO_LEN} → 128", 0.002, 1.0, 0.75)] * 2
+
+
+def test_recipes_refuse_what_the_benchmark_sets_itself(tmp_path):
+    with pytest.raises(ValueError, match="--seq-len"):
+        linear.recipes("x.py", ["--steps 2"], [0], 1, 1, str(tmp_path))
+    with pytest.raises(ValueError, match="leave --seed out"):
+        linear.recipes("x.py", ["--seq-len 64 --seed 3"], [0], 1, 1, str(tmp_path))
+
+
+def test_a_row_with_a_field_no_benchmark_writes_is_flagged():
+    from bench import tables
+
+    good = {"rows": [{"n": 64, "seed": 0, "accuracy": 1.0}], "timing": [], "extension": []}
+    assert tables.unwritten({"linear": good}) == []
+    bad = {"rows": [{"n": 64, "seed": 0, "note": "merged from two runs"}]}
+    assert tables.unwritten({"linear": bad}) == ["linear.json rows[0]: note"]

@@ -91,6 +91,14 @@ def payloads():
     return tables.load(os.path.join(ROOT, "docs", "bench"))
 
 
+def test_every_row_holds_only_fields_its_benchmark_writes(payloads):
+    """A field no benchmark sets could only have been typed in: ``tables --check`` refuses it too."""
+    from bench import tables
+
+    assert tables.WRITERS, "no benchmark states the fields it writes"
+    assert not tables.unwritten(payloads)
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_tables_and_figures_are_what_the_json_renders(page, payloads):
     """What ``python -m bench tables --write`` would put in the page is what the page holds."""
