@@ -40,6 +40,19 @@ TABLES = {
 }
 """The columns of this benchmark's tables in the docs: (JSON key, header), in order (see :mod:`bench.tables`)."""
 
+WRITES = {
+    "generate": {"rows": (
+        "n", "world", "layout", "prefill_s", "prefill_spread", "prefill_ratio", "decode_tok_s", "decode_spread",
+        "decode_speedup", "cache_mb_per_rank", "cache_ratio", "peak_mb_per_rank", "same_tokens", "repeats",
+        "decode_ms_per_token_parts", "merge_allgather_alone_ms", "merge_arithmetic_alone_ms", "sdpa_prefill_s",
+        "sdpa_decode_tok_s", "sdpa_cache_mb", "same_tokens_as_sdpa")},
+    "generate_evict": {"rows": (
+        "model", "n", "world", "layout", "cache_mb_kept", "cache_mb_evicted", "cache_ratio", "decode_tok_s_kept",
+        "decode_tok_s_evicted", "decode_ratio", "decode_spread_kept", "decode_spread_evicted", "prefill_s_kept",
+        "prefill_s_evicted", "same_tokens", "repeats")},
+}
+"""Every field a row of this benchmark's files can hold (``bench tables --check`` holds the files to them)."""
+
 
 MERGE_EXCHANGE = "of it the all-gather (posting and waiting)"
 

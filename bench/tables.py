@@ -16,7 +16,7 @@ A figure in prose sits between ``<!-- fig:EXPR | FORMAT -->`` and
 and goes on with ``.key`` (a dict's entry; ``.'a key'`` when it holds other
 characters; ``.*`` every value of a dict), ``[k=v,...]`` (the items of a list,
 or of a file's ``rows``, whose entries ``k`` read as ``v``, or begin with it
-for ``k^=v``; ``v`` may be quoted), ``[*]`` (every item) and ``[i]`` (item
+for ``k^=v``, or are numbers of at least ``v`` for ``k>=v``; ``v`` may be quoted), ``[*]`` (every item) and ``[i]`` (item
 ``i``). A selection must match at least one item; a
 reference used outside ``min``/``max``/``len``/``sum`` must come to exactly
 one value. ``FORMAT`` is a ``str.format`` string with one field (default
@@ -161,8 +161,8 @@ def rewrite(text: str, tables: Dict[str, str]) -> str:
 FIGURE = re.compile(r"(<!-- fig:(.*?) -->)(.*?)(<!-- /fig -->)", re.S)
 _REF = re.compile(r"""[A-Za-z_]\w*(?:\.(?:\w+|'[^']*'|\*)|\[(?:[^\]']|'[^']*')*\])+""")
 _ACCESSOR = re.compile(r"""\.(\w+|'[^']*'|\*)|\[((?:[^\]']|'[^']*')*)\]""")
-_CONDITION = re.compile(r"""\s*(\w+)\s*(\^?=)\s*('[^']*'|[^,]*?)\s*(?:,|$)""")
-_SELECTOR = re.compile(r"""\s*\w+\s*\^?=\s*(?:'[^']*'|[^,']*?)\s*(?:,\s*\w+\s*\^?=\s*(?:'[^']*'|[^,']*?)\s*)*""")
+_CONDITION = re.compile(r"""\s*(\w+)\s*(\^?=|>=)\s*('[^']*'|[^,]*?)\s*(?:,|$)""")
+_SELECTOR = re.compile(r"""\s*\w+\s*(?:\^?=|>=)\s*(?:'[^']*'|[^,']*?)\s*(?:,\s*\w+\s*(?:\^?=|>=)\s*(?:'[^']*'|[^,']*?)\s*)*""")
 _FUNCTIONS: Dict[str, Callable] = {"min": min, "max": max, "len": len, "sum": sum, "abs": abs}
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
               ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -174,6 +174,15 @@ class _Many(list):
 
 def _unquote(text: str) -> str:
     return text[1:-1] if len(text) >= 2 and text[0] == text[-1] == "'" else text
+
+
+def _holds(value: Any, op: str, want: str) -> bool:
+    """Whether an item's ``value`` meets one condition of a selection: ``=``, ``^=`` (begins with), ``>=`` (a number)."""
+    if op == "=":
+        return str(value) == want
+    if op == "^=":
+        return str(value).startswith(want)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= float(want)
 
 
 def resolve(ref: str, payloads: Dict[str, Any]) -> Any:
@@ -204,7 +213,7 @@ def resolve(ref: str, payloads: Dict[str, Any]) -> Any:
                 index = int(selector)
             elif selector.strip() != "*":
                 if not _SELECTOR.fullmatch(selector):
-                    raise ValueError(f"{ref}: cannot read the selection [{selector}] (k=v, k^=v, *, or an index)")
+                    raise ValueError(f"{ref}: cannot read the selection [{selector}] (k=v, k^=v, k>=number, *, or an index)")
                 conditions = [(c.group(1), c.group(2), _unquote(c.group(3)))
                               for c in _CONDITION.finditer(selector) if c.group(1)]
             out = []
@@ -216,9 +225,7 @@ def resolve(ref: str, payloads: Dict[str, Any]) -> Any:
                     out.extend(items[index:index + 1] if -len(items) <= index < len(items) else [])
                     continue
                 out.extend(i for i in items
-                           if all(isinstance(i, dict) and k in i and (str(i[k]) == want if op == "=" else
-                                                                      str(i[k]).startswith(want))
-                                  for k, op, want in conditions))
+                           if all(isinstance(i, dict) and k in i and _holds(i[k], op, want) for k, op, want in conditions))
             if not out:
                 raise ValueError(f"{ref}: [{selector}] matches nothing")
             values, many = out, True
