@@ -16,7 +16,7 @@ A figure in prose sits between ``<!-- fig:EXPR | FORMAT -->`` and
 and goes on with ``.key`` (a dict's entry; ``.'a key'`` when it holds other
 characters; ``.*`` every value of a dict), ``[k=v,...]`` (the items of a list,
 or of a file's ``rows``, whose entries ``k`` read as ``v``, or begin with it
-for ``k^=v``, or are numbers of at least ``v`` for ``k>=v``; ``v`` may be quoted), ``[*]`` (every item) and ``[i]`` (item
+for ``k^=v``, or are numbers of at least ``v`` for ``k>=v``, below it for ``k<v``; ``v`` may be quoted), ``[*]`` (every item) and ``[i]`` (item
 ``i``). A selection must match at least one item; a
 reference used outside ``min``/``max``/``len``/``sum`` must come to exactly
 one value. ``FORMAT`` is a ``str.format`` string with one field (default
@@ -161,8 +161,8 @@ def rewrite(text: str, tables: Dict[str, str]) -> str:
 FIGURE = re.compile(r"(<!-- fig:(.*?) -->)(.*?)(<!-- /fig -->)", re.S)
 _REF = re.compile(r"""[A-Za-z_]\w*(?:\.(?:\w+|'[^']*'|\*)|\[(?:[^\]']|'[^']*')*\])+""")
 _ACCESSOR = re.compile(r"""\.(\w+|'[^']*'|\*)|\[((?:[^\]']|'[^']*')*)\]""")
-_CONDITION = re.compile(r"""\s*(\w+)\s*(\^?=|>=)\s*('[^']*'|[^,]*?)\s*(?:,|$)""")
-_SELECTOR = re.compile(r"""\s*\w+\s*(?:\^?=|>=)\s*(?:'[^']*'|[^,']*?)\s*(?:,\s*\w+\s*(?:\^?=|>=)\s*(?:'[^']*'|[^,']*?)\s*)*""")
+_CONDITION = re.compile(r"""\s*(\w+)\s*(\^?=|>=|<)\s*('[^']*'|[^,]*?)\s*(?:,|$)""")
+_SELECTOR = re.compile(r"""\s*\w+\s*(?:\^?=|>=|<)\s*(?:'[^']*'|[^,']*?)\s*(?:,\s*\w+\s*(?:\^?=|>=|<)\s*(?:'[^']*'|[^,']*?)\s*)*""")
 _FUNCTIONS: Dict[str, Callable] = {"min": min, "max": max, "len": len, "sum": sum, "abs": abs}
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
               ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -177,12 +177,15 @@ def _unquote(text: str) -> str:
 
 
 def _holds(value: Any, op: str, want: str) -> bool:
-    """Whether an item's ``value`` meets one condition of a selection: ``=``, ``^=`` (begins with), ``>=`` (a number)."""
+    """Whether an item's ``value`` meets one condition of a selection: ``=``, ``^=`` (begins with), ``>=`` or ``<``
+    (a number)."""
     if op == "=":
         return str(value) == want
     if op == "^=":
         return str(value).startswith(want)
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= float(want)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    return value >= float(want) if op == ">=" else value < float(want)
 
 
 def resolve(ref: str, payloads: Dict[str, Any]) -> Any:
@@ -213,7 +216,7 @@ def resolve(ref: str, payloads: Dict[str, Any]) -> Any:
                 index = int(selector)
             elif selector.strip() != "*":
                 if not _SELECTOR.fullmatch(selector):
-                    raise ValueError(f"{ref}: cannot read the selection [{selector}] (k=v, k^=v, k>=number, *, or an index)")
+                    raise ValueError(f"{ref}: cannot read the selection [{selector}] (k=v, k^=v, k>=number, k<number, *, or an index)")
                 conditions = [(c.group(1), c.group(2), _unquote(c.group(3)))
                               for c in _CONDITION.finditer(selector) if c.group(1)]
             out = []

@@ -127,8 +127,10 @@ def test_figure_expressions_select_exactly_and_refuse_anything_else(payloads):
     depths = [v for r in payloads["finetune_summary"]["runs"] for v in r["accuracy_by_depth"].values()]
     assert tables.render_figure("min(finetune_summary.runs[*].accuracy_by_depth.*) | {:.2f}", payloads) == \
         f"{min(depths):.2f}"
-    learned = [r for r in payloads["linear"]["rows"] if r["n"] == 16384 and r["accuracy_over_depths"] >= 0.9]
+    at_16k = [r for r in payloads["linear"]["rows"] if r["n"] == 16384]
+    learned = [r for r in at_16k if r["accuracy_over_depths"] >= 0.9]
     assert tables.render_figure("len(linear.rows[n=16384,accuracy_over_depths>=0.9])", payloads) == str(len(learned))
+    assert tables.render_figure("len(linear.rows[n=16384,accuracy_over_depths<0.9])", payloads) == str(len(at_16k) - len(learned))
     peak = row("scale", n=1048576)["peak_mb"]
     text = "a <!-- fig:scale[n=1048576].peak_mb | {:.0f} MB -->1 MB<!-- /fig --> b"
     assert tables.rewrite_figures(text, payloads) == \
