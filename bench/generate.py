@@ -21,7 +21,7 @@ import torch
 
 from hf_ring.generation.cache import cache_nbytes
 from hf_ring.integration.seams import CACHE_KEYWORD
-from .common import clock, finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks, save, spread, summary
+from .common import clock, finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks, save, spread, summary, timed
 
 MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1 << 20, attention_dropout=0.0,
@@ -77,17 +77,12 @@ def _clock_merge_exchange(spent: Dict[str, float], seen: List) -> None:
 
 
 def _exchange_alone(seen: List, calls: int = 300) -> List[float]:
-    """The merge's all-gather of the same row with nothing around it, ``calls`` times back to back: its floor
-    on this machine and backend (milliseconds per call)."""
+    """The merge's all-gather of the same row with nothing around it, ``calls`` times back to back after one
+    untimed call: its floor on this machine and backend (milliseconds per call)."""
     if not seen:
         return []
     comm, row = seen
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        comm.all_gather(row, "the decode merge's exchange alone")
-        times.append(1e3 * (time.perf_counter() - t0))
-    return times
+    return [1e3 * t for t in timed(lambda: comm.all_gather(row, "the decode merge's exchange alone"), calls)]
 
 
 class _Copies:
@@ -108,12 +103,7 @@ def _arithmetic_alone(partials: List, world_size: int, calls: int = 300) -> List
     if not partials:
         return []
     out, lse = partials
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        merge_ranks(out, lse, _Copies(world_size))
-        times.append(1e3 * (time.perf_counter() - t0))
-    return times
+    return [1e3 * t for t in timed(lambda: merge_ranks(out, lse, _Copies(world_size)), calls)]
 
 
 def _measure(impl: str, n: int, new_tokens: int, layout: str, repeats: int, broadcast_logits: bool) -> Dict:
