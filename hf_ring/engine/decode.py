@@ -191,22 +191,14 @@ def cached_attention(
     softcap = check_softcap(softcap)
     b, hq, s, d = q.shape
     acc = accumulator_dtype(q)
-    out = lse = None
+    if len(blocks) == 1 and blocks[0].q_rows is None and blocks[0].q_heads == range(hq):
+        out, lse = _attend_block(q, k, v, blocks[0], scale, key_mask, pair_mask, softcap)
+        return out.to(acc), lse  # the usual dense step: nothing to merge it with
+    out = torch.zeros(b, hq, s, d, dtype=acc, device=q.device)
+    lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
     for blk in blocks:
-        hs, ks = head_slice(blk.q_heads), head_slice(blk.kv_heads)
-        qb, kb, vb = q[:, hs], k[:, ks], v[:, ks]
-        if blk.q_rows is not None:
-            qb = qb[:, :, blk.q_rows.to(q.device)]
-        if blk.k_rows is not None:
-            rows = blk.k_rows.to(k.device)
-            kb, vb = kb.index_select(2, rows), vb.index_select(2, rows)
-        mask = _block_mask(blk, key_mask, pair_mask, qb.shape[2], q.device)
-        o_blk, l_blk = _grouped_forward(qb, kb, vb, scale, mask, softcap)
-        if len(blocks) == 1 and blk.q_rows is None and blk.q_heads == range(hq):
-            return o_blk.to(acc), l_blk  # the usual dense step: nothing to merge it with
-        if out is None:
-            out = torch.zeros(b, hq, s, d, dtype=acc, device=q.device)
-            lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
+        hs = head_slice(blk.q_heads)
+        o_blk, l_blk = _attend_block(q, k, v, blk, scale, key_mask, pair_mask, softcap)
         if blk.q_rows is None:
             merge_into(out[:, hs], lse[:, hs], o_blk, l_blk)
         else:
@@ -214,10 +206,20 @@ def cached_attention(
             o_sub, l_sub = out[:, hs][:, :, rows], lse[:, hs][:, :, rows]
             merge_into(o_sub, l_sub, o_blk, l_blk)
             out[:, hs, rows], lse[:, hs, rows] = o_sub, l_sub
-    if out is None:  # no block: no key here for any query
-        out = torch.zeros(b, hq, s, d, dtype=acc, device=q.device)
-        lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
     return out, lse
+
+
+def _attend_block(q: Tensor, k: Tensor, v: Tensor, blk: CachedBlock, scale: float, key_mask: Optional[Tensor],
+                  pair_mask: Optional[Tensor], softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
+    """One block's ``(out, lse)``: its heads, query and cache rows and mask taken from the whole tensors."""
+    qb, kb, vb = q[:, head_slice(blk.q_heads)], k[:, head_slice(blk.kv_heads)], v[:, head_slice(blk.kv_heads)]
+    if blk.q_rows is not None:
+        qb = qb[:, :, blk.q_rows.to(q.device)]
+    if blk.k_rows is not None:
+        rows = blk.k_rows.to(k.device)
+        kb, vb = kb.index_select(2, rows), vb.index_select(2, rows)
+    mask = _block_mask(blk, key_mask, pair_mask, qb.shape[2], q.device)
+    return _grouped_forward(qb, kb, vb, scale, mask, softcap)
 
 
 def _grouped_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Optional[Tensor],
