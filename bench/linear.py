@@ -180,10 +180,10 @@ def timing(script: str, sizes: List[int], ranks: int, steps: int, repeats: int, 
     return rows
 
 
-def _option(args: List[str], name: str, default=None):
-    """The value of ``name`` in a command's arguments (its last one), or ``default``."""
+def _option(args: List[str], name: str) -> Optional[str]:
+    """The value of ``name`` in a command's arguments (its last one), or None."""
     found = [args[i + 1] for i, a in enumerate(args[:-1]) if a == name]
-    return found[-1] if found else default
+    return found[-1] if found else None
 
 
 def device_name() -> str:
@@ -194,16 +194,16 @@ def device_name() -> str:
 
 
 def recipe_row(recipe: str, seed: int, got: Dict, at_demo: Optional[float]) -> Dict:
-    """A recipe run's row from its summary (``at_demo``: its accuracy at the demo's length, after)."""
-    args = shlex.split(recipe)
-    warmup = int(_option(args, "--warmup-len", 32))
-    return {"part": f"extension {DEMO_LEN} → {got['seq_len']}" if _option(args, "--model") == DEMO else "from scratch",
-            "attention": _option(args, "--dilated", "dense") if got["pattern"] is not None or "--dilated" in args
-            else "dense",
+    """A recipe run's row from its summary, which records what the run used (``at_demo``: its accuracy at the
+    demo's length, after)."""
+    warmup = got["warmup_len"]
+    return {"part": f"extension {DEMO_LEN} → {got['seq_len']}" if _option(shlex.split(recipe), "--model") == DEMO
+            else "from scratch",
+            "attention": got["dilated"] or ("dense" if got["pattern"] is None else "dilated"),
             "n": got["seq_len"], "pattern": pattern_cell(got),
             "first_length": warmup if 0 < warmup < got["seq_len"] else "none (full length)",
-            "layers": got["layers"], "steps": got["steps"], "lr": float(_option(args, "--lr", 5e-3)),
-            "sequences_per_step": int(_option(args, "--batch-size", 4)), "seed": seed,
+            "layers": got["layers"], "steps": got["steps"], "lr": got["lr"],
+            "sequences_per_step": got["batch_size"], "seed": seed,
             "before": got["accuracy_before"], "accuracy": got["accuracy_after"],
             "accuracy_over_depths": _over_depths(got), "by_depth": depth_cells(got), "at_4096": at_demo,
             "recipe": recipe, "device": device_name()}
@@ -211,20 +211,21 @@ def recipe_row(recipe: str, seed: int, got: Dict, at_demo: Optional[float]) -> D
 
 def recipes(script: str, chosen: List[str], seeds: List[int], ranks: int, parallel: int, work: str) -> List[Dict]:
     """Each recipe at each seed, ``parallel`` launches at a time; a row per run, in the order asked."""
-    for recipe in chosen:
-        if _option(shlex.split(recipe), "--seq-len") is None:
+    parsed = [shlex.split(recipe) for recipe in chosen]
+    for recipe, args in zip(chosen, parsed):
+        if _option(args, "--seq-len") is None:
             raise ValueError(f"--recipe {recipe!r}: give its length (--seq-len N)")
         for name in ("--seed", "--output", "--sp-size"):
-            if name in shlex.split(recipe):
+            if name in args:
                 raise ValueError(f"--recipe {recipe!r}: leave {name} out (bench linear sets it: --seeds, --ranks)")
     demo = os.path.join(work, "demo")
-    if any(_option(shlex.split(r), "--model") == DEMO for r in chosen):
+    if any(_option(args, "--model") == DEMO for args in parsed):
         launch(script, ranks, example_args(ranks, DEMO_LEN, 4, demo) + ["--seed", "0"])
 
     def one(job: Tuple[int, str, int]) -> Dict:
         index, recipe, seed = job
         out = os.path.join(work, f"recipe_{index}_{seed}")
-        args = [demo if a == DEMO else a for a in shlex.split(recipe)]
+        args = [demo if a == DEMO else a for a in parsed[index]]
         got = launch(script, ranks, ["--sp-size", str(ranks), "--output", out, "--seed", str(seed),
                                      "--save-every", "0"] + args)
         at_demo = None
@@ -324,16 +325,16 @@ def main(argv: Optional[List[str]] = None) -> None:
             swept = recipes(args.script, args.recipe, args.seeds, args.ranks, args.parallel, work)
     command = ("python -m bench linear " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))).strip()
     made = commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for part, rows in [*got.items(), ("recipes", swept)]:
+        for row in rows:
+            row.update(settings=settings(part, vars(args), row), command=command, commit=made)
     if swept:
-        for row in swept:
-            row.update(settings=settings("recipes", vars(args), row), command=command, commit=made)
         _write(args.out, "linear_recipes", {"rows": swept}, vars(args))
     if got:
-        _write(args.out, "linear", got, vars(args), command, made)
+        _write(args.out, "linear", got, vars(args))
 
 
-def _write(out: str, name: str, got: Dict[str, List[Dict]], options: Dict, command: Optional[str] = None,
-           made: Optional[str] = None) -> None:
+def _write(out: str, name: str, got: Dict[str, List[Dict]], options: Dict) -> None:
     """Join this run's rows to ``out/NAME.json`` (see :func:`merge`) and record the run."""
     path = os.path.join(out, f"{name}.json")
     payload: Dict = {"runs": [], **{key: [] for key in WRITES[name] if key != "runs"}}
@@ -341,9 +342,6 @@ def _write(out: str, name: str, got: Dict[str, List[Dict]], options: Dict, comma
         with open(path) as f:
             payload.update(json.load(f))
     for key, rows in got.items():
-        if command is not None:
-            for row in rows:
-                row.update(settings=settings(key, options, row), command=command, commit=made)
         payload[key] = merge(payload[key], rows)
     payload["runs"] = payload["runs"] + [options]
     save(out, name, payload, _plot(payload) if name == "linear" else None)
@@ -354,10 +352,10 @@ OPTIONS = {
     "extension": ("ranks", "extend_from", "extend_to", "extend_steps", "extend_lr", "extend_every",
                   "extend_base_segment", "extend_warmup_len"),
     "timing": ("ranks", "timing_steps", "timing_repeats", "base_segment"),
+    "recipes": ("ranks",),
 }
 """The options each part's runs depend on; with :data:`OWN` they make a row's settings."""
 
-OPTIONS["recipes"] = ("ranks",)
 OWN = {"rows": ("n", "seed"), "extension": ("attention",), "timing": ("n",), "recipes": ("recipe", "seed")}
 """What tells a part's rows of one run apart."""
 

@@ -64,8 +64,10 @@ def test_recipes_from_the_demo_train_it_once_and_read_each_run_back_at_its_lengt
     def launch(script, ranks, args):
         launched.append(args)
         n = int(args[args.index("--seq-len") + 1])
+        lr = float(args[args.index("--lr") + 1]) if "--lr" in args else 5e-3
         return {"seq_len": n, "pattern": None, "layers": 2, "steps": 3, "accuracy_before": 0.5,
-                "accuracy_after": 1.0, "accuracy_by_depth": {"0.0": 1.0, "0.5": 0.5}}
+                "accuracy_after": 1.0, "accuracy_by_depth": {"0.0": 1.0, "0.5": 0.5}, "dilated": None, "lr": lr,
+                "batch_size": 4, "warmup_len": 32}
 
     monkeypatch.setattr(linear, "launch", launch)
     linear.main(["--parts", "recipes", "--ranks", "1", "--seeds", "0", "1", "--out", str(tmp_path),
