@@ -16,10 +16,10 @@ A figure in prose sits between ``<!-- fig:EXPR | FORMAT -->`` and
 and goes on with ``.key`` (a dict's entry; ``.'a key'`` when it holds other
 characters; ``.*`` every value of a dict), ``[k=v,...]`` (the items of a list,
 or of a file's ``rows``, whose entries ``k`` read as ``v``, or begin with it
-for ``k^=v``, or are numbers of at least ``v`` for ``k>=v``, below it for ``k<v``; ``v`` may be quoted), ``[*]`` (every item) and ``[i]`` (item
-``i``). A selection must match at least one item; a
-reference used outside ``min``/``max``/``len``/``sum`` must come to exactly
-one value. ``FORMAT`` is a ``str.format`` string with one field (default
+for ``k^=v``, or are numbers of at least ``v`` for ``k>=v``, below it for
+``k<v``; ``v`` may be quoted), ``[*]`` (every item) and ``[i]`` (item ``i``).
+A selection must match at least one item; a reference used outside
+``min``/``max``/``len``/``sum`` must come to exactly one value. ``FORMAT`` is a ``str.format`` string with one field (default
 ``{}``). For example::
 
     <!-- fig:ring[n=8192,impl=ring,world=2,layout=zigzag].speedup_over_1_rank | {:.2f}× -->1.85×<!-- /fig -->
@@ -162,7 +162,8 @@ FIGURE = re.compile(r"(<!-- fig:(.*?) -->)(.*?)(<!-- /fig -->)", re.S)
 _REF = re.compile(r"""[A-Za-z_]\w*(?:\.(?:\w+|'[^']*'|\*)|\[(?:[^\]']|'[^']*')*\])+""")
 _ACCESSOR = re.compile(r"""\.(\w+|'[^']*'|\*)|\[((?:[^\]']|'[^']*')*)\]""")
 _CONDITION = re.compile(r"""\s*(\w+)\s*(\^?=|>=|<)\s*('[^']*'|[^,]*?)\s*(?:,|$)""")
-_SELECTOR = re.compile(r"""\s*\w+\s*(?:\^?=|>=|<)\s*(?:'[^']*'|[^,']*?)\s*(?:,\s*\w+\s*(?:\^?=|>=|<)\s*(?:'[^']*'|[^,']*?)\s*)*""")
+_ONE = r"""\s*\w+\s*(?:\^?=|>=|<)\s*(?:'[^']*'|[^,']*?)\s*"""
+_SELECTOR = re.compile(rf"{_ONE}(?:,{_ONE})*")
 _FUNCTIONS: Dict[str, Callable] = {"min": min, "max": max, "len": len, "sum": sum, "abs": abs}
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
               ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -216,7 +217,8 @@ def resolve(ref: str, payloads: Dict[str, Any]) -> Any:
                 index = int(selector)
             elif selector.strip() != "*":
                 if not _SELECTOR.fullmatch(selector):
-                    raise ValueError(f"{ref}: cannot read the selection [{selector}] (k=v, k^=v, k>=number, k<number, *, or an index)")
+                    raise ValueError(f"{ref}: cannot read the selection [{selector}] "
+                                     "(k=v, k^=v, k>=number, k<number, *, or an index)")
                 conditions = [(c.group(1), c.group(2), _unquote(c.group(3)))
                               for c in _CONDITION.finditer(selector) if c.group(1)]
             out = []
@@ -228,7 +230,8 @@ def resolve(ref: str, payloads: Dict[str, Any]) -> Any:
                     out.extend(items[index:index + 1] if -len(items) <= index < len(items) else [])
                     continue
                 out.extend(i for i in items
-                           if all(isinstance(i, dict) and k in i and _holds(i[k], op, want) for k, op, want in conditions))
+                           if all(isinstance(i, dict) and k in i and _holds(i[k], op, want)
+                                  for k, op, want in conditions))
             if not out:
                 raise ValueError(f"{ref}: [{selector}] matches nothing")
             values, many = out, True
