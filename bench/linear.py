@@ -21,10 +21,10 @@ The accuracy runs are long and their wall times are those of a shared
 machine; only the timing part's step times are comparisons.
 ``--parts`` picks the parts. Every row records the settings it was run with
 (``settings``: the part's options and the row's own length, seed or
-attention), the command and the commit; a row joins an existing
-``linear.json`` by replacing the row run with the same settings, or after
-the others, so runs made at different times (more seeds, another machine)
-gather in one file with nothing merged by hand. ``WRITES`` names every field
+attention), the command and the commit; a row joins its file as soon as its
+run ends (a sweep cut short keeps what it finished), replacing the row run
+with the same settings or after the others, so runs made at different times
+(more seeds, another machine) gather in one file with nothing merged by hand. ``WRITES`` names every field
 a row can hold, which ``python -m bench tables --check`` holds the files to.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ import statistics
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -85,9 +85,8 @@ def _base(base_segment: Optional[int]) -> List[str]:
 
 
 def retrieval(script: str, sizes: List[int], seeds: List[int], ranks: int, tokens_per_step: int,
-              base_segment: Optional[int], work: str) -> List[Dict]:
-    """The linear preset trained from scratch at each length and seed."""
-    rows = []
+              base_segment: Optional[int], work: str) -> Iterator[Dict]:
+    """The linear preset trained from scratch at each length and seed: a row as each run ends."""
     for n in sizes:
         for seed in seeds:
             out = os.path.join(work, f"linear_{n}_{seed}")
@@ -97,9 +96,8 @@ def retrieval(script: str, sizes: List[int], seeds: List[int], ranks: int, token
                    "accuracy": got["accuracy_after"], "by_depth": depth_cells(got),
                    "accuracy_over_depths": _over_depths(got), "wall_s": got["wall_s"],
                    "peak_mb_per_rank": max(got["peak_rss_mb_per_rank"])}
-            rows.append(row)
             print(format_table([row], list(row)), flush=True)
-    return rows
+            yield row
 
 
 def _evaluate(script: str, ranks: int, model: str, n: int, batch: int, pattern: Optional[Dict], out: str) -> float:
@@ -113,13 +111,12 @@ def _evaluate(script: str, ranks: int, model: str, n: int, batch: int, pattern: 
 
 
 def extension(script: str, ranks: int, short: int, long: int, steps: int, lr: float, every: int,
-              base_segment: int, warmup_len: int, modes: List[str], work: str) -> List[Dict]:
+              base_segment: int, warmup_len: int, modes: List[str], work: str) -> Iterator[Dict]:
     """The dense demo checkpoint extended from ``short`` to ``long`` tokens, linear pattern and dense side by side.
 
     Both keep the demo's task, the passkey in the first half of the sequence, at every length."""
     demo = os.path.join(work, f"demo_{short}")
     launch(script, ranks, example_args(ranks, short, 4, demo) + ["--seed", "0"])
-    rows = []
     for attention in modes:
         out = os.path.join(work, f"extend_{attention}_{long}")
         extra = ["--dilated", "linear", "--base-segment", str(base_segment), "--dense-frac", "0"] \
@@ -139,15 +136,14 @@ def extension(script: str, ranks: int, short: int, long: int, steps: int, lr: fl
                                              os.path.join(work, f"eval_{attention}_{short}"))
         row["wall_s"] = got["wall_s"]
         row["step_s_at_full_length"] = got["step_s_at_full_length"]
-        rows.append(row)
         print(format_table([row], list(row)), flush=True)
-    return rows
+        yield row
 
 
 def timing(script: str, sizes: List[int], ranks: int, steps: int, repeats: int, base_segment: Optional[int],
-           work: str) -> List[Dict]:
+           work: str) -> Iterator[Dict]:
     """Full-length training steps, the linear pattern and the dense ring on the preset's model, alternating."""
-    rows = []
+    previous: Optional[Dict] = None
     for n in sizes:
         times: Dict[str, List[float]] = {"dense": [], "linear": []}
         peaks: Dict[str, List[float]] = {"dense": [], "linear": []}
@@ -172,12 +168,12 @@ def timing(script: str, sizes: List[int], ranks: int, steps: int, repeats: int, 
         row["step_over_dense"] = round(row["linear_step_s"] / row["dense_step_s"], 3)
         row["dense_peak_mb"] = round(max(peaks["dense"]), 1)
         row["linear_peak_mb"] = round(max(peaks["linear"]), 1)
-        if rows and n == 2 * rows[-1]["n"]:
-            row["dense_growth"] = round(row["dense_step_s"] / rows[-1]["dense_step_s"], 2)
-            row["linear_growth"] = round(row["linear_step_s"] / rows[-1]["linear_step_s"], 2)
-        rows.append(row)
+        if previous and n == 2 * previous["n"]:
+            row["dense_growth"] = round(row["dense_step_s"] / previous["dense_step_s"], 2)
+            row["linear_growth"] = round(row["linear_step_s"] / previous["linear_step_s"], 2)
         print(format_table([row], list(row)), flush=True)
-    return rows
+        yield row
+        previous = row
 
 
 def _option(args: List[str], name: str) -> Optional[str]:
@@ -209,8 +205,8 @@ def recipe_row(recipe: str, seed: int, got: Dict, at_demo: Optional[float]) -> D
             "recipe": recipe, "device": device_name()}
 
 
-def recipes(script: str, chosen: List[str], seeds: List[int], ranks: int, parallel: int, work: str) -> List[Dict]:
-    """Each recipe at each seed, ``parallel`` launches at a time; a row per run, in the order asked."""
+def check_recipes(chosen: List[str]) -> List[List[str]]:
+    """Each recipe's arguments; a recipe without its length, or setting what the benchmark sets, is refused."""
     parsed = [shlex.split(recipe) for recipe in chosen]
     for recipe, args in zip(chosen, parsed):
         if _option(args, "--seq-len") is None:
@@ -218,6 +214,13 @@ def recipes(script: str, chosen: List[str], seeds: List[int], ranks: int, parall
         for name in ("--seed", "--output", "--sp-size"):
             if name in args:
                 raise ValueError(f"--recipe {recipe!r}: leave {name} out (bench linear sets it: --seeds, --ranks)")
+    return parsed
+
+
+def recipes(script: str, chosen: List[str], seeds: List[int], ranks: int, parallel: int, work: str) -> Iterator[Dict]:
+    """Each recipe at each seed, ``parallel`` launches at a time; a row per run, in the order asked, each as soon as
+    it and the runs before it have ended."""
+    parsed = check_recipes(chosen)
     demo = os.path.join(work, "demo")
     if any(_option(args, "--model") == DEMO for args in parsed):
         launch(script, ranks, example_args(ranks, DEMO_LEN, 4, demo) + ["--seed", "0"])
@@ -237,7 +240,7 @@ def recipes(script: str, chosen: List[str], seeds: List[int], ranks: int, parall
 
     jobs = [(i, recipe, seed) for i, recipe in enumerate(chosen) for seed in seeds]
     with ThreadPoolExecutor(max(1, parallel)) as pool:
-        return list(pool.map(one, jobs))
+        yield from pool.map(one, jobs)
 
 
 def _plot(payload: Dict):
@@ -307,44 +310,55 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = ap.parse_args(argv)
     if "recipes" in args.parts and not args.recipe:
         ap.error("--parts recipes needs at least one --recipe")
-    got: Dict[str, List[Dict]] = {}
-    swept: List[Dict] = []
+    check_recipes(args.recipe)  # before hours of the other parts
+    command = ("python -m bench linear " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))).strip()
+    sink = Sink(args.out, vars(args), command, commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     with tempfile.TemporaryDirectory() as work:
         if "retrieval" in args.parts:
-            got["rows"] = retrieval(args.script, args.sizes, args.seeds, args.ranks, args.tokens_per_step,
-                                    args.base_segment, work)
+            for row in retrieval(args.script, args.sizes, args.seeds, args.ranks, args.tokens_per_step,
+                                 args.base_segment, work):
+                sink.keep("rows", row)
         if "extension" in args.parts:
-            got["extension"] = extension(
-                args.script, args.ranks, args.extend_from, args.extend_to, args.extend_steps, args.extend_lr,
-                args.extend_every, args.extend_base_segment or args.extend_from,
-                args.extend_warmup_len or 2 * args.extend_from, args.extend_modes, work)
+            for row in extension(args.script, args.ranks, args.extend_from, args.extend_to, args.extend_steps,
+                                 args.extend_lr, args.extend_every, args.extend_base_segment or args.extend_from,
+                                 args.extend_warmup_len or 2 * args.extend_from, args.extend_modes, work):
+                sink.keep("extension", row)
         if "timing" in args.parts:
-            got["timing"] = timing(args.script, args.timing_sizes, args.ranks, args.timing_steps,
-                                   args.timing_repeats, args.base_segment, work)
+            for row in timing(args.script, args.timing_sizes, args.ranks, args.timing_steps, args.timing_repeats,
+                              args.base_segment, work):
+                sink.keep("timing", row)
         if "recipes" in args.parts:
-            swept = recipes(args.script, args.recipe, args.seeds, args.ranks, args.parallel, work)
-    command = ("python -m bench linear " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))).strip()
-    made = commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for part, rows in [*got.items(), ("recipes", swept)]:
-        for row in rows:
-            row.update(settings=settings(part, vars(args), row), command=command, commit=made)
-    if swept:
-        _write(args.out, "linear_recipes", {"rows": swept}, vars(args))
-    if got:
-        _write(args.out, "linear", got, vars(args))
+            for row in recipes(args.script, args.recipe, args.seeds, args.ranks, args.parallel, work):
+                sink.keep("recipes", row)
 
 
-def _write(out: str, name: str, got: Dict[str, List[Dict]], options: Dict) -> None:
-    """Join this run's rows to ``out/NAME.json`` (see :func:`merge`) and record the run."""
-    path = os.path.join(out, f"{name}.json")
-    payload: Dict = {"runs": [], **{key: [] for key in WRITES[name] if key != "runs"}}
-    if os.path.exists(path):
-        with open(path) as f:
-            payload.update(json.load(f))
-    for key, rows in got.items():
-        payload[key] = merge(payload[key], rows)
-    payload["runs"] = payload["runs"] + [options]
-    save(out, name, payload, _plot(payload) if name == "linear" else None)
+PLACES = {"rows": ("linear", "rows"), "extension": ("linear", "extension"), "timing": ("linear", "timing"),
+          "recipes": ("linear_recipes", "rows")}
+"""Each part's file and the list of rows in it."""
+
+
+class Sink:
+    """Where a run of the benchmark puts its rows: each row is stamped with its settings, the command and the commit,
+    and joined to its file (see :func:`merge`) as soon as its launch ends, so that a sweep cut short (a lent
+    machine's time running out) keeps every run it finished. The run's options join each file's ``runs`` once."""
+
+    def __init__(self, out: str, options: Dict, command: str, made: str):
+        self.out, self.options, self.command, self.made = out, options, command, made
+        self.recorded: set = set()
+
+    def keep(self, part: str, row: Dict) -> None:
+        name, key = PLACES[part]
+        row.update(settings=settings(part, self.options, row), command=self.command, commit=self.made)
+        path = os.path.join(self.out, f"{name}.json")
+        payload: Dict = {"runs": [], **{k: [] for k in WRITES[name] if k != "runs"}}
+        if os.path.exists(path):
+            with open(path) as f:
+                payload.update(json.load(f))
+        payload[key] = merge(payload[key], [row])
+        if name not in self.recorded:
+            payload["runs"] = payload["runs"] + [self.options]
+            self.recorded.add(name)
+        save(self.out, name, payload, _plot(payload) if name == "linear" else None)
 
 
 OPTIONS = {

@@ -85,11 +85,33 @@ def test_recipes_from_the_demo_train_it_once_and_read_each_run_back_at_its_lengt
         (f"extension {linear.DEMO_LEN} → 128", 0.002, 1.0, 0.75)] * 2
 
 
-def test_recipes_refuse_what_the_benchmark_sets_itself(tmp_path):
+def test_recipes_refuse_what_the_benchmark_sets_itself(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="--seq-len"):
-        linear.recipes("x.py", ["--steps 2"], [0], 1, 1, str(tmp_path))
+        linear.check_recipes(["--steps 2"])
     with pytest.raises(ValueError, match="leave --seed out"):
-        linear.recipes("x.py", ["--seq-len 64 --seed 3"], [0], 1, 1, str(tmp_path))
+        linear.check_recipes(["--seq-len 64 --seed 3"])
+    # refused before any other part launches anything
+    monkeypatch.setattr(linear, "launch", lambda *a: pytest.fail("launched before the recipes were checked"))
+    with pytest.raises(ValueError, match="leave --output out"):
+        linear.main(["--parts", "retrieval", "recipes", "--recipe", "--seq-len 64 --output x", "--out", str(tmp_path)])
+
+
+def test_a_sweep_cut_short_keeps_the_runs_it_finished(tmp_path, monkeypatch):
+    """A lent machine's time can run out mid-sweep: every run that ended is in the file by then."""
+    def launch(script, ranks, args):
+        seed = int(args[args.index("--seed") + 1])
+        if seed == 2:
+            raise RuntimeError("the machine went away")
+        return {"seq_len": 64, "pattern": None, "layers": 2, "steps": 3, "accuracy_before": 0.0,
+                "accuracy_after": 1.0, "accuracy_by_depth": {"0.0": 1.0}, "dilated": None, "lr": 5e-3,
+                "batch_size": 4, "warmup_len": 32}
+
+    monkeypatch.setattr(linear, "launch", launch)
+    with pytest.raises(RuntimeError, match="went away"):
+        linear.main(["--parts", "recipes", "--ranks", "1", "--seeds", "0", "1", "2", "--out", str(tmp_path),
+                     "--recipe", "--seq-len 64"])
+    saved = json.load(open(tmp_path / "linear_recipes.json"))
+    assert [r["seed"] for r in saved["rows"]] == [0, 1] and len(saved["runs"]) == 1
 
 
 def test_a_row_with_a_field_no_benchmark_writes_is_flagged():
