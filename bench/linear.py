@@ -51,6 +51,7 @@ DEMO_LEN = 4096
 
 TABLES = {
     "linear": (("n", "n"), ("heads", "query heads"), ("pattern", "pattern"), ("seed", "seed"), ("steps", "steps"),
+               ("lr", "peak lr"),
                ("accuracy", "accuracy (8 held-out)"), ("accuracy_over_depths", "accuracy over all depths"),
                ("by_depth", "by passkey depth 0/10/…/90%"), ("wall_s", "training s"),
                ("peak_mb_per_rank", "peak MB per rank")),
@@ -93,7 +94,7 @@ def retrieval(script: str, sizes: List[int], seeds: List[int], ranks: int, token
             got = launch(script, ranks, example_args(ranks, n, max(1, tokens_per_step // n), out) + [
                 "--seed", str(seed), "--dilated", "linear"] + _base(base_segment))
             row = {"n": n, "heads": got["heads"], "pattern": pattern_cell(got), "seed": seed, "steps": got["steps"],
-                   "accuracy": got["accuracy_after"], "by_depth": depth_cells(got),
+                   "lr": got["lr"], "accuracy": got["accuracy_after"], "by_depth": depth_cells(got),
                    "accuracy_over_depths": _over_depths(got), "wall_s": got["wall_s"],
                    "peak_mb_per_rank": max(got["peak_rss_mb_per_rank"])}
             print(format_table([row], list(row)), flush=True)
@@ -370,14 +371,14 @@ OPTIONS = {
 }
 """The options each part's runs depend on; with :data:`OWN` they make a row's settings."""
 
-OWN = {"rows": ("n", "seed"), "extension": ("attention",), "timing": ("n",), "recipes": ("recipe", "seed")}
+OWN = {"rows": ("n", "seed", "lr"), "extension": ("attention",), "timing": ("n",), "recipes": ("recipe", "seed")}
 """What tells a part's rows of one run apart."""
 
 _RECORDED = ("settings", "command", "commit")
 WRITES: Dict[str, Dict[str, Tuple[str, ...]]] = {
     "linear": {
-        "rows": ("n", "heads", "pattern", "seed", "steps", "accuracy", "by_depth", "accuracy_over_depths", "wall_s",
-                 "peak_mb_per_rank") + _RECORDED,
+        "rows": ("n", "heads", "pattern", "seed", "steps", "lr", "accuracy", "by_depth", "accuracy_over_depths",
+                 "wall_s", "peak_mb_per_rank") + _RECORDED,
         "extension": ("from", "to", "attention", "pattern", "steps", "lr", "before", "curve", "after", "by_depth",
                       "after_over_depths", "after_at_from", "wall_s", "step_s_at_full_length") + _RECORDED,
         "timing": ("n", "ranks", "base_segment", "dense_step_s", "linear_step_s", "step_over_dense", "dense_peak_mb",

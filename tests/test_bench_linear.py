@@ -121,3 +121,21 @@ def test_a_row_with_a_field_no_benchmark_writes_is_flagged():
     assert tables.unwritten({"linear": good}) == []
     bad = {"rows": [{"n": 64, "seed": 0, "note": "merged from two runs"}]}
     assert tables.unwritten({"linear": bad}) == ["linear.json rows[0]: note"]
+
+
+def test_retrieval_rows_are_kept_apart_by_the_learning_rate_the_preset_ran_at(tmp_path, monkeypatch):
+    """A preset whose learning rate changes makes new rows beside the old ones, never in their place."""
+    lr = {"now": 5e-3}
+
+    def launch(script, ranks, args):
+        return {"heads": 16, "pattern": None, "steps": 3, "lr": lr["now"], "accuracy_after": 1.0,
+                "accuracy_by_depth": {"0.0": 1.0}, "wall_s": 1.0, "peak_rss_mb_per_rank": [1.0]}
+
+    monkeypatch.setattr(linear, "launch", launch)
+    args = ["--parts", "retrieval", "--ranks", "1", "--sizes", "64", "--seeds", "0", "--out", str(tmp_path)]
+    linear.main(args)
+    lr["now"] = 2e-3
+    linear.main(args)
+    linear.main(args)
+    rows = json.load(open(tmp_path / "linear.json"))["rows"]
+    assert [r["lr"] for r in rows] == [5e-3, 2e-3] and rows[1]["settings"]["lr"] == 2e-3
