@@ -251,7 +251,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="sequences per step and data-parallel replica (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 120; 240 with --dilated)")
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default: %(default)s)")
-    ap.add_argument("--lr", type=float, default=5e-3, help="peak AdamW learning rate (default: %(default)s)")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="peak AdamW learning rate (default: 5e-3; 2e-3 with --dilated linear)")
     ap.add_argument("--eval-every", type=int, default=50,
                     help="measure retrieval accuracy every N steps and at the end (default: %(default)s)")
     ap.add_argument("--eval-batches", type=int, default=8,
@@ -337,6 +338,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("base_segment", "heads", "head_dim", "layers", "min_distance"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be positive")
+    if args.lr is None:
+        args.lr = 2e-3 if linear else 5e-3
+    if args.lr <= 0:
+        ap.error("--lr must be positive")
     if args.steps is None:
         args.steps = 240 if args.dilated else 120
     if not 0.0 <= args.dense_frac < 1.0:

@@ -214,6 +214,12 @@ def test_linear_preset_runs_the_geometric_pattern_on_a_16_head_model(tmp_path):
                 ["--mixed-precision", "fp16"]):
         with pytest.raises(SystemExit):
             ft.parse_args(bad)
+    # at 5e-3 the switch from dense attention to the pattern left seeds at chance; 2e-3 learned
+    assert (ft.parse_args(["--dilated", "linear"]).lr, ft.parse_args([]).lr, ft.parse_args(["--dilated"]).lr) == (
+        2e-3, 5e-3, 5e-3)
+    assert ft.parse_args(["--dilated", "linear", "--lr", "0.004"]).lr == 4e-3
+    with pytest.raises(SystemExit):
+        ft.parse_args(["--lr", "0"])
     assert ft.parse_args(["--dilated", "linear"]).base_segment == 1024
     assert ft.parse_args(["--dilated", "linear", "--seq-len", "16384"]).base_segment == 1024
     assert ft.parse_args(["--dilated", "linear", "--seq-len", "32768"]).base_segment == 2048
