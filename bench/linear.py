@@ -30,6 +30,7 @@ a row can hold, which ``python -m bench tables --check`` holds the files to.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shlex
@@ -351,15 +352,21 @@ class Sink:
         name, key = PLACES[part]
         row.update(settings=settings(part, self.options, row), command=self.command, commit=self.made)
         path = os.path.join(self.out, f"{name}.json")
-        payload: Dict = {"runs": [], **{k: [] for k in WRITES[name] if k != "runs"}}
-        if os.path.exists(path):
-            with open(path) as f:
-                payload.update(json.load(f))
-        payload[key] = merge(payload[key], [row])
-        if name not in self.recorded:
-            payload["runs"] = payload["runs"] + [self.options]
-            self.recorded.add(name)
-        save(self.out, name, payload, _plot(payload) if name == "linear" else None)
+        os.makedirs(self.out, exist_ok=True)
+        folder = os.open(self.out, os.O_RDONLY)
+        try:  # two sweeps writing to one folder (a GPU shared by two runs of the benchmark) each keep their rows
+            fcntl.flock(folder, fcntl.LOCK_EX)
+            payload: Dict = {"runs": [], **{k: [] for k in WRITES[name] if k != "runs"}}
+            if os.path.exists(path):
+                with open(path) as f:
+                    payload.update(json.load(f))
+            payload[key] = merge(payload[key], [row])
+            if name not in self.recorded:
+                payload["runs"] = payload["runs"] + [self.options]
+                self.recorded.add(name)
+            save(self.out, name, payload, _plot(payload) if name == "linear" else None)
+        finally:
+            os.close(folder)  # and with it the lock
 
 
 OPTIONS = {

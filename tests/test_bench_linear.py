@@ -139,3 +139,26 @@ def test_retrieval_rows_are_kept_apart_by_the_learning_rate_the_preset_ran_at(tm
     linear.main(args)
     rows = json.load(open(tmp_path / "linear.json"))["rows"]
     assert [r["lr"] for r in rows] == [5e-3, 2e-3] and rows[1]["settings"]["lr"] == 2e-3
+
+
+def test_two_sweeps_writing_one_file_at_once_keep_each_others_rows(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    saved = linear.save
+
+    def slow_save(*args, **kwargs):  # widens the window between reading the file and writing it back
+        time.sleep(0.2)
+        saved(*args, **kwargs)
+
+    monkeypatch.setattr(linear, "save", slow_save)
+    row = {"part": "from scratch", "n": 64, "seed": 0, "recipe": "--seq-len 64"}
+    sinks = [linear.Sink(str(tmp_path), {"ranks": r}, f"sweep {r}", "abc") for r in (1, 2)]
+    threads = [threading.Thread(target=sink.keep, args=("recipes", dict(row))) for sink in sinks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    saved_rows = json.load(open(tmp_path / "linear_recipes.json"))
+    assert sorted(r["command"] for r in saved_rows["rows"]) == ["sweep 1", "sweep 2"]
+    assert len(saved_rows["runs"]) == 2
