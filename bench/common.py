@@ -5,8 +5,10 @@ import json
 import os
 import queue
 import resource
+import shlex
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -19,9 +21,12 @@ import torch.multiprocessing as mp
 
 def commit(root: str) -> str:
     """The checkout's commit, short, with ``+changes`` when tracked files differ from it."""
-    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                           text=True).stdout.strip()
+    try:  # a copy of the tree without git (a lent machine) still writes its results
+        run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
     return (run.stdout.strip() or "unknown") + ("+changes" if dirty else "")
 
 
@@ -333,10 +338,23 @@ def finish_figure(fig, path: str, title: Optional[str] = None) -> None:
     fig.savefig(path, dpi=110)
 
 
-def save(out_dir: str, name: str, payload: Dict, plot: Optional[Callable[[str], None]] = None) -> None:
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The checkout the benchmarks run from, whose commit each file records."""
+
+
+def command_line(bench: str, argv: Optional[List[str]]) -> str:
+    """The command that runs benchmark ``bench`` with ``argv`` (None: this process's arguments, as argparse reads
+    them), as a user types it."""
+    return " ".join(["python -m bench", bench, *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+
+
+def save(out_dir: str, name: str, payload: Dict, plot: Optional[Callable[[str], None]] = None, *,
+         command: str) -> None:
+    """Write ``payload`` to ``out_dir/name.json`` (and its figure), stamped with the ``command`` that wrote it and
+    the checkout's commit, so that every file in docs/bench says how to make it again."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump(payload, f, indent=2)
+        json.dump({**payload, "command": command, "commit": commit(ROOT)}, f, indent=2)
     if plot is not None:
         try:
             import matplotlib

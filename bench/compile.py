@@ -19,7 +19,7 @@ from typing import Dict, List
 
 import torch
 
-from .common import format_table, run_ranks, save
+from .common import command_line, format_table, run_ranks, save
 from .scale import MODEL
 
 TABLES = {
@@ -98,6 +98,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed steps of each, after one untimed step each")
     ap.add_argument("--out", default="bench_results", help="where the JSON goes (default bench_results)")
     args = ap.parse_args(argv)
+    command = command_line("compile", argv)
     rows = run(args.sizes, args.worlds, args.repeats)
     print("\n" + format_table(rows, list(rows[0])))
-    save(args.out, "compile", {"config": vars(args), "model": MODEL, "rows": rows})
+    save(args.out, "compile", {"config": vars(args), "model": MODEL, "rows": rows}, command=command)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Dict, List, Optional
 
-from .common import finish_figure, format_table, measure_attention, planned_ring_mb, run_ranks, save, spread, summary
+from .common import (command_line, finish_figure, format_table, measure_attention, planned_ring_mb, run_ranks, save, spread, summary)
 
 SEGMENTS = [2048, 4096, 8192, 16384, 32768, 65536]
 RATES = [1, 2, 4, 8, 16, 32]
@@ -98,6 +98,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per configuration, after one warm-up")
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
+    command = command_line("dilated", argv)
     rows = run(args.sizes, args.layouts, args.dense_max, args.batch, args.heads, args.head_dim, args.repeats)
     print("\n" + format_table(rows, list(rows[0])))
     by = {(r["n"], r["world"], r["layout"]): r["fwd_bwd_s"] for r in rows}
@@ -105,4 +106,4 @@ def main(argv=None) -> None:
                for (n, w, lay) in by if n == 262144 and (65536, w, lay) in by}
     if scaling:
         print(f"fwd+bwd time ratio 256K / 64K (linear = 4): {scaling}")
-    save(args.out, "dilated", {"config": vars(args), "rows": rows, "scaling_256k_over_64k": scaling}, _plot(rows))
+    save(args.out, "dilated", {"config": vars(args), "rows": rows, "scaling_256k_over_64k": scaling}, _plot(rows), command=command)

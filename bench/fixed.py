@@ -30,7 +30,7 @@ from typing import Dict, List
 
 import torch
 
-from .common import clock, format_table, run_ranks, save, timed
+from .common import clock, command_line, format_table, run_ranks, save, timed
 from .scale import MODEL as SCALE
 
 MODEL = dict(SCALE, vocab_size=1024)
@@ -198,6 +198,7 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--repeats", type=int, default=10, help="timed steps per turn (default %(default)s)")
     ap.add_argument("--out", default="bench_results", help="where the JSON goes (default bench_results)")
     args = ap.parse_args(argv)
+    command = command_line("fixed", argv)
     rows, exchanges = [], []
     for n in args.n:
         got = rows_for(n, args.rounds, args.repeats)
@@ -205,8 +206,8 @@ def main(argv: List[str]) -> None:
         exchanges += got["exchanges"]
         print(format_table([got["row"]], list(got["row"])), flush=True)
         print(format_table(got["exchanges"], list(TABLE_KEYS)), flush=True)
-    save(args.out, "fixed", {"config": vars(args), "command": "python -m bench fixed", "cores": os.cpu_count(),
-                             "rows": rows, "exchanges": exchanges})
+    save(args.out, "fixed", {"config": vars(args), "cores": os.cpu_count(),
+                             "rows": rows, "exchanges": exchanges}, command=command)
 
 
 TABLE_KEYS = [k for k, _ in TABLES["fixed_exchanges"]]

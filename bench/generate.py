@@ -21,7 +21,7 @@ import torch
 
 from hf_ring.generation.cache import cache_nbytes
 from hf_ring.integration.seams import CACHE_KEYWORD
-from .common import clock, finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks, save, spread, summary, timed
+from .common import (clock, command_line, finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks, save, spread, summary, timed)
 
 MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1 << 20, attention_dropout=0.0,
@@ -365,13 +365,14 @@ def main(argv=None) -> None:
                     help="instead: compare the sharded cache evicting and keeping every row, in the same runs, for "
                          f"these configurations ({', '.join(sorted(EVICT_MODELS))}); saved as generate_evict")
     args = ap.parse_args(argv)
+    command = command_line("generate", argv)
     if args.evict:
         rows = run_evict(args.evict, args.sizes, args.new_tokens, args.layout, args.repeats)
         cols = ["model", "n", "world", "cache_mb_kept", "cache_mb_evicted", "cache_ratio", "decode_tok_s_kept",
                 "decode_tok_s_evicted", "decode_ratio", "prefill_s_kept", "prefill_s_evicted", "same_tokens"]
         print("\n" + format_table(rows, cols))
         save(args.out, "generate_evict", {"config": vars(args), "models": EVICT_MODELS,
-                                          "pattern": DILATED_PATTERN, "rows": rows})
+                                          "pattern": DILATED_PATTERN, "rows": rows}, command=command)
         return
     rows = run(args.sizes, args.new_tokens, args.layout, not args.no_reference, args.repeats, args.broadcast_logits)
     cols = ["n", "world", "layout", "prefill_s", "prefill_spread", "prefill_ratio", "decode_tok_s", "decode_spread",
@@ -379,4 +380,4 @@ def main(argv=None) -> None:
     if not args.no_reference:
         cols += ["sdpa_prefill_s", "sdpa_decode_tok_s", "same_tokens_as_sdpa"]
     print("\n" + format_table(rows, cols))
-    save(args.out, "generate", {"config": vars(args), "model": MODEL, "rows": rows}, _plot(rows))
+    save(args.out, "generate", {"config": vars(args), "model": MODEL, "rows": rows}, _plot(rows), command=command)

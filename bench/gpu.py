@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from . import model as model_bench
 from . import routes as route_check
-from .common import format_table, run_ranks, save
+from .common import command_line, format_table, run_ranks, save
 from .scale import dilated_pattern
 
 SIZES = [8192, 16384, 32768, 65536]
@@ -381,6 +381,7 @@ def main(argv=None) -> None:
     ap.add_argument("--sections", nargs="+", default=["routes", "exact", "speed", "model", "nccl"])
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
+    command = command_line("gpu", argv)
     if not args.fake and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here: run on a GPU machine, or pass --fake to run this code on the CPU")
     fake = args.fake
@@ -392,26 +393,26 @@ def main(argv=None) -> None:
         for row in rows:
             row["checked_on"] = "fake CUDA tensors" if fake else "GPU"
         print(format_table(rows, list(rows[0])), flush=True)
-        save(args.out, "gpu_routes", {"config": config, "rows": rows})
+        save(args.out, "gpu_routes", {"config": config, "rows": rows}, command=command)
     if "exact" in args.sections:
         dtypes = [torch.float32] if fake else [torch.float32, torch.bfloat16, torch.float16]
         rows = exact(load_reference(), 200 if fake else 1500, device, dtypes)
-        save(args.out, "gpu_exact", {"config": config, "rows": rows})
+        save(args.out, "gpu_exact", {"config": config, "rows": rows}, command=command)
     dtype, heads, d = (torch.float32, (4, 2), 64) if fake else (torch.bfloat16, (HEADS, KV_HEADS), HEAD_DIM)
     if "speed" in args.sections:
         sizes = args.sizes or ([256, 512] if fake else SIZES)
         rows = speed(sizes, 1 if fake else args.repeats, device, dtype, heads, d)
         save(args.out, "gpu_speed", {"config": {**config, "heads": heads, "head_dim": d, "dtype": str(dtype)},
-                                     "rows": rows})
+                                     "rows": rows}, command=command)
     if "model" in args.sections:
         sizes = args.model_sizes or ([128] if fake else [8192, 32768])
         rows = model_steps(sizes, 1 if fake else args.repeats, device, dtype)
-        save(args.out, "gpu_model", {"config": config, "rows": rows})
+        save(args.out, "gpu_model", {"config": config, "rows": rows}, command=command)
     gpus = 0 if fake else torch.cuda.device_count()
     if "nccl" in args.sections and (fake or gpus >= 2):
         sizes = [256] if fake else [16384, 32768]
         rows = nccl(sizes, 1 if fake else args.repeats, "gloo" if fake else "nccl", torch.float32 if fake else dtype,
                     heads, d, 128 if fake else 1024, 5.0 if fake else 20.0)
-        save(args.out, "gpu_nccl", {"config": config, "rows": rows})
+        save(args.out, "gpu_nccl", {"config": config, "rows": rows}, command=command)
     elif "nccl" in args.sections:
         print(f"nccl: {gpus} GPU here; the two-rank section needs 2", flush=True)

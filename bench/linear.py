@@ -35,14 +35,13 @@ import json
 import os
 import shlex
 import statistics
-import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .common import commit, finish_figure, format_table, save
+from .common import ROOT, command_line, commit, finish_figure, format_table, save
 from .quality import EXAMPLE, depth_cells, example_args, launch, pattern_cell
 
 PARTS = ("retrieval", "extension", "timing", "recipes")
@@ -313,8 +312,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if "recipes" in args.parts and not args.recipe:
         ap.error("--parts recipes needs at least one --recipe")
     check_recipes(args.recipe)  # before hours of the other parts
-    command = ("python -m bench linear " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))).strip()
-    sink = Sink(args.out, vars(args), command, commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    sink = Sink(args.out, vars(args), command_line("linear", argv), commit(ROOT))
     with tempfile.TemporaryDirectory() as work:
         if "retrieval" in args.parts:
             for row in retrieval(args.script, args.sizes, args.seeds, args.ranks, args.tokens_per_step,
@@ -364,7 +362,7 @@ class Sink:
             if name not in self.recorded:
                 payload["runs"] = payload["runs"] + [self.options]
                 self.recorded.add(name)
-            save(self.out, name, payload, _plot(payload) if name == "linear" else None)
+            save(self.out, name, payload, _plot(payload) if name == "linear" else None, command=self.command)
         finally:
             os.close(folder)  # and with it the lock
 

@@ -18,7 +18,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from . import race
-from .common import format_table, run_ranks, save
+from .common import command_line, format_table, run_ranks, save
 from hf_ring.integration.seams import enable_checkpointing
 from .scale import MODEL
 
@@ -105,16 +105,17 @@ def main(argv=None) -> None:
                     help="with --peers: timing rounds, each running every side in turn in fresh processes")
     ap.add_argument("--out", default="bench_results", help="where the JSON goes (default bench_results)")
     args = ap.parse_args(argv)
+    command = command_line("model", argv)
     if args.peers and args.profile:
         rows = race.breakdown(args.sizes, args.sides)
         print("\n" + format_table(rows, list(rows[0])))
-        save(args.out, "race_profile", {"config": vars(args), "model": race.RACE_MODEL, "rows": rows})
+        save(args.out, "race_profile", {"config": vars(args), "model": race.RACE_MODEL, "rows": rows}, command=command)
         return
     if args.peers:
         rows = race.run(args.sizes, args.batches, args.sides, args.repeats, rounds=args.rounds)
         print("\n" + format_table(rows, list(rows[0])))
-        save(args.out, "race", {"config": vars(args), "model": race.RACE_MODEL, "rows": rows})
+        save(args.out, "race", {"config": vars(args), "model": race.RACE_MODEL, "rows": rows}, command=command)
         return
     rows = run(args.sizes, args.repeats, args.checkpointing)
     print("\n" + format_table(rows, list(rows[0])))
-    save(args.out, "model", {"config": vars(args), "model": MODEL, "rows": rows})
+    save(args.out, "model", {"config": vars(args), "model": MODEL, "rows": rows}, command=command)

@@ -33,7 +33,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
-from .common import format_table, save
+from .common import command_line, format_table, save
 
 GB = 1e9
 
@@ -144,7 +144,8 @@ def main(argv=None) -> None:
                          "(default docs/bench/scale.json)")
     ap.add_argument("--out", default="bench_results", help="where plan.json goes (default bench_results)")
     args = ap.parse_args(argv)
+    command = command_line("plan", argv)
     rows = run(args.gpus, args.tokens, args.gpu_gb, args.scale_json)
     print(format_table(rows, list(rows[0])))
     save(args.out, "plan", {"config": vars(args), "shape": LLAMA_8B, "recomputed_rows": recomputed_rows(args.scale_json),
-                            "engines": [asdict(e) for e in engines(args.gpus, LLAMA_8B)], "rows": rows})
+                            "engines": [asdict(e) for e in engines(args.gpus, LLAMA_8B)], "rows": rows}, command=command)

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .common import format_table, save
+from .common import command_line, format_table, save
 
 EXAMPLE = os.path.join("examples", "finetune.py")
 
@@ -167,6 +167,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="timing runs per attention and length, alternating (default: %(default)s)")
     ap.add_argument("--timing-only", action="store_true", help="only the step-time comparison (default: off)")
     args = ap.parse_args(argv)
+    command = command_line("quality", argv)
     with tempfile.TemporaryDirectory() as work:
         got = {"rows": [], "converted": []} if args.timing_only else run(
             args.script, args.sizes, args.seeds, args.modes, args.tokens_per_step, args.ranks, args.convert_steps,
@@ -180,7 +181,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             before = json.load(f)
         runs = before["runs"] + runs
         got = {key: before.get(key, []) + got[key] for key in got}
-    save(args.out, "quality", {"runs": runs, **got})
+    save(args.out, "quality", {"runs": runs, **got}, command=command)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import argparse
 from collections import defaultdict
 from typing import Dict, List, Optional
 
-from .common import HEAD_PARALLEL, clock, finish_figure, format_table, measure_attention, planned_mode_mb, run_ranks, save, spread, summary
+from .common import (HEAD_PARALLEL, clock, command_line, finish_figure, format_table, measure_attention, planned_mode_mb, run_ranks, save, spread, summary)
 
 BASE_N = 512
 BASELINES = (("sdpa", 1, "-"), ("ring", 1, "-"))
@@ -214,11 +214,12 @@ def main(argv=None) -> None:
                     help=f"only plan each mode's traffic per layer and rank for {WIRE_MODEL['model']} (no processes)")
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
+    command = command_line("ring", argv)
     if args.wire:
         rows = wire_rows()
         print(format_table(rows, list(rows[0])))
-        save(args.out, "ring_wire", {"config": dict(vars(args), **WIRE_MODEL), "rows": rows})
+        save(args.out, "ring_wire", {"config": dict(vars(args), **WIRE_MODEL), "rows": rows}, command=command)
         return
     rows = run(args.sizes, args.repeats, args.batch, args.heads, args.head_dim, args.breakdown, args.rounds, args.mode)
     print("\n" + format_table(rows, COLUMNS))
-    save(args.out, "ring", {"config": vars(args), "rows": rows}, _plot(rows))
+    save(args.out, "ring", {"config": vars(args), "rows": rows}, _plot(rows), command=command)

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hf_ring.integration.seams import enable_checkpointing
-from .common import finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks, save
+from .common import command_line, finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks, save
 
 MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1 << 22, attention_dropout=0.0,
@@ -307,6 +307,7 @@ def main(argv=None) -> None:
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="run nothing: refit and replot the rows of earlier runs' JSON files together")
     args = ap.parse_args(argv)
+    command = command_line("scale", argv)
     if args.merge:
         rows, breakdowns = [], {}
         for path in args.merge:
@@ -329,7 +330,7 @@ def main(argv=None) -> None:
         print(f"\nlive tensors at their peak ({key}): {b['peak_tracked_mb']} MB tracked")
         print(format_table(b["by_label"], ["label", "mb", "tensors"]))
     save(args.out, args.name, {"config": vars(args), "model": MODEL, "rows": rows, "fits": fits,
-                               "breakdowns": breakdowns}, _plot(rows, fits))
+                               "breakdowns": breakdowns}, _plot(rows, fits), command=command)
 
 
 if __name__ == "__main__":

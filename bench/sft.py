@@ -13,7 +13,7 @@ import tempfile
 import time
 from typing import List
 
-from .common import format_table, save
+from .common import command_line, format_table, save
 from .quality import launch
 
 EXAMPLE = os.path.join("examples", "sft.py")
@@ -32,6 +32,7 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--ranks", type=int, default=2, help="processes, one sequence split over all of them")
     ap.add_argument("--out", default="bench_results", help="where the JSON goes (default bench_results)")
     args = ap.parse_args(argv)
+    command = command_line("sft", argv)
     rows = []
     for seed in args.seeds:
         with tempfile.TemporaryDirectory() as work:
@@ -42,4 +43,4 @@ def main(argv: List[str]) -> None:
                          "held_out_token_accuracy": round(summary["held_out_token_accuracy"], 3),
                          "eval_loss": round(summary["eval_loss"], 4), "wall_s": round(time.perf_counter() - t0, 1)})
         print(format_table(rows[-1:], list(rows[-1])), flush=True)
-    save(args.out, "sft", {"config": vars(args), "command": "python -m bench sft", "rows": rows})
+    save(args.out, "sft", {"config": vars(args), "rows": rows}, command=command)

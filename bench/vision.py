@@ -28,7 +28,7 @@ from typing import Dict, List
 
 import torch
 
-from .common import format_table, peak_rss_mb, rss_mb, run_ranks, save, timed
+from .common import command_line, format_table, peak_rss_mb, rss_mb, run_ranks, save, timed
 from .quality import launch
 
 EXAMPLE = os.path.join("examples", "vision_sft.py")
@@ -168,8 +168,8 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--skip-curve", action="store_true", help="time the steps only")
     ap.add_argument("--out", default="bench_results", help="where the JSON goes (default bench_results)")
     args = ap.parse_args(argv)
-    payload = {"config": vars(args), "command": "python -m bench vision",
-               "cores": os.cpu_count(), "rows": step_rows(args.n, args.worlds, args.repeats)}
+    command = command_line("vision", argv)
+    payload = {"config": vars(args),"cores": os.cpu_count(), "rows": step_rows(args.n, args.worlds, args.repeats)}
     if not args.skip_curve:
         payload["curve"] = curve_rows(args.curve_steps, args.curve_frames, args.seeds)
-    save(args.out, "vision", payload)
+    save(args.out, "vision", payload, command=command)

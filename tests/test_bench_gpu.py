@@ -2,7 +2,7 @@
 import json
 import os
 
-from bench import gpu, tables
+from bench import common, gpu, tables
 
 
 def test_gpu_benchmark_runs_without_a_gpu(tmp_path):
@@ -20,5 +20,17 @@ def test_gpu_benchmark_runs_without_a_gpu(tmp_path):
     assert nccl[0]["max_rel_err_fp32"] <= 1e-5 and nccl[-1]["killed_peer"] == "CommTimeoutError"
     assert nccl[-1]["raised_after_s"] < nccl[-1]["timeout_s"] + 5
     for name, payload in got.items():
+        # the file says how to make it again: the command as typed, on this checkout's commit
+        assert payload["command"] == f"python -m bench gpu --fake --out {tmp_path}", payload["command"]
+        assert payload["commit"] == common.commit(common.ROOT) != "unknown"
         table = tables.render(name, payload)
         assert len(table.splitlines()) == 2 + len(payload["rows"])
+
+
+def test_a_copy_of_the_tree_without_git_still_writes_its_files(tmp_path, monkeypatch):
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(common.subprocess, "run", no_git)
+    common.save(str(tmp_path), "x", {"rows": []}, command="python -m bench x")
+    assert json.load(open(tmp_path / "x.json")) == {"rows": [], "command": "python -m bench x", "commit": "unknown"}
