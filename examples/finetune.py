@@ -237,8 +237,9 @@ def linear_base_segment(seq_len: int) -> int:
     """The linear preset's first segment: 1024 tokens up to 16K, 2048 above.
 
     At 32K and a peak learning rate of 5e-3 no run with 1024 learned the task (nine, curricula from 32 to 512
-    tokens, three layers, 360 steps), and two of four with 2048 did; a fixed base keeps the cost linear in n
-    either way.
+    tokens, three layers, 360 steps), and two of four with 2048 did. The cost is linear in n while n is at most
+    the base times the query heads (2048 x 16 = 32K for the preset's model); past that the rates stop at the
+    heads and the last branches read more keys per query: give a larger ``--base-segment`` there (4096 at 64K).
     """
     return 1024 if seq_len <= 16384 else 2048
 
