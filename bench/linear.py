@@ -6,9 +6,10 @@ Each part launches ``examples/finetune.py`` on ``--ranks`` processes as a user d
   the sequence) at each of ``--sizes`` and ``--seeds``: accuracy overall and
   by the passkey's depth over the whole sequence;
 - ``extension``: the dense demo (README command 1, ``--extend-from`` tokens)
-  fine-tuned at ``--extend-to`` tokens, once with the linear pattern and once
-  with dense attention, the same steps side by side; the accuracy at the new
-  length before, along the way and after, and at the original length after;
+  fine-tuned at ``--extend-to`` tokens with each of ``--extend-modes`` (the
+  linear pattern, dense attention) at each of ``--seeds``, the same steps side
+  by side; the accuracy at the new length before, along the way and after, and
+  at the original length after;
 - ``timing``: whole-model training steps at ``--timing-sizes``, the linear
   pattern against the dense ring on the same model, alternating, with each
   rank's resident peak, and the growth of the step per doubling of n;
@@ -55,8 +56,8 @@ TABLES = {
                ("accuracy", "accuracy (8 held-out)"), ("accuracy_over_depths", "accuracy over all depths"),
                ("by_depth", "by passkey depth 0/10/…/90%"), ("wall_s", "training s"),
                ("peak_mb_per_rank", "peak MB per rank")),
-    "linear_extension": (("from", "from"), ("to", "to"), ("attention", "attention"), ("pattern", "pattern"),
-                         ("steps", "steps"), ("lr", "peak lr"), ("before", "at step 0"), ("curve", "during"),
+    "linear_extension": (("from", "from"), ("to", "to"), ("attention", "attention"), ("seed", "seed"),
+                         ("pattern", "pattern"), ("steps", "steps"), ("lr", "peak lr"), ("before", "at step 0"), ("curve", "during"),
                          ("after", "after"), ("after_over_depths", "after, over all depths"),
                          ("by_depth", "after, by passkey depth 0/10/…/50%"), ("after_at_from", "after, at the old length"),
                          ("wall_s", "training s"), ("step_s_at_full_length", "step s at the new length")),
@@ -112,33 +113,37 @@ def _evaluate(script: str, ranks: int, model: str, n: int, batch: int, pattern: 
 
 
 def extension(script: str, ranks: int, short: int, long: int, steps: int, lr: float, every: int,
-              base_segment: int, warmup_len: int, modes: List[str], work: str) -> Iterator[Dict]:
-    """The dense demo checkpoint extended from ``short`` to ``long`` tokens, linear pattern and dense side by side.
+              base_segment: int, warmup_len: int, modes: List[str], seeds: List[int], work: str) -> Iterator[Dict]:
+    """The dense demo checkpoint extended from ``short`` to ``long`` tokens, linear pattern and dense side by side,
+    each at every one of ``seeds`` (the demo is one model, seed 0: a user extends the checkpoint they have).
 
     Both keep the demo's task, the passkey in the first half of the sequence, at every length."""
     demo = os.path.join(work, f"demo_{short}")
     launch(script, ranks, example_args(ranks, short, 4, demo) + ["--seed", "0"])
     for attention in modes:
-        out = os.path.join(work, f"extend_{attention}_{long}")
-        extra = ["--dilated", "linear", "--base-segment", str(base_segment), "--dense-frac", "0"] \
-            if attention == "linear" else []
-        got = launch(script, ranks, example_args(ranks, long, 1, out) + [
-            "--seed", "0", "--model", demo, "--steps", str(steps), "--lr", str(lr), "--eval-every", str(every),
-            "--warmup-len", str(warmup_len), "--save-every", "0", "--min-distance", str(long // 2)] + extra)
-        history = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=True)["history"]
-        curve = {h["step"]: h["accuracy"] for h in history if "accuracy" in h}
-        row = {"from": short, "to": long, "attention": attention, "pattern": pattern_cell(got), "steps": got["steps"],
-               "lr": lr, "before": curve[0]}  # the dense checkpoint at the new length under this run's attention
-        row["curve"] = " / ".join(f"{curve[s]:.2f}" for s in sorted(curve) if s)
-        row["after"] = got["accuracy_after"]
-        row["by_depth"] = depth_cells(got)
-        row["after_over_depths"] = _over_depths(got)
-        row["after_at_from"] = _evaluate(script, ranks, out, short, 4, got["pattern"],
-                                             os.path.join(work, f"eval_{attention}_{short}"))
-        row["wall_s"] = got["wall_s"]
-        row["step_s_at_full_length"] = got["step_s_at_full_length"]
-        print(format_table([row], list(row)), flush=True)
-        yield row
+        for seed in seeds:
+            out = os.path.join(work, f"extend_{attention}_{long}_{seed}")
+            extra = ["--dilated", "linear", "--base-segment", str(base_segment), "--dense-frac", "0"] \
+                if attention == "linear" else []
+            got = launch(script, ranks, example_args(ranks, long, 1, out) + [
+                "--seed", str(seed), "--model", demo, "--steps", str(steps), "--lr", str(lr), "--eval-every",
+                str(every), "--warmup-len", str(warmup_len), "--save-every", "0", "--min-distance", str(long // 2)]
+                + extra)
+            history = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=True)["history"]
+            curve = {h["step"]: h["accuracy"] for h in history if "accuracy" in h}
+            row = {"from": short, "to": long, "attention": attention, "seed": seed, "pattern": pattern_cell(got),
+                   "steps": got["steps"], "lr": lr,
+                   "before": curve[0]}  # the dense checkpoint at the new length under this run's attention
+            row["curve"] = " / ".join(f"{curve[s]:.2f}" for s in sorted(curve) if s)
+            row["after"] = got["accuracy_after"]
+            row["by_depth"] = depth_cells(got)
+            row["after_over_depths"] = _over_depths(got)
+            row["after_at_from"] = _evaluate(script, ranks, out, short, 4, got["pattern"],
+                                             os.path.join(work, f"eval_{attention}_{short}_{seed}"))
+            row["wall_s"] = got["wall_s"]
+            row["step_s_at_full_length"] = got["step_s_at_full_length"]
+            print(format_table([row], list(row)), flush=True)
+            yield row
 
 
 def timing(script: str, sizes: List[int], ranks: int, steps: int, repeats: int, base_segment: Optional[int],
@@ -277,7 +282,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--ranks", type=int, default=2, help="processes, all on one sequence (default: %(default)s)")
     ap.add_argument("--sizes", type=int, nargs="+", default=[16384, 32768],
                     help="retrieval: lengths (default: %(default)s)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="retrieval: seeds (default: %(default)s)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="retrieval, extension and recipes: the seeds of their runs (default: %(default)s)")
     ap.add_argument("--tokens-per-step", type=int, default=16384,
                     help="retrieval: sequences per step are this over the length, at least one (default: %(default)s)")
     ap.add_argument("--base-segment", type=int, default=None,
@@ -321,7 +326,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         if "extension" in args.parts:
             for row in extension(args.script, args.ranks, args.extend_from, args.extend_to, args.extend_steps,
                                  args.extend_lr, args.extend_every, args.extend_base_segment or args.extend_from,
-                                 args.extend_warmup_len or 2 * args.extend_from, args.extend_modes, work):
+                                 args.extend_warmup_len or 2 * args.extend_from, args.extend_modes, args.seeds,
+                                 work):
                 sink.keep("extension", row)
         if "timing" in args.parts:
             for row in timing(args.script, args.timing_sizes, args.ranks, args.timing_steps, args.timing_repeats,
@@ -376,7 +382,7 @@ OPTIONS = {
 }
 """The options each part's runs depend on; with :data:`OWN` they make a row's settings."""
 
-OWN = {"rows": ("n", "seed", "lr"), "extension": ("attention",), "timing": ("n",), "recipes": ("recipe", "seed")}
+OWN = {"rows": ("n", "seed", "lr"), "extension": ("attention", "seed"), "timing": ("n",), "recipes": ("recipe", "seed")}
 """What tells a part's rows of one run apart."""
 
 _RECORDED = ("settings", "command", "commit")
@@ -384,7 +390,7 @@ WRITES: Dict[str, Dict[str, Tuple[str, ...]]] = {
     "linear": {
         "rows": ("n", "heads", "pattern", "seed", "steps", "lr", "accuracy", "by_depth", "accuracy_over_depths",
                  "wall_s", "peak_mb_per_rank") + _RECORDED,
-        "extension": ("from", "to", "attention", "pattern", "steps", "lr", "before", "curve", "after", "by_depth",
+        "extension": ("from", "to", "attention", "seed", "pattern", "steps", "lr", "before", "curve", "after", "by_depth",
                       "after_over_depths", "after_at_from", "wall_s", "step_s_at_full_length") + _RECORDED,
         "timing": ("n", "ranks", "base_segment", "dense_step_s", "linear_step_s", "step_over_dense", "dense_peak_mb",
                    "linear_peak_mb", "dense_growth", "linear_growth") + _RECORDED,

@@ -1,7 +1,9 @@
 """``python -m bench linear``'s timing part end to end at toy sizes: one rank, real launches of the example."""
 import json
+import os
 
 import pytest
+import torch
 
 from bench import linear
 
@@ -162,3 +164,37 @@ def test_two_sweeps_writing_one_file_at_once_keep_each_others_rows(tmp_path, mon
     saved_rows = json.load(open(tmp_path / "linear_recipes.json"))
     assert sorted(r["command"] for r in saved_rows["rows"]) == ["sweep 1", "sweep 2"]
     assert len(saved_rows["runs"]) == 2
+
+
+def test_the_extension_runs_each_seed_from_one_demo_and_keys_its_rows_by_seed(tmp_path, monkeypatch):
+    """A seed rate of the extension comes from one command: the demo is trained once, every seed fine-tunes it."""
+    launched = []
+
+    def launch(script, ranks, args):
+        launched.append(args)
+        out = args[args.index("--output") + 1]
+        if "--model" in args and "--eval-every" in args:  # an extension run: its history, as the example writes it
+            os.makedirs(out, exist_ok=True)
+            torch.save({"history": [{"step": 0, "accuracy": 0.25}, {"step": 2, "accuracy": 1.0}]},
+                       os.path.join(out, "trainer_state.pt"))
+        if "--seed" not in args:  # the run read back at the demo's length
+            return {"accuracy_after": 0.96}
+        seed = int(args[args.index("--seed") + 1])
+        return {"seq_len": 128, "pattern": None, "steps": 2, "accuracy_after": 1.0 - seed / 10,
+                "accuracy_by_depth": {"0.0": 1.0, "0.5": 1.0 - seed / 5}, "wall_s": 1.0,
+                "step_s_at_full_length": 0.5}
+
+    monkeypatch.setattr(linear, "launch", launch)
+    args = ["--parts", "extension", "--ranks", "1", "--extend-from", "64", "--extend-to", "128",
+            "--extend-steps", "2", "--extend-modes", "linear", "--out", str(tmp_path)]
+    linear.main(args + ["--seeds", "0", "1"])
+    linear.main(args + ["--seeds", "1", "2"])  # seed 1 again: its row replaced, seed 2 joins
+    rows = json.load(open(tmp_path / "linear.json"))["extension"]
+    assert [(r["seed"], r["after_over_depths"], r["before"], r["curve"]) for r in rows] == [
+        (0, 1.0, 0.25, "1.00"), (1, 0.9, 0.25, "1.00"), (2, 0.8, 0.25, "1.00")]
+    assert all(r["after_at_from"] == 0.96 and r["settings"]["seed"] == r["seed"] for r in rows)
+    demos = [a for a in launched if "--model" not in a]
+    assert len(demos) == 2 and all(a[a.index("--seed") + 1] == "0" for a in demos)  # one demo per command
+    tuned = [a for a in launched if "--eval-every" in a]
+    assert [a[a.index("--seed") + 1] for a in tuned] == ["0", "1", "1", "2"]
+    assert all(a[a.index("--model") + 1] == demos[0][demos[0].index("--output") + 1] for a in tuned[:2])
