@@ -17,7 +17,7 @@ and goes on with ``.key`` (a dict's entry; ``.'a key'`` when it holds other
 characters; ``.*`` every value of a dict), ``[k=v,...]`` (the items of a list,
 or of a file's ``rows``, whose entries ``k`` read as ``v``, or begin with it
 for ``k^=v``, or are numbers of at least ``v`` for ``k>=v``, below it for
-``k<v``; ``v`` may be quoted), ``[*]`` (every item) and ``[i]`` (item ``i``).
+``k<v``; ``v`` may be quoted; ``!k``: the items without an entry ``k``), ``[*]`` (every item) and ``[i]`` (item ``i``).
 A selection must match at least one item; a reference used outside
 ``min``/``max``/``len``/``sum`` must come to exactly one value. ``FORMAT`` is a ``str.format`` string with one field (default
 ``{}``). For example::
@@ -161,8 +161,8 @@ def rewrite(text: str, tables: Dict[str, str]) -> str:
 FIGURE = re.compile(r"(<!-- fig:(.*?) -->)(.*?)(<!-- /fig -->)", re.S)
 _REF = re.compile(r"""[A-Za-z_]\w*(?:\.(?:\w+|'[^']*'|\*)|\[(?:[^\]']|'[^']*')*\])+""")
 _ACCESSOR = re.compile(r"""\.(\w+|'[^']*'|\*)|\[((?:[^\]']|'[^']*')*)\]""")
-_CONDITION = re.compile(r"""\s*(\w+)\s*(\^?=|>=|<)\s*('[^']*'|[^,]*?)\s*(?:,|$)""")
-_ONE = r"""\s*\w+\s*(?:\^?=|>=|<)\s*(?:'[^']*'|[^,']*?)\s*"""
+_CONDITION = re.compile(r"""\s*(?:!\s*(\w+)|(\w+)\s*(\^?=|>=|<)\s*('[^']*'|[^,]*?))\s*(?:,|$)""")
+_ONE = r"""\s*(?:!\s*\w+|\w+\s*(?:\^?=|>=|<)\s*(?:'[^']*'|[^,']*?))\s*"""
 _SELECTOR = re.compile(rf"{_ONE}(?:,{_ONE})*")
 _FUNCTIONS: Dict[str, Callable] = {"min": min, "max": max, "len": len, "sum": sum, "abs": abs}
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -218,9 +218,9 @@ def resolve(ref: str, payloads: Dict[str, Any]) -> Any:
             elif selector.strip() != "*":
                 if not _SELECTOR.fullmatch(selector):
                     raise ValueError(f"{ref}: cannot read the selection [{selector}] "
-                                     "(k=v, k^=v, k>=number, k<number, *, or an index)")
-                conditions = [(c.group(1), c.group(2), _unquote(c.group(3)))
-                              for c in _CONDITION.finditer(selector) if c.group(1)]
+                                     "(k=v, k^=v, k>=number, k<number, !k, *, or an index)")
+                conditions = [(c.group(1), "!", "") if c.group(1) else (c.group(2), c.group(3), _unquote(c.group(4)))
+                              for c in _CONDITION.finditer(selector) if c.group(1) or c.group(2)]
             out = []
             for v in values:
                 items = v["rows"] if isinstance(v, dict) and "rows" in v else v
@@ -230,7 +230,7 @@ def resolve(ref: str, payloads: Dict[str, Any]) -> Any:
                     out.extend(items[index:index + 1] if -len(items) <= index < len(items) else [])
                     continue
                 out.extend(i for i in items
-                           if all(isinstance(i, dict) and k in i and _holds(i[k], op, want)
+                           if all(isinstance(i, dict) and (k not in i if op == "!" else k in i and _holds(i[k], op, want))
                                   for k, op, want in conditions))
             if not out:
                 raise ValueError(f"{ref}: [{selector}] matches nothing")

@@ -135,6 +135,13 @@ def test_figure_expressions_select_exactly_and_refuse_anything_else(payloads):
     text = "a <!-- fig:scale[n=1048576].peak_mb | {:.0f} MB -->1 MB<!-- /fig --> b"
     assert tables.rewrite_figures(text, payloads) == \
         f"a <!-- fig:scale[n=1048576].peak_mb | {{:.0f}} MB -->{peak:.0f} MB<!-- /fig --> b"
+    # !k: the rows without a field, e.g. rows written before the benchmark recorded it
+    toy = {"t": {"rows": [{"n": 1, "lr": 0.002}, {"n": 1}, {"n": 2}]}}
+    assert tables.render_figure("len(t.rows[n=1,!lr])", toy) == "1"
+    assert tables.render_figure("len(t.rows[!lr])", toy) == "2"
+    assert tables.render_figure("t.rows[!lr, n=2].n", toy) == "2"
+    with pytest.raises(ValueError, match="matches nothing"):
+        tables.render_figure("t.rows[!n].n", toy)
     for bad in ("ring[n=8192].speedup_over_1_rank",  # eight rows: ambiguous
                 "ring[n=1].fwd_s", "ring.nope", "nope.rows", "ring[foo].n", "__import__('os')",
                 "ring[n=8192,world=1,impl=ring].fwd_s ** 2"):
