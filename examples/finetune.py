@@ -233,15 +233,15 @@ def plot(history: List[dict], by_depth: Dict[str, float], seq_len: int, path: st
     fig.savefig(path, dpi=110)
 
 
-def linear_base_segment(seq_len: int) -> int:
-    """The linear preset's first segment: 1024 tokens up to 16K, 2048 above.
+def linear_base_segment(seq_len: int, heads: int) -> int:
+    """The linear preset's first segment: 1024 tokens up to 16K, 2048 above, and at least ``seq_len / heads``.
 
     At 32K and a peak learning rate of 5e-3 no run with 1024 learned the task (nine, curricula from 32 to 512
     tokens, three layers, 360 steps), and two of four with 2048 did. The cost is linear in n while n is at most
-    the base times the query heads (2048 x 16 = 32K for the preset's model); past that the rates stop at the
-    heads and the last branches read more keys per query: give a larger ``--base-segment`` there (4096 at 64K).
+    the base times the query heads: past that the rates stop at the heads and the last branches read more keys per
+    query, so the base grows with n there (4096 at 64K on 16 heads, which retrieved there at 2e-3).
     """
-    return 1024 if seq_len <= 16384 else 2048
+    return max(1024 if seq_len <= 16384 else 2048, -(-seq_len // heads))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -323,8 +323,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     linear = args.dilated == "linear"
     if args.base_segment is not None and not linear:
         ap.error("--base-segment sets the first segment of --dilated linear; give both or neither")
-    if linear and args.base_segment is None:
-        args.base_segment = linear_base_segment(args.seq_len)
     for name in ("heads", "head_dim", "layers"):
         if getattr(args, name) is not None and (args.model or args.resume):
             ap.error(f"--{name.replace('_', '-')} shapes the default model; a --model or --resume checkpoint "
@@ -340,6 +338,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("base_segment", "heads", "head_dim", "layers", "min_distance"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be positive")
+    if linear and args.base_segment is None:
+        args.base_segment = linear_base_segment(args.seq_len, args.heads)
     if args.lr is None:
         args.lr = 2e-3 if linear else 5e-3
     if args.lr <= 0:

@@ -223,6 +223,10 @@ def test_linear_preset_runs_the_geometric_pattern_on_a_16_head_model(tmp_path):
     assert ft.parse_args(["--dilated", "linear"]).base_segment == 1024
     assert ft.parse_args(["--dilated", "linear", "--seq-len", "16384"]).base_segment == 1024
     assert ft.parse_args(["--dilated", "linear", "--seq-len", "32768"]).base_segment == 2048
+    # past base x heads the pattern's rates stop at the heads: the base grows so that the cost stays linear
+    assert ft.parse_args(["--dilated", "linear", "--seq-len", "65536"]).base_segment == 4096
+    assert ft.parse_args(["--dilated", "linear", "--seq-len", "65536", "--heads", "8"]).base_segment == 8192
+    assert ft.parse_args(["--dilated", "linear", "--seq-len", "65536", "--base-segment", "2048"]).base_segment == 2048
     out = tmp_path / "ckpt"
     ft.main(["--dilated", "linear", "--base-segment", "16", "--steps", "2", "--seq-len", "64", "--batch-size", "1",
              "--eval-batches", "1", "--depth-prompts", "1", "--output", str(out)])
