@@ -66,6 +66,11 @@ def test_geometric_pattern_costs_linearly_and_every_residue_is_a_heads():
     growth = at32.flops(1 << 15, 16, 16)["pattern"] / at16.flops(1 << 14, 16, 16)["pattern"]
     assert growth == pytest.approx(2.0, rel=0.1)
     assert at32.flops(1 << 15, 16, 16)["ratio"] < 0.2
+    # the preset at 64K (base 4096 = n / heads): all five branches within base × heads, an eighth of dense
+    at64 = DilatedPattern.geometric(1 << 16, 4096, 16)
+    assert at64.dilation_rates == (1, 2, 4, 8, 16) and at64.coverage_gaps(16) == []
+    assert at64.flops(1 << 16, 16, 16)["ratio"] == pytest.approx(at32.flops(1 << 15, 16, 16)["ratio"], rel=0.01)
+    assert at64.flops(1 << 16, 16, 16)["ratio"] < 0.13
 
 
 def test_geometric_pattern_edges():
