@@ -338,8 +338,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("base_segment", "heads", "head_dim", "layers", "min_distance"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be positive")
-    if linear and args.base_segment is None:
-        args.base_segment = linear_base_segment(args.seq_len, args.heads)
+    if linear and args.base_segment is None and not (args.model or args.resume):
+        args.base_segment = linear_base_segment(args.seq_len, args.heads)  # a checkpoint's heads: once loaded
     if args.lr is None:
         args.lr = 2e-3 if linear else 5e-3
     if args.lr <= 0:
@@ -447,8 +447,9 @@ def build(args: argparse.Namespace, device):
     if args.segment_lengths:
         pattern = hf_ring.DilatedPattern(args.segment_lengths, args.dilation_rates)
     elif args.dilated == "linear":  # rates up to the query heads, so that every residue is some head's
-        pattern = hf_ring.DilatedPattern.geometric(args.seq_len, args.base_segment,
-                                                   model.config.num_attention_heads)
+        heads = model.config.num_attention_heads
+        pattern = hf_ring.DilatedPattern.geometric(args.seq_len, args.base_segment
+                                                   or linear_base_segment(args.seq_len, heads), heads)
     if pattern is not None or not resume_dir:
         hf_ring.configure(model, pattern=pattern, layout=args.layout, ulysses_size=args.ulysses_size)
     if args.gradient_checkpointing:

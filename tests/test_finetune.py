@@ -227,6 +227,9 @@ def test_linear_preset_runs_the_geometric_pattern_on_a_16_head_model(tmp_path):
     assert ft.parse_args(["--dilated", "linear", "--seq-len", "65536"]).base_segment == 4096
     assert ft.parse_args(["--dilated", "linear", "--seq-len", "65536", "--heads", "8"]).base_segment == 8192
     assert ft.parse_args(["--dilated", "linear", "--seq-len", "65536", "--base-segment", "2048"]).base_segment == 2048
+    # a checkpoint's own heads decide it, once it is loaded: a 4-head model at 32K needs 8192
+    assert ft.parse_args(["--dilated", "linear", "--seq-len", "32768", "--model", "ckpt"]).base_segment is None
+    assert ft.linear_base_segment(32768, 4) == 8192 and ft.linear_base_segment(32768, 16) == 2048
     out = tmp_path / "ckpt"
     ft.main(["--dilated", "linear", "--base-segment", "16", "--steps", "2", "--seq-len", "64", "--batch-size", "1",
              "--eval-batches", "1", "--depth-prompts", "1", "--output", str(out)])
