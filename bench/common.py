@@ -20,14 +20,19 @@ import torch.multiprocessing as mp
 
 
 def commit(root: str) -> str:
-    """The checkout's commit, short, with ``+changes`` when tracked files differ from it."""
-    try:  # a copy of the tree without git (a lent machine) still writes its results
+    """The checkout's commit, short, with ``+changes`` when tracked files differ from it. A copy of the tree
+    without git (a cluster's node, a lent machine) still writes its results: it says ``$BENCH_COMMIT``, the
+    commit it was copied from, or ``unknown``."""
+    copied = os.environ.get("BENCH_COMMIT", "unknown")
+    try:
         run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                capture_output=True, text=True).stdout.strip()
     except OSError:
-        return "unknown"
-    return (run.stdout.strip() or "unknown") + ("+changes" if dirty else "")
+        return copied
+    if run.returncode != 0 or not run.stdout.strip():
+        return copied
+    return run.stdout.strip() + ("+changes" if dirty else "")
 
 
 def rss_mb() -> float:
@@ -353,8 +358,10 @@ def save(out_dir: str, name: str, payload: Dict, plot: Optional[Callable[[str], 
     """Write ``payload`` to ``out_dir/name.json`` (and its figure), stamped with the ``command`` that wrote it and
     the checkout's commit, so that every file in docs/bench says how to make it again."""
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path + ".part", "w") as f:  # a run stopped mid-write leaves the last whole file, not half of one
         json.dump({**payload, "command": command, "commit": commit(ROOT)}, f, indent=2)
+    os.replace(path + ".part", path)
     if plot is not None:
         try:
             import matplotlib

@@ -15,8 +15,11 @@ Each part launches ``examples/finetune.py`` on ``--ranks`` processes as a user d
   rank's resident peak, and the growth of the step per doubling of n;
 - ``recipes``: each ``--recipe`` (the example's own arguments; ``--model DEMO``
   starts from README command 1's dense 4096-token demo, trained first) at each
-  of ``--seeds``, ``--parallel`` runs at a time (several fit one GPU), into
-  ``linear_recipes.json``: the sweeps that decide the preset.
+  of ``--seeds``, into ``linear_recipes.json``: the sweeps that decide the preset.
+
+Retrieval, extension and recipes run ``--parallel`` launches at a time (several
+fit one GPU); retrieval and extension train in ``--mixed-precision`` (fp32 by
+default, so a GPU's rows compare with a CPU's), and their rows say the device.
 
 The accuracy runs are long and their wall times are those of a shared
 machine; only the timing part's step times are comparisons.
@@ -37,8 +40,8 @@ import os
 import shlex
 import statistics
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Iterator, List, Optional, Tuple
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 
@@ -55,12 +58,13 @@ TABLES = {
                ("lr", "peak lr"),
                ("accuracy", "accuracy (8 held-out)"), ("accuracy_over_depths", "accuracy over all depths"),
                ("by_depth", "by passkey depth 0/10/…/90%"), ("wall_s", "training s"),
-               ("peak_mb_per_rank", "peak MB per rank")),
+               ("peak_mb_per_rank", "peak MB per rank"), ("device", "device")),
     "linear_extension": (("from", "from"), ("to", "to"), ("attention", "attention"), ("seed", "seed"),
                          ("pattern", "pattern"), ("steps", "steps"), ("lr", "peak lr"), ("before", "at step 0"), ("curve", "during"),
                          ("after", "after"), ("after_over_depths", "after, over all depths"),
                          ("by_depth", "after, by passkey depth 0/10/…/50%"), ("after_at_from", "after, at the old length"),
-                         ("wall_s", "training s"), ("step_s_at_full_length", "step s at the new length")),
+                         ("wall_s", "training s"), ("step_s_at_full_length", "step s at the new length"),
+                         ("device", "device")),
     "linear_recipes": (("part", "run"), ("attention", "attention"), ("n", "n"), ("pattern", "pattern"),
                        ("first_length", "curriculum from"), ("layers", "layers"), ("steps", "steps"), ("lr", "peak lr"),
                        ("sequences_per_step", "sequences per step"), ("seed", "seed"), ("before", "at step 0"),
@@ -75,6 +79,29 @@ TABLES = {
 """The columns of this benchmark's tables in the docs: (JSON key, header), in order (see :mod:`bench.tables`)."""
 
 
+Job = TypeVar("Job")
+
+
+def side_by_side(jobs: Iterable[Job], one: Callable[[Job], Dict], parallel: int) -> Iterator[Dict]:
+    """``one(job)`` for every job, ``parallel`` at a time (several runs share one GPU): each row as soon as its run
+    ends, so a sweep cut short keeps every run it finished; a failed run stops the sweep, and its error is raised
+    once the runs already under way have ended and given their rows."""
+    failed: List[BaseException] = []
+    with ThreadPoolExecutor(max(1, parallel)) as pool:
+        futures = [pool.submit(one, job) for job in jobs]
+        for done in as_completed(futures):
+            if done.cancelled():
+                continue
+            if done.exception() is not None:
+                failed.append(done.exception())
+                for waiting in futures:  # those not started yet never start
+                    waiting.cancel()
+            else:
+                yield done.result()
+    if failed:
+        raise failed[0]
+
+
 def _over_depths(summary: Dict) -> float:
     """Accuracy over all the held-out sequences of the by-depth evaluation (every depth alike)."""
     values = list(summary["accuracy_by_depth"].values())
@@ -87,25 +114,28 @@ def _base(base_segment: Optional[int]) -> List[str]:
 
 
 def retrieval(script: str, sizes: List[int], seeds: List[int], ranks: int, tokens_per_step: int,
-              base_segment: Optional[int], work: str) -> Iterator[Dict]:
+              base_segment: Optional[int], precision: str, parallel: int, work: str) -> Iterator[Dict]:
     """The linear preset trained from scratch at each length and seed: a row as each run ends."""
-    for n in sizes:
-        for seed in seeds:
-            out = os.path.join(work, f"linear_{n}_{seed}")
-            got = launch(script, ranks, example_args(ranks, n, max(1, tokens_per_step // n), out) + [
-                "--seed", str(seed), "--dilated", "linear"] + _base(base_segment))
-            row = {"n": n, "heads": got["heads"], "pattern": pattern_cell(got), "seed": seed, "steps": got["steps"],
-                   "lr": got["lr"], "accuracy": got["accuracy_after"], "by_depth": depth_cells(got),
-                   "accuracy_over_depths": _over_depths(got), "wall_s": got["wall_s"],
-                   "peak_mb_per_rank": max(got["peak_rss_mb_per_rank"])}
-            print(format_table([row], list(row)), flush=True)
-            yield row
+    def one(job: Tuple[int, int]) -> Dict:
+        n, seed = job
+        out = os.path.join(work, f"linear_{n}_{seed}")
+        got = launch(script, ranks, example_args(ranks, n, max(1, tokens_per_step // n), out) + [
+            "--seed", str(seed), "--dilated", "linear", "--mixed-precision", precision] + _base(base_segment))
+        row = {"n": n, "heads": got["heads"], "pattern": pattern_cell(got), "seed": seed, "steps": got["steps"],
+               "lr": got["lr"], "accuracy": got["accuracy_after"], "by_depth": depth_cells(got),
+               "accuracy_over_depths": _over_depths(got), "wall_s": got["wall_s"],
+               "peak_mb_per_rank": max(got["peak_rss_mb_per_rank"]), "precision": precision, "device": device_name()}
+        print(format_table([row], list(row)), flush=True)
+        return row
+
+    yield from side_by_side([(n, seed) for n in sizes for seed in seeds], one, parallel)
 
 
-def _evaluate(script: str, ranks: int, model: str, n: int, batch: int, pattern: Optional[Dict], out: str) -> float:
+def _evaluate(script: str, ranks: int, model: str, n: int, batch: int, pattern: Optional[Dict], out: str,
+              precision: str = "auto") -> float:
     """Retrieval accuracy of a checkpoint at ``n`` tokens under ``pattern`` (None: dense), no training."""
     args = example_args(ranks, n, batch, out) + ["--model", model, "--steps", "0", "--depth-prompts", "0",
-                                                 "--save-every", "0"]
+                                                 "--save-every", "0", "--mixed-precision", precision]
     if pattern is not None:
         args += ["--segment-lengths", *map(str, pattern["segment_lengths"]),
                  "--dilation-rates", *map(str, pattern["dilation_rates"])]
@@ -113,37 +143,42 @@ def _evaluate(script: str, ranks: int, model: str, n: int, batch: int, pattern: 
 
 
 def extension(script: str, ranks: int, short: int, long: int, steps: int, lr: float, every: int,
-              base_segment: int, warmup_len: int, modes: List[str], seeds: List[int], work: str) -> Iterator[Dict]:
+              base_segment: int, warmup_len: int, modes: List[str], seeds: List[int], precision: str, parallel: int,
+              work: str) -> Iterator[Dict]:
     """The dense demo checkpoint extended from ``short`` to ``long`` tokens, linear pattern and dense side by side,
     each at every one of ``seeds`` (the demo is one model, seed 0: a user extends the checkpoint they have).
 
     Both keep the demo's task, the passkey in the first half of the sequence, at every length."""
     demo = os.path.join(work, f"demo_{short}")
-    launch(script, ranks, example_args(ranks, short, 4, demo) + ["--seed", "0"])
-    for attention in modes:
-        for seed in seeds:
-            out = os.path.join(work, f"extend_{attention}_{long}_{seed}")
-            extra = ["--dilated", "linear", "--base-segment", str(base_segment), "--dense-frac", "0"] \
-                if attention == "linear" else []
-            got = launch(script, ranks, example_args(ranks, long, 1, out) + [
-                "--seed", str(seed), "--model", demo, "--steps", str(steps), "--lr", str(lr), "--eval-every",
-                str(every), "--warmup-len", str(warmup_len), "--save-every", "0", "--min-distance", str(long // 2)]
-                + extra)
-            history = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=True)["history"]
-            curve = {h["step"]: h["accuracy"] for h in history if "accuracy" in h}
-            row = {"from": short, "to": long, "attention": attention, "seed": seed, "pattern": pattern_cell(got),
-                   "steps": got["steps"], "lr": lr,
-                   "before": curve[0]}  # the dense checkpoint at the new length under this run's attention
-            row["curve"] = " / ".join(f"{curve[s]:.2f}" for s in sorted(curve) if s)
-            row["after"] = got["accuracy_after"]
-            row["by_depth"] = depth_cells(got)
-            row["after_over_depths"] = _over_depths(got)
-            row["after_at_from"] = _evaluate(script, ranks, out, short, 4, got["pattern"],
-                                             os.path.join(work, f"eval_{attention}_{short}_{seed}"))
-            row["wall_s"] = got["wall_s"]
-            row["step_s_at_full_length"] = got["step_s_at_full_length"]
-            print(format_table([row], list(row)), flush=True)
-            yield row
+    launch(script, ranks, example_args(ranks, short, 4, demo) + ["--seed", "0", "--mixed-precision", precision])
+
+    def one(job: Tuple[str, int]) -> Dict:
+        attention, seed = job
+        out = os.path.join(work, f"extend_{attention}_{long}_{seed}")
+        extra = ["--dilated", "linear", "--base-segment", str(base_segment), "--dense-frac", "0"] \
+            if attention == "linear" else []
+        got = launch(script, ranks, example_args(ranks, long, 1, out) + [
+            "--seed", str(seed), "--model", demo, "--steps", str(steps), "--lr", str(lr), "--eval-every",
+            str(every), "--warmup-len", str(warmup_len), "--save-every", "0", "--min-distance", str(long // 2),
+            "--mixed-precision", precision] + extra)
+        history = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=True)["history"]
+        curve = {h["step"]: h["accuracy"] for h in history if "accuracy" in h}
+        row = {"from": short, "to": long, "attention": attention, "seed": seed, "pattern": pattern_cell(got),
+               "steps": got["steps"], "lr": lr,
+               "before": curve[0]}  # the dense checkpoint at the new length under this run's attention
+        row["curve"] = " / ".join(f"{curve[s]:.2f}" for s in sorted(curve) if s)
+        row["after"] = got["accuracy_after"]
+        row["by_depth"] = depth_cells(got)
+        row["after_over_depths"] = _over_depths(got)
+        row["after_at_from"] = _evaluate(script, ranks, out, short, 4, got["pattern"],
+                                         os.path.join(work, f"eval_{attention}_{short}_{seed}"), precision)
+        row["wall_s"] = got["wall_s"]
+        row["step_s_at_full_length"] = got["step_s_at_full_length"]
+        row.update(precision=precision, device=device_name())
+        print(format_table([row], list(row)), flush=True)
+        return row
+
+    yield from side_by_side([(attention, seed) for attention in modes for seed in seeds], one, parallel)
 
 
 def timing(script: str, sizes: List[int], ranks: int, steps: int, repeats: int, base_segment: Optional[int],
@@ -224,8 +259,7 @@ def check_recipes(chosen: List[str]) -> List[List[str]]:
 
 
 def recipes(script: str, chosen: List[str], seeds: List[int], ranks: int, parallel: int, work: str) -> Iterator[Dict]:
-    """Each recipe at each seed, ``parallel`` launches at a time; a row per run, in the order asked, each as soon as
-    it and the runs before it have ended."""
+    """Each recipe at each seed, ``parallel`` launches at a time; a row per run as soon as it ends."""
     parsed = check_recipes(chosen)
     demo = os.path.join(work, "demo")
     if any(_option(args, "--model") == DEMO for args in parsed):
@@ -244,9 +278,7 @@ def recipes(script: str, chosen: List[str], seeds: List[int], ranks: int, parall
         print(format_table([row], list(row)), flush=True)
         return row
 
-    jobs = [(i, recipe, seed) for i, recipe in enumerate(chosen) for seed in seeds]
-    with ThreadPoolExecutor(max(1, parallel)) as pool:
-        yield from pool.map(one, jobs)
+    yield from side_by_side([(i, recipe, seed) for i, recipe in enumerate(chosen) for seed in seeds], one, parallel)
 
 
 def _plot(payload: Dict):
@@ -310,7 +342,11 @@ def main(argv: Optional[List[str]] = None) -> None:
                          f"--output or --sp-size; --model {DEMO} starts from README command 1's dense demo; repeat "
                          "for more (default: none)")
     ap.add_argument("--parallel", type=int, default=1,
-                    help="recipes: runs at a time, e.g. several on one GPU with --ranks 1 (default: %(default)s)")
+                    help="retrieval, extension and recipes: runs at a time, e.g. several on one GPU with --ranks 1 "
+                         "(default: %(default)s)")
+    ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "auto"],
+                    help="retrieval and extension: the example's --mixed-precision (default: %(default)s, fp32 on "
+                         "every device, so CPU and GPU rows compare; auto is bf16 on GPUs)")
     ap.add_argument("--out", default="bench_results",
                     help="where linear.json and linear_recipes.json go (default: %(default)s)")
     args = ap.parse_args(argv)
@@ -321,13 +357,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     with tempfile.TemporaryDirectory() as work:
         if "retrieval" in args.parts:
             for row in retrieval(args.script, args.sizes, args.seeds, args.ranks, args.tokens_per_step,
-                                 args.base_segment, work):
+                                 args.base_segment, args.mixed_precision, args.parallel, work):
                 sink.keep("rows", row)
         if "extension" in args.parts:
             for row in extension(args.script, args.ranks, args.extend_from, args.extend_to, args.extend_steps,
                                  args.extend_lr, args.extend_every, args.extend_base_segment or args.extend_from,
                                  args.extend_warmup_len or 2 * args.extend_from, args.extend_modes, args.seeds,
-                                 work):
+                                 args.mixed_precision, args.parallel, work):
                 sink.keep("extension", row)
         if "timing" in args.parts:
             for row in timing(args.script, args.timing_sizes, args.ranks, args.timing_steps, args.timing_repeats,
@@ -374,24 +410,25 @@ class Sink:
 
 
 OPTIONS = {
-    "rows": ("ranks", "tokens_per_step", "base_segment"),
+    "rows": ("ranks", "tokens_per_step", "base_segment", "mixed_precision"),
     "extension": ("ranks", "extend_from", "extend_to", "extend_steps", "extend_lr", "extend_every",
-                  "extend_base_segment", "extend_warmup_len"),
+                  "extend_base_segment", "extend_warmup_len", "mixed_precision"),
     "timing": ("ranks", "timing_steps", "timing_repeats", "base_segment"),
     "recipes": ("ranks",),
 }
 """The options each part's runs depend on; with :data:`OWN` they make a row's settings."""
 
-OWN = {"rows": ("n", "seed", "lr"), "extension": ("attention", "seed"), "timing": ("n",), "recipes": ("recipe", "seed")}
+OWN = {"rows": ("n", "seed", "lr", "device"), "extension": ("attention", "seed", "device"), "timing": ("n",), "recipes": ("recipe", "seed")}
 """What tells a part's rows of one run apart."""
 
 _RECORDED = ("settings", "command", "commit")
 WRITES: Dict[str, Dict[str, Tuple[str, ...]]] = {
     "linear": {
         "rows": ("n", "heads", "pattern", "seed", "steps", "lr", "accuracy", "by_depth", "accuracy_over_depths",
-                 "wall_s", "peak_mb_per_rank") + _RECORDED,
+                 "wall_s", "peak_mb_per_rank", "precision", "device") + _RECORDED,
         "extension": ("from", "to", "attention", "seed", "pattern", "steps", "lr", "before", "curve", "after", "by_depth",
-                      "after_over_depths", "after_at_from", "wall_s", "step_s_at_full_length") + _RECORDED,
+                      "after_over_depths", "after_at_from", "wall_s", "step_s_at_full_length", "precision",
+                      "device") + _RECORDED,
         "timing": ("n", "ranks", "base_segment", "dense_step_s", "linear_step_s", "step_over_dense", "dense_peak_mb",
                    "linear_peak_mb", "dense_growth", "linear_growth") + _RECORDED,
     },

@@ -198,3 +198,25 @@ def test_the_extension_runs_each_seed_from_one_demo_and_keys_its_rows_by_seed(tm
     tuned = [a for a in launched if "--eval-every" in a]
     assert [a[a.index("--seed") + 1] for a in tuned] == ["0", "1", "1", "2"]
     assert all(a[a.index("--model") + 1] == demos[0][demos[0].index("--output") + 1] for a in tuned[:2])
+
+
+def test_runs_side_by_side_give_each_row_as_it_ends_and_a_failure_after_the_runs_under_way():
+    import threading
+
+    second_started = threading.Event()
+
+    def one(job):
+        if job == "slow":
+            assert second_started.wait(10)  # both run at once
+            return {"job": job}
+        second_started.set()
+        if job == "fails":
+            raise RuntimeError("out of memory")
+        return {"job": job}
+
+    got = []
+    with pytest.raises(RuntimeError, match="out of memory"):
+        for row in linear.side_by_side(["slow", "fails", "never"], one, parallel=2):
+            got.append(row["job"])
+    assert got == ["slow"]  # the run under way gave its row; the one not started never ran
+    assert [r["job"] for r in linear.side_by_side(["a", "b", "c"], lambda j: {"job": j}, 1)] == ["a", "b", "c"]
