@@ -20,18 +20,19 @@ import torch.multiprocessing as mp
 
 
 def commit(root: str) -> str:
-    """The checkout's commit, short, with ``+changes`` when tracked files differ from it. A copy of the tree
-    without git (a cluster's node, a lent machine) still writes its results: it says ``$BENCH_COMMIT``, the
-    commit it was copied from, or ``unknown``."""
-    copied = os.environ.get("BENCH_COMMIT", "unknown")
+    """The checkout's commit, short, with ``+changes`` when tracked files differ from it. A tree copied to
+    another machine (a cluster's node, a lent GPU) says the commit it was copied from with ``$BENCH_COMMIT``,
+    since its own git, if any, need not be the one the copy was made from; without git it says ``unknown``."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                capture_output=True, text=True).stdout.strip()
     except OSError:
-        return copied
+        return "unknown"
     if run.returncode != 0 or not run.stdout.strip():
-        return copied
+        return "unknown"
     return run.stdout.strip() + ("+changes" if dirty else "")
 
 

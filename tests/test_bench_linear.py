@@ -48,7 +48,7 @@ def test_recipes_write_every_seed_with_its_command_and_only_fields_the_writer_kn
     recipe = "--seq-len 64 --steps 2 --dilated linear --base-segment 16 --eval-batches 1 --depth-prompts 1"
     args = ["--parts", "recipes", "--ranks", "1", "--recipe", recipe, "--parallel", "2", "--out", str(tmp_path)]
     linear.main(args + ["--seeds", "0", "1"])
-    rows = json.load(open(tmp_path / "linear_recipes.json"))["rows"]
+    rows = sorted(json.load(open(tmp_path / "linear_recipes.json"))["rows"], key=lambda r: r["seed"])  # as they ended
     assert [(r["seed"], r["n"], r["steps"], r["part"], r["attention"]) for r in rows] == [
         (0, 64, 2, "from scratch", "linear"), (1, 64, 2, "from scratch", "linear")]
     fields = set(linear.WRITES["linear_recipes"]["rows"])
@@ -56,8 +56,8 @@ def test_recipes_write_every_seed_with_its_command_and_only_fields_the_writer_kn
     assert rows[0]["settings"] == {"ranks": 1, "recipe": recipe, "seed": 0}
     assert "--recipe" in rows[0]["command"] and rows[0]["commit"] and rows[0]["device"]
     linear.main(args + ["--seeds", "1"])  # seed 1 again: its row is replaced, seed 0's kept
-    again = json.load(open(tmp_path / "linear_recipes.json"))["rows"]
-    assert [r["seed"] for r in again] == [0, 1] and again[0] == rows[0]
+    again = sorted(json.load(open(tmp_path / "linear_recipes.json"))["rows"], key=lambda r: r["seed"])
+    assert [r["seed"] for r in again] == [0, 1] and again[0] == rows[0] and again[1] != rows[1]
 
 
 def test_recipes_from_the_demo_train_it_once_and_read_each_run_back_at_its_length(tmp_path, monkeypatch):
