@@ -73,6 +73,7 @@ TABLES = {
     "linear_timing": (("n", "n"), ("ranks", "ranks"), ("base_segment", "base segment"),
                       ("dense_step_s", "dense ring step s"),
                       ("linear_step_s", "linear pattern step s"), ("step_over_dense", "linear / dense"),
+                      ("repeats", "repeats"), ("step_over_dense_range", "linear / dense, each repeat"),
                       ("dense_growth", "dense, × per doubling"), ("linear_growth", "linear, × per doubling"),
                       ("dense_peak_mb", "dense peak MB per rank"), ("linear_peak_mb", "linear peak MB per rank")),
 }
@@ -207,6 +208,9 @@ def timing(script: str, sizes: List[int], ranks: int, steps: int, repeats: int, 
                "dense_step_s": round(statistics.median(times["dense"]), 3),
                "linear_step_s": round(statistics.median(times["linear"]), 3)}
         row["step_over_dense"] = round(row["linear_step_s"] / row["dense_step_s"], 3)
+        ratios = [lin / den for lin, den in zip(times["linear"], times["dense"])]  # each repeat's pair ran back to back
+        row["repeats"] = repeats
+        row["step_over_dense_range"] = f"{min(ratios):.3f}–{max(ratios):.3f}"
         row["dense_peak_mb"] = round(max(peaks["dense"]), 1)
         row["linear_peak_mb"] = round(max(peaks["linear"]), 1)
         if previous and n == 2 * previous["n"]:
@@ -349,11 +353,14 @@ def main(argv: Optional[List[str]] = None) -> None:
                          "every device, so CPU and GPU rows compare; auto is bf16 on GPUs)")
     ap.add_argument("--out", default="bench_results",
                     help="where linear.json and linear_recipes.json go (default: %(default)s)")
+    ap.add_argument("--replace-unrecorded", action="store_true",
+                    help="drop, from each part this command runs, the rows that record no command (written before "
+                         "rows did), once its first row is written: the part is then wholly what commands made")
     args = ap.parse_args(argv)
     if "recipes" in args.parts and not args.recipe:
         ap.error("--parts recipes needs at least one --recipe")
     check_recipes(args.recipe)  # before hours of the other parts
-    sink = Sink(args.out, vars(args), command_line("linear", argv), commit(ROOT))
+    sink = Sink(args.out, vars(args), command_line("linear", argv), commit(ROOT), args.replace_unrecorded)
     with tempfile.TemporaryDirectory() as work:
         if "retrieval" in args.parts:
             for row in retrieval(args.script, args.sizes, args.seeds, args.ranks, args.tokens_per_step,
@@ -384,9 +391,10 @@ class Sink:
     and joined to its file (see :func:`merge`) as soon as its launch ends, so that a sweep cut short (a lent
     machine's time running out) keeps every run it finished. The run's options join each file's ``runs`` once."""
 
-    def __init__(self, out: str, options: Dict, command: str, made: str):
+    def __init__(self, out: str, options: Dict, command: str, made: str, replace_unrecorded: bool = False):
         self.out, self.options, self.command, self.made = out, options, command, made
         self.recorded: set = set()
+        self.unrecorded_left = {PLACES[part] for part in PLACES} if replace_unrecorded else set()
 
     def keep(self, part: str, row: Dict) -> None:
         name, key = PLACES[part]
@@ -400,6 +408,9 @@ class Sink:
             if os.path.exists(path):
                 with open(path) as f:
                     payload.update(json.load(f))
+            if (name, key) in self.unrecorded_left:  # the part's first row: only then, so a failed run drops nothing
+                payload[key] = [r for r in payload[key] if "command" in r]
+                self.unrecorded_left.discard((name, key))
             payload[key] = merge(payload[key], [row])
             if name not in self.recorded:
                 payload["runs"] = payload["runs"] + [self.options]
@@ -429,8 +440,9 @@ WRITES: Dict[str, Dict[str, Tuple[str, ...]]] = {
         "extension": ("from", "to", "attention", "seed", "pattern", "steps", "lr", "before", "curve", "after", "by_depth",
                       "after_over_depths", "after_at_from", "wall_s", "step_s_at_full_length", "precision",
                       "device") + _RECORDED,
-        "timing": ("n", "ranks", "base_segment", "dense_step_s", "linear_step_s", "step_over_dense", "dense_peak_mb",
-                   "linear_peak_mb", "dense_growth", "linear_growth") + _RECORDED,
+        "timing": ("n", "ranks", "base_segment", "dense_step_s", "linear_step_s", "step_over_dense", "repeats",
+                   "step_over_dense_range", "dense_peak_mb", "linear_peak_mb", "dense_growth",
+                   "linear_growth") + _RECORDED,
     },
     "linear_recipes": {
         "rows": ("part", "attention", "n", "pattern", "first_length", "layers", "steps", "lr", "sequences_per_step",

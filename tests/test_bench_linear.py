@@ -15,6 +15,8 @@ def test_timing_rows_compare_like_with_like(tmp_path):
     assert [(r["n"], r["base_segment"]) for r in rows] == [(64, 16), (128, 16)]
     for r in rows:
         assert r["step_over_dense"] == round(r["linear_step_s"] / r["dense_step_s"], 3)
+        low, high = map(float, r["step_over_dense_range"].split("–"))
+        assert r["repeats"] == 1 and low == high == pytest.approx(r["step_over_dense"], abs=1e-3)
     assert rows[1]["linear_growth"] == round(rows[1]["linear_step_s"] / rows[0]["linear_step_s"], 2)
     assert "dense_growth" in rows[1] and "dense_growth" not in rows[0]
 
@@ -220,3 +222,21 @@ def test_runs_side_by_side_give_each_row_as_it_ends_and_a_failure_after_the_runs
             got.append(row["job"])
     assert got == ["slow"]  # the run under way gave its row; the one not started never ran
     assert [r["job"] for r in linear.side_by_side(["a", "b", "c"], lambda j: {"job": j}, 1)] == ["a", "b", "c"]
+
+
+def test_a_part_run_again_can_replace_the_rows_no_command_wrote(tmp_path, monkeypatch):
+    """Rows from before rows recorded their command stay unless the run says otherwise; then the part holds only
+    what commands wrote, and the other parts keep theirs."""
+    legacy = {"runs": [], "rows": [{"n": 64, "seed": 0}], "extension": [],
+              "timing": [{"n": 64, "base_segment": 16, "dense_step_s": 9.0, "linear_step_s": 1.0}]}
+    json.dump(legacy, open(tmp_path / "linear.json", "w"))
+    monkeypatch.setattr(linear, "timing", lambda script, sizes, ranks, steps, repeats, base, work: [
+        {"n": n, "ranks": ranks, "base_segment": base, "dense_step_s": 2.0, "linear_step_s": 1.0} for n in sizes])
+    args = ["--parts", "timing", "--ranks", "1", "--base-segment", "16", "--out", str(tmp_path), "--timing-sizes"]
+    linear.main(args + ["64"])
+    kept = json.load(open(tmp_path / "linear.json"))
+    assert [r.get("command") is None for r in kept["timing"]] == [True, False]
+    linear.main(args + ["64", "128", "--replace-unrecorded"])
+    replaced = json.load(open(tmp_path / "linear.json"))
+    assert [(r["n"], r["dense_step_s"]) for r in replaced["timing"]] == [(64, 2.0), (128, 2.0)]
+    assert all("command" in r for r in replaced["timing"]) and replaced["rows"] == legacy["rows"]
