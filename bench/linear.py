@@ -115,13 +115,16 @@ def _base(base_segment: Optional[int]) -> List[str]:
 
 
 def retrieval(script: str, sizes: List[int], seeds: List[int], ranks: int, tokens_per_step: int,
-              base_segment: Optional[int], precision: str, parallel: int, work: str) -> Iterator[Dict]:
-    """The linear preset trained from scratch at each length and seed: a row as each run ends."""
+              base_segment: Optional[int], precision: str, parallel: int, work: str,
+              lr: Optional[float] = None) -> Iterator[Dict]:
+    """The linear preset trained from scratch at each length and seed (at ``lr``, None: the preset's): a row as
+    each run ends."""
     def one(job: Tuple[int, int]) -> Dict:
         n, seed = job
         out = os.path.join(work, f"linear_{n}_{seed}")
         got = launch(script, ranks, example_args(ranks, n, max(1, tokens_per_step // n), out) + [
-            "--seed", str(seed), "--dilated", "linear", "--mixed-precision", precision] + _base(base_segment))
+            "--seed", str(seed), "--dilated", "linear", "--mixed-precision", precision] + _base(base_segment)
+            + ([] if lr is None else ["--lr", str(lr)]))
         row = {"n": n, "heads": got["heads"], "pattern": pattern_cell(got), "seed": seed, "steps": got["steps"],
                "lr": got["lr"], "accuracy": got["accuracy_after"], "by_depth": depth_cells(got),
                "accuracy_over_depths": _over_depths(got), "wall_s": got["wall_s"],
@@ -321,6 +324,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="retrieval, extension and recipes: the seeds of their runs (default: %(default)s)")
     ap.add_argument("--tokens-per-step", type=int, default=16384,
                     help="retrieval: sequences per step are this over the length, at least one (default: %(default)s)")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="retrieval: the peak learning rate (default: the preset's, 2e-3); rows are kept apart by it")
     ap.add_argument("--base-segment", type=int, default=None,
                     help="the linear pattern's first, dense segment (default: the preset's, 1024 up to 16K tokens, "
                          "2048 above)")
@@ -364,7 +369,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     with tempfile.TemporaryDirectory() as work:
         if "retrieval" in args.parts:
             for row in retrieval(args.script, args.sizes, args.seeds, args.ranks, args.tokens_per_step,
-                                 args.base_segment, args.mixed_precision, args.parallel, work):
+                                 args.base_segment, args.mixed_precision, args.parallel, work, args.lr):
                 sink.keep("rows", row)
         if "extension" in args.parts:
             for row in extension(args.script, args.ranks, args.extend_from, args.extend_to, args.extend_steps,

@@ -145,6 +145,19 @@ def test_retrieval_rows_are_kept_apart_by_the_learning_rate_the_preset_ran_at(tm
     assert [r["lr"] for r in rows] == [5e-3, 2e-3] and rows[1]["settings"]["lr"] == 2e-3
 
 
+def test_retrieval_passes_a_learning_rate_on_and_keeps_its_rows_apart(tmp_path, monkeypatch):
+    def launch(script, ranks, args):
+        lr = float(args[args.index("--lr") + 1]) if "--lr" in args else 2e-3
+        return {"heads": 16, "pattern": None, "steps": 3, "lr": lr, "accuracy_after": 1.0,
+                "accuracy_by_depth": {"0.0": 1.0}, "wall_s": 1.0, "peak_rss_mb_per_rank": [1.0]}
+
+    monkeypatch.setattr(linear, "launch", launch)
+    args = ["--parts", "retrieval", "--ranks", "1", "--sizes", "64", "--seeds", "0", "--out", str(tmp_path)]
+    linear.main(args)
+    linear.main(args + ["--lr", "0.005"])
+    assert [r["lr"] for r in json.load(open(tmp_path / "linear.json"))["rows"]] == [2e-3, 5e-3]
+
+
 def test_two_sweeps_writing_one_file_at_once_keep_each_others_rows(tmp_path, monkeypatch):
     import threading
     import time
