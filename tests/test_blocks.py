@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import reference as R
@@ -136,6 +136,7 @@ def own_pairs(geo, rank):
        causal=st.booleans(), window=st.one_of(st.none(), st.integers(1, 60)),
        branches=st.one_of(st.none(), st.lists(st.tuples(st.integers(1, 70), st.integers(1, 4)), min_size=1, max_size=2)),
        tile=st.one_of(st.none(), st.integers(1, 20)))
+@example(n=20, world=3, layout="zigzag", causal=True, window=None, branches=[(4, 1), (4, 1)], tile=None)  # areas add up
 def test_local_causal_only_where_the_own_blocks_are_the_local_triangle(n, world, layout, causal, window, branches, tile):
     br = ((n, 1),) if branches is None else tuple(branches)
     geo = Geometry(n, world, layout, causal, window, br, 4, 2, tile)

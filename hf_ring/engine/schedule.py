@@ -356,7 +356,7 @@ def local_causal(geo: Geometry, rank: int) -> bool:
     own = pair_plan(geo, rank, rank)
     if not geo.causal or rows == 0:
         return False
-    area = 0
+    keys: List[List[Tuple[int, int]]] = [[] for _ in range(rows)]  # per local query row, the key runs it is given
     for blk in own.blocks:
         if blk.kind == "span":  # a span's extra pairs run beside the causal call
             continue
@@ -366,12 +366,24 @@ def local_causal(geo: Geometry, rank: int) -> bool:
             return False
         first_key = piece.rows.local + blk.k_off
         if blk.kind == "causal" and (first_key, blk.nk) == (blk.q.local, blk.q.count):
-            area += blk.nk * (blk.nk + 1) // 2
+            for t in range(blk.nk):
+                keys[blk.q.local + t].append((first_key, first_key + t + 1))
         elif blk.kind == "full" and first_key + blk.nk - 1 <= blk.q.local:
-            area += blk.q.count * blk.nk
+            for t in range(blk.q.count):
+                keys[blk.q.local + t].append((first_key, first_key + blk.nk))
         else:
             return False
-    return area == rows * (rows + 1) // 2
+    # Each row's runs must tile its keys 0..i once: a pair given twice (two branches alike) is not the triangle,
+    # however the areas add up.
+    for i, runs in enumerate(keys):
+        end = 0
+        for start, stop in sorted(runs):
+            if start != end:
+                return False
+            end = stop
+        if end != i + 1:
+            return False
+    return True
 
 
 MESSAGES_PER_SHARD = 8
