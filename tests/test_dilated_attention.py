@@ -178,3 +178,12 @@ def test_rows_shared_by_branches_with_padding_and_small_messages(pools, world, m
     q, k, v, dout = make_qkv(*args)
     ref = dict(zip(NAMES, R.with_grads(padded_dilated, q, k, v, dout, branches=branches, pad=pad)))
     check(got, ref, args)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_segment_named_twice_is_weighted_twice_on_every_rank(pools, world):
+    """Two identical dense branches: each rank's own blocks have the causal triangle's area, yet are not it."""
+    branches = ((4, 1), (4, 1))
+    args = (11, 1, 4, 2, 20, 8)
+    got = run(pools, world, *args, layout="zigzag", pattern=pat(branches))
+    check(got, reference(*args, branches), args)
