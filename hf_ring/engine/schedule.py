@@ -349,14 +349,14 @@ def local_causal(geo: Geometry, rank: int) -> bool:
     each with its own merge and accumulation, where that call makes none.
     Checked from the blocks themselves, so it holds for whatever the planner
     makes: each is causal on a square of local rows or full with every key
-    before its queries, all heads in one call, and together they cover the
-    local causal triangle's area.
+    before its queries, all heads in one call, and together they give each
+    row its keys up to itself exactly once.
     """
     rows = sum(b - a for a, b in local_runs(geo.seq_len, rank, geo.world_size, geo.layout))
     own = pair_plan(geo, rank, rank)
     if not geo.causal or rows == 0:
         return False
-    keys: List[List[Tuple[int, int]]] = [[] for _ in range(rows)]  # per local query row, the key runs it is given
+    given: List[Tuple[int, int, int, Optional[int]]] = []  # per block: its query rows, first key, key end (None: row + 1)
     for blk in own.blocks:
         if blk.kind == "span":  # a span's extra pairs run beside the causal call
             continue
@@ -366,18 +366,18 @@ def local_causal(geo: Geometry, rank: int) -> bool:
             return False
         first_key = piece.rows.local + blk.k_off
         if blk.kind == "causal" and (first_key, blk.nk) == (blk.q.local, blk.q.count):
-            for t in range(blk.nk):
-                keys[blk.q.local + t].append((first_key, first_key + t + 1))
+            given.append((blk.q.local, blk.q.local + blk.q.count, first_key, None))
         elif blk.kind == "full" and first_key + blk.nk - 1 <= blk.q.local:
-            for t in range(blk.q.count):
-                keys[blk.q.local + t].append((first_key, first_key + blk.nk))
+            given.append((blk.q.local, blk.q.local + blk.q.count, first_key, first_key + blk.nk))
         else:
             return False
-    # Each row's runs must tile its keys 0..i once: a pair given twice (two branches alike) is not the triangle,
-    # however the areas add up.
-    for i, runs in enumerate(keys):
+    # Each row's key runs must tile its keys 0..i once: a pair given twice (two branches alike) is not the triangle,
+    # however the areas add up. Between block edges the runs change only in the causal ones' ends, so the first and
+    # last row of each stretch stand for it: the check costs blocks x edges, not the rows.
+    edges = {0, rows} | {e for q0, q1, _, _ in given for e in (q0, q1)}
+    for i in sorted({e for e in edges if e < rows} | {e - 1 for e in edges if e > 0}):
         end = 0
-        for start, stop in sorted(runs):
+        for start, stop in sorted((k0, i + 1 if k1 is None else k1) for q0, q1, k0, k1 in given if q0 <= i < q1):
             if start != end:
                 return False
             end = stop
