@@ -359,8 +359,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--out", default="bench_results",
                     help="where linear.json and linear_recipes.json go (default: %(default)s)")
     ap.add_argument("--replace-unrecorded", action="store_true",
-                    help="drop, from each part this command runs, the rows that record no command (written before "
-                         "rows did), once its first row is written: the part is then wholly what commands made")
+                    help="drop, from each part this command runs, the rows the benchmark did not write (no settings: "
+                         "gathered by hand, or written before rows recorded them), once its first row is written: "
+                         "the part is then wholly what this benchmark made")
     args = ap.parse_args(argv)
     if "recipes" in args.parts and not args.recipe:
         ap.error("--parts recipes needs at least one --recipe")
@@ -414,7 +415,7 @@ class Sink:
                 with open(path) as f:
                     payload.update(json.load(f))
             if (name, key) in self.unrecorded_left:  # the part's first row: only then, so a failed run drops nothing
-                payload[key] = [r for r in payload[key] if "command" in r]
+                payload[key] = [r for r in payload[key] if "settings" in r]
                 self.unrecorded_left.discard((name, key))
             payload[key] = merge(payload[key], [row])
             if name not in self.recorded:

@@ -238,18 +238,20 @@ def test_runs_side_by_side_give_each_row_as_it_ends_and_a_failure_after_the_runs
 
 
 def test_a_part_run_again_can_replace_the_rows_no_command_wrote(tmp_path, monkeypatch):
-    """Rows from before rows recorded their command stay unless the run says otherwise; then the part holds only
-    what commands wrote, and the other parts keep theirs."""
+    """Rows the benchmark did not write stay unless the run says otherwise; then the part holds only what it
+    wrote, and the other parts keep theirs. A row gathered by hand with the example's command is one of those."""
     legacy = {"runs": [], "rows": [{"n": 64, "seed": 0}], "extension": [],
-              "timing": [{"n": 64, "base_segment": 16, "dense_step_s": 9.0, "linear_step_s": 1.0}]}
+              "timing": [{"n": 64, "base_segment": 16, "dense_step_s": 9.0, "linear_step_s": 1.0},
+                         {"n": 32, "base_segment": 16, "dense_step_s": 9.0, "linear_step_s": 1.0,
+                          "command": "finetune.py --seq-len 32"}]}
     json.dump(legacy, open(tmp_path / "linear.json", "w"))
     monkeypatch.setattr(linear, "timing", lambda script, sizes, ranks, steps, repeats, base, work: [
         {"n": n, "ranks": ranks, "base_segment": base, "dense_step_s": 2.0, "linear_step_s": 1.0} for n in sizes])
     args = ["--parts", "timing", "--ranks", "1", "--base-segment", "16", "--out", str(tmp_path), "--timing-sizes"]
     linear.main(args + ["64"])
     kept = json.load(open(tmp_path / "linear.json"))
-    assert [r.get("command") is None for r in kept["timing"]] == [True, False]
+    assert [r.get("settings") is None for r in kept["timing"]] == [True, True, False]
     linear.main(args + ["64", "128", "--replace-unrecorded"])
     replaced = json.load(open(tmp_path / "linear.json"))
     assert [(r["n"], r["dense_step_s"]) for r in replaced["timing"]] == [(64, 2.0), (128, 2.0)]
-    assert all("command" in r for r in replaced["timing"]) and replaced["rows"] == legacy["rows"]
+    assert all("settings" in r for r in replaced["timing"]) and replaced["rows"] == legacy["rows"]
