@@ -194,11 +194,13 @@ def probe(suite: bool) -> Dict:
 
 
 def _key(row: Dict) -> Tuple:
-    return tuple(row.get(p) for p in PACKAGES) + (".".join(str(row.get("python", "3.11")).split(".")[:2]),)
+    """What a row is of: its releases, its Python and where it ran (a GPU's row stays beside the CPU's)."""
+    return tuple(row.get(p) for p in PACKAGES) + (".".join(str(row.get("python", "3.11")).split(".")[:2]),
+                                                   row.get("where"))
 
 
 def write(out: str, row: Dict) -> None:
-    """Add ``row`` to ``out``/compat.json, replacing the row of the same releases and Python."""
+    """Add ``row`` to ``out``/compat.json, replacing the row of the same releases and Python run in the same place."""
     path = os.path.join(out, "compat.json")
     rows = json.load(open(path))["rows"] if os.path.exists(path) else []
     rows = [r for r in rows if _key(r) != _key(row)] + [row]
