@@ -52,6 +52,8 @@ WRITES = {
         "prefill_s_evicted", "same_tokens", "repeats")},
 }
 """Every field a row of this benchmark's files can hold (``bench tables --check`` holds the files to them)."""
+BESIDE = {"generate": ("config", "model"), "generate_evict": ("config", "models", "pattern")}
+"""What each file holds beside its rows (and the stamps every file has)."""
 
 
 MERGE_EXCHANGE = "of it the all-gather (posting and waiting)"

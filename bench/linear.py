@@ -411,9 +411,9 @@ class Sink:
         try:  # two sweeps writing to one folder (a GPU shared by two runs of the benchmark) each keep their rows
             fcntl.flock(folder, fcntl.LOCK_EX)
             payload: Dict = {"runs": [], **{k: [] for k in WRITES[name] if k != "runs"}}
-            if os.path.exists(path):
+            if os.path.exists(path):  # only what this writer makes: a key added by hand does not outlive a run
                 with open(path) as f:
-                    payload.update(json.load(f))
+                    payload.update((k, v) for k, v in json.load(f).items() if k in payload)
             if (name, key) in self.unrecorded_left:  # the part's first row: only then, so a failed run drops nothing
                 payload[key] = [r for r in payload[key] if "settings" in r]
                 self.unrecorded_left.discard((name, key))

@@ -48,15 +48,26 @@ COLUMNS: Dict[str, Any] = {}
 """Every table's columns, as each benchmark module states its own (``TABLES``)."""
 WRITERS: Dict[str, Dict[str, Tuple[str, ...]]] = {}
 """Per JSON file, per list of rows, the fields its benchmark can write, where the module states them (``WRITES``)."""
+BESIDE: Dict[str, Tuple[str, ...]] = {}
+"""Per JSON file of those, what its benchmark writes beside the rows and the stamps (``BESIDE``)."""
 for _module in sorted(set(BENCHES.values()) - {__name__}):
     COLUMNS.update(getattr(importlib.import_module(_module), "TABLES", {}))
     WRITERS.update(getattr(importlib.import_module(_module), "WRITES", {}))
+    BESIDE.update(getattr(importlib.import_module(_module), "BESIDE", {}))
+
+
+STAMPS = ("runs", "command", "commit")
+"""What every writer that states its rows puts beside them: the runs' options, the command, the commit."""
 
 
 def unwritten(payloads: Dict[str, Any]) -> List[str]:
-    """Rows holding a field their benchmark never writes: no command could have made them."""
+    """Rows holding a field their benchmark never writes, and keys beside the rows it never writes: no command
+    could have made them."""
     found = []
     for name, lists in WRITERS.items():
+        extra = sorted(set(payloads.get(name, {})) - set(lists) - set(STAMPS) - set(BESIDE.get(name, ())))
+        if extra:
+            found.append(f"{name}.json: {', '.join(extra)}")
         for key, fields in lists.items():
             for i, row in enumerate(payloads.get(name, {}).get(key, [])):
                 extra = sorted(set(row) - set(fields))

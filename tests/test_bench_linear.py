@@ -125,6 +125,16 @@ def test_a_row_with_a_field_no_benchmark_writes_is_flagged():
     assert tables.unwritten({"linear": good}) == []
     bad = {"rows": [{"n": 64, "seed": 0, "note": "merged from two runs"}]}
     assert tables.unwritten({"linear": bad}) == ["linear.json rows[0]: note"]
+    beside = dict(good, runs=[], command="python -m bench linear", commit="abc", config={"device": "by hand"})
+    assert tables.unwritten({"linear": beside}) == ["linear.json: config"]
+
+
+def test_a_key_added_by_hand_beside_the_rows_does_not_outlive_a_run(tmp_path):
+    json.dump({"runs": [], "rows": [], "config": {"device": "by hand"}}, open(tmp_path / "linear_recipes.json", "w"))
+    sink = linear.Sink(str(tmp_path), {"ranks": 1}, "python -m bench linear", "abc")
+    sink.keep("recipes", {"recipe": "--seq-len 64", "seed": 0, "accuracy": 1.0})
+    saved = json.load(open(tmp_path / "linear_recipes.json"))
+    assert "config" not in saved and [r["seed"] for r in saved["rows"]] == [0]
 
 
 def test_retrieval_rows_are_kept_apart_by_the_learning_rate_the_preset_ran_at(tmp_path, monkeypatch):
