@@ -12,7 +12,9 @@ Sections, each written as ``gpu_<section>.json`` and rendered as a README table:
   against ``F.scaled_dot_product_attention`` on its flash kernel (bf16, B=1,
   32/8 heads, D=128, causal) at ``--sizes``, and the dilated pattern of the
   README (segments 2048..65536, rates 1..32, capped at n); the peak memory
-  each allocates above its inputs.
+  each allocates above its inputs. The implementations alternate within each
+  of ``--repeats`` rounds; a ratio is of the medians, and the row states the
+  lowest and highest round's ratio beside it (so does ``model``).
 - ``model``: one training step of the scale benchmark's Llama in bf16, ``ring_dilated`` against ``sdpa``,
   and with checkpointing, the peak memory with and without :func:`hf_ring.offload_checkpoints`.
 - ``nccl`` (two GPUs or more): the ring on 2 GPUs against 1 (speed-up,
@@ -225,28 +227,57 @@ def _attention_fns(n: int, device: str, dtype: torch.dtype, heads, d: int):
     return fns, forward, forward_backward
 
 
+def _rounds(fns: Dict[str, Callable[[], None]], repeats: int, device: str) -> Dict[str, List[float]]:
+    """Seconds of each of ``fns`` in each of ``repeats`` rounds, one call of each a round after a warm-up of each,
+    so that a ratio of two is taken within a round: side by side, not one's repeats after the other's."""
+    for fn in fns.values():
+        fn()
+    _sync(device)
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def ratio_range(times: List[float], base: List[float]) -> str:
+    """The lowest and highest round's ratio of ``times`` to ``base``, e.g. ``"0.981–1.012"``."""
+    ratios = [t / b for t, b in zip(times, base)]
+    return f"{min(ratios):.3f}–{max(ratios):.3f}"
+
+
 def speed(sizes: List[int], repeats: int, device: str, dtype: torch.dtype, heads, d: int) -> List[Dict]:
     rows = []
     for n in sizes:
         fns, forward, forward_backward = _attention_fns(n, device, dtype, heads, d)
-        measured: Dict[str, Dict] = {}
-        for name, fn in fns.items():
+        runs: Dict[str, Callable] = {}
+        for name, fn in fns.items():  # an implementation that runs out of memory once is left out of the rounds
             try:
-                fwd = statistics.median(_timed(forward(fn), repeats, device))
-                both = statistics.median(_timed(forward_backward(fn), repeats, device))
-                measured[name] = {"fwd_ms": round(1e3 * fwd, 3), "fwd_bwd_ms": round(1e3 * both, 3),
-                                  "peak_mb": _peak_mb(forward_backward(fn), device)}
+                forward_backward(fn)()
+                runs[name] = fn
             except torch.OutOfMemoryError:
-                measured[name] = {"fwd_ms": "OOM", "fwd_bwd_ms": "OOM", "peak_mb": "OOM"}
                 torch.cuda.empty_cache()
-        base = measured["sdpa (flash)"]
-        for name, m in measured.items():
-            row = {"n": n, "impl": name, **m}
-            if isinstance(m["fwd_bwd_ms"], float) and isinstance(base["fwd_bwd_ms"], float):
-                row["fwd_over_sdpa"] = round(m["fwd_ms"] / base["fwd_ms"], 3)
-                row["fwd_bwd_over_sdpa"] = round(m["fwd_bwd_ms"] / base["fwd_bwd_ms"], 3)
-            if isinstance(m["peak_mb"], float) and isinstance(base["peak_mb"], float) and base["peak_mb"]:
-                row["peak_over_sdpa"] = round(m["peak_mb"] / base["peak_mb"], 3)
+        fwd = _rounds({name: forward(fn) for name, fn in runs.items()}, repeats, device)
+        both = _rounds({name: forward_backward(fn) for name, fn in runs.items()}, repeats, device)
+        peaks = {name: _peak_mb(forward_backward(fn), device) for name, fn in runs.items()}
+        base = "sdpa (flash)"
+        for name in fns:
+            if name not in runs:
+                rows.append({"n": n, "impl": name, "fwd_ms": "OOM", "fwd_bwd_ms": "OOM", "peak_mb": "OOM"})
+                print(format_table(rows[-1:], list(rows[-1])), flush=True)
+                continue
+            row = {"n": n, "impl": name, "fwd_ms": round(1e3 * statistics.median(fwd[name]), 3),
+                   "fwd_bwd_ms": round(1e3 * statistics.median(both[name]), 3), "peak_mb": peaks[name],
+                   "rounds": repeats}
+            if base in runs:
+                row["fwd_over_sdpa"] = round(statistics.median(fwd[name]) / statistics.median(fwd[base]), 3)
+                row["fwd_bwd_over_sdpa"] = round(statistics.median(both[name]) / statistics.median(both[base]), 3)
+                row["fwd_bwd_over_sdpa_range"] = ratio_range(both[name], both[base])
+                if isinstance(peaks[name], float) and isinstance(peaks[base], float) and peaks[base]:
+                    row["peak_over_sdpa"] = round(peaks[name] / peaks[base], 3)
             rows.append(row)
             print(format_table(rows[-1:], list(rows[-1])), flush=True)
     return rows
@@ -258,7 +289,8 @@ def model_steps(sizes: List[int], repeats: int, device: str, dtype: torch.dtype)
         got = model_bench.steps(n, repeats, False, device, dtype)
         sdpa, ring = (statistics.median(got["times"][i]) for i in ("sdpa", "ring_dilated"))
         rows.append({"n": n, "checkpointing": "off", "offload": "-", "sdpa_step_s": round(sdpa, 4),
-                     "ring_step_s": round(ring, 4), "ring_over_sdpa": round(ring / sdpa, 3)})
+                     "ring_step_s": round(ring, 4), "ring_over_sdpa": round(ring / sdpa, 3), "rounds": repeats,
+                     "ring_over_sdpa_range": ratio_range(got["times"]["ring_dilated"], got["times"]["sdpa"])})
         for offload in (False, True):
             peak = model_bench.steps(n, 1, True, device, dtype, impls=("ring_dilated",), offload=offload)["peak_mb"]
             rows.append({"n": n, "checkpointing": "on", "offload": "yes" if offload else "no",

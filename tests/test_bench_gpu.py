@@ -16,6 +16,12 @@ def test_gpu_benchmark_runs_without_a_gpu(tmp_path):
     assert {r["block"] for r in exact} == set(gpu.EXACT_CASES) and all(r["within"] for r in exact), exact
     impls = {r["impl"] for r in got["gpu_speed"]["rows"]}
     assert impls == {"sdpa (flash)", "ring_attention", "ring_attention dilated"}
+    timed = got["gpu_speed"]["rows"] + [r for r in got["gpu_model"]["rows"] if r["checkpointing"] == "off"]
+    for r in timed:  # each ratio states its spread over the rounds, and the median's ratio lies within it
+        ratio, spread = ((r["fwd_bwd_over_sdpa"], r["fwd_bwd_over_sdpa_range"]) if "impl" in r
+                         else (r["ring_over_sdpa"], r["ring_over_sdpa_range"]))
+        low, high = map(float, spread.split("–"))
+        assert r["rounds"] >= 1 and low - 1e-3 <= ratio <= high + 1e-3, r
     nccl = got["gpu_nccl"]["rows"]
     assert nccl[0]["max_rel_err_fp32"] <= 1e-5 and nccl[-1]["killed_peer"] == "CommTimeoutError"
     assert nccl[-1]["raised_after_s"] < nccl[-1]["timeout_s"] + 5
@@ -45,3 +51,11 @@ def test_a_copy_of_the_tree_says_which_commit_it_was_copied_from(tmp_path, monke
     common.save(str(tmp_path), "x", {"rows": []}, command="python -m bench x")
     assert json.load(open(tmp_path / "x.json"))["commit"] == "abc1234"
     assert sorted(os.listdir(tmp_path)) == ["x.json"]  # written whole, nothing left beside it
+
+
+def test_rounds_time_the_implementations_side_by_side():
+    calls = []
+    times = gpu._rounds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3, "cpu")
+    assert calls == ["a", "b"] * 4  # a warm-up of each, then each round one call of each
+    assert [len(t) for t in times.values()] == [3, 3]
+    assert gpu.ratio_range([2.0, 3.0, 1.0], [1.0, 2.0, 1.0]) == "1.000–2.000"
