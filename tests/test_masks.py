@@ -108,6 +108,9 @@ def test_a_ring_mask_used_as_a_tensor_says_why():
     with pytest.raises(MaskUseError, match="uses its attention mask as a tensor"):
         torch.zeros(1, 1, N, N) + mask
     assert mask.ndim == 4 and mask.shape == (1, 1, N, N)  # to transformers, a prepared mask: kept as it is
+    assert mask.contiguous() is mask  # a layout request (generate's static-cache masks) reads nothing of it
+    with pytest.raises(MaskUseError, match="uses its attention mask as a tensor"):
+        mask.contiguous().masked_fill(None, 0)
 
 
 @pytest.mark.parametrize("pad", [0, 5])

@@ -445,6 +445,11 @@ class RingMask:
         b, rows = self.rows_seen
         return (b, 1, rows, rows)
 
+    def contiguous(self, *args: Any, **kwargs: Any) -> "RingMask":
+        """Itself: a memory-layout request reads nothing of the mask (transformers 5.18 to 5.21's ``generate``
+        makes every mask of a static cache contiguous before the model sees it)."""
+        return self
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
