@@ -63,7 +63,7 @@ N, ROWS = 37, 2
 
 TABLES = {
     "compat": (("transformers", "transformers"), ("accelerate", "accelerate"), ("torch", "torch"),
-               ("where", "where"), ("date", "date"), ("one_process_logits", "1 process: logits vs sdpa"),
+               ("python", "Python"), ("where", "where"), ("date", "date"), ("one_process_logits", "1 process: logits vs sdpa"),
                ("sp2_step_loss", "2 ranks: loss vs 1 process"), ("sp2_step_grads", "2 ranks: worst gradient"),
                ("sp2_trainer_loss", "2-rank Trainer: loss"), ("compat_subset", "compatibility subset")),
 }
@@ -239,7 +239,8 @@ def matrix(out: str, venvs: str, only: Optional[List[int]] = None) -> None:
             why = f"no Python {python} on this machine"
         if why is not None:
             write(out, dict(releases, python=python, date=datetime.date.today().isoformat(), commit=commit(str(root)),
-                            command="python -m bench compat --matrix", ran=False, why=why))
+                            command="python -m bench compat --matrix", ran=False, why=why,
+                            compat_subset=f"not run: {why}"))
             continue
         env = os.path.join(venvs, "-".join([f"py{python}"] + [f"{p}{v}" for p, v in releases.items()]))
         pip = [os.path.join(env, "bin", "python"), "-m", "pip", "install", "--quiet"]
