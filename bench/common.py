@@ -95,6 +95,13 @@ def spread(stats: Dict[str, float]) -> str:
     return f"{stats['min']:.3g}-{stats['max']:.3g}"
 
 
+def ratio_range(times: List[float], base: List[float]) -> str:
+    """The lowest and highest ratio of ``times`` to ``base`` taken pair by pair (each pair run side by side),
+    e.g. ``"0.981–1.012"``."""
+    ratios = [t / b for t, b in zip(times, base)]
+    return f"{min(ratios):.3f}–{max(ratios):.3f}"
+
+
 def planned_ring_mb(n: int, world: int, layout: str, branches, hq: int, hkv: int, b: int, d: int, elem: int = 4,
                     shared: bool = True) -> float:
     """MiB the busiest rank of a ring sends in one forward+backward, from the schedule alone.

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from . import model as model_bench
 from . import routes as route_check
-from .common import command_line, format_table, run_ranks, save
+from .common import command_line, format_table, ratio_range, run_ranks, save
 from .scale import dilated_pattern
 
 SIZES = [8192, 16384, 32768, 65536]
@@ -164,18 +164,6 @@ def exact(R: ModuleType, n: int, device: str, dtypes) -> List[Dict]:
     return rows
 
 
-def _timed(fn: Callable[[], None], repeats: int, device: str) -> List[float]:
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def _peak_mb(fn: Callable[[], None], device: str) -> Optional[float]:
     if not device.startswith("cuda"):
         return None
@@ -241,12 +229,6 @@ def _rounds(fns: Dict[str, Callable[[], None]], repeats: int, device: str) -> Di
             _sync(device)
             times[name].append(time.perf_counter() - t0)
     return times
-
-
-def ratio_range(times: List[float], base: List[float]) -> str:
-    """The lowest and highest round's ratio of ``times`` to ``base``, e.g. ``"0.981–1.012"``."""
-    ratios = [t / b for t, b in zip(times, base)]
-    return f"{min(ratios):.3f}–{max(ratios):.3f}"
 
 
 def speed(sizes: List[int], repeats: int, device: str, dtype: torch.dtype, heads, d: int) -> List[Dict]:
@@ -322,7 +304,7 @@ def _two_rank_ring(n: int, exact_n: int, repeats: int, device_kind: str, dtype: 
 
     if world > 1:
         dist.barrier()
-    times = _timed(step, repeats, device)
+    times = _rounds({"step": step}, repeats, device)["step"]
     R = load_reference()
     pos = hf_ring.local_positions(exact_n, rank, world)
     g = torch.Generator().manual_seed(exact_n)

@@ -45,7 +45,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Ty
 
 import torch
 
-from .common import ROOT, command_line, commit, finish_figure, format_table, save
+from .common import ROOT, command_line, commit, finish_figure, format_table, ratio_range, save
 from .quality import EXAMPLE, depth_cells, example_args, launch, pattern_cell
 
 PARTS = ("retrieval", "extension", "timing", "recipes")
@@ -211,9 +211,8 @@ def timing(script: str, sizes: List[int], ranks: int, steps: int, repeats: int, 
                "dense_step_s": round(statistics.median(times["dense"]), 3),
                "linear_step_s": round(statistics.median(times["linear"]), 3)}
         row["step_over_dense"] = round(row["linear_step_s"] / row["dense_step_s"], 3)
-        ratios = [lin / den for lin, den in zip(times["linear"], times["dense"])]  # each repeat's pair ran back to back
         row["repeats"] = repeats
-        row["step_over_dense_range"] = f"{min(ratios):.3f}–{max(ratios):.3f}"
+        row["step_over_dense_range"] = ratio_range(times["linear"], times["dense"])  # each repeat's pair back to back
         row["dense_peak_mb"] = round(max(peaks["dense"]), 1)
         row["linear_peak_mb"] = round(max(peaks["linear"]), 1)
         if previous and n == 2 * previous["n"]:

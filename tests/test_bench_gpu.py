@@ -58,4 +58,4 @@ def test_rounds_time_the_implementations_side_by_side():
     times = gpu._rounds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3, "cpu")
     assert calls == ["a", "b"] * 4  # a warm-up of each, then each round one call of each
     assert [len(t) for t in times.values()] == [3, 3]
-    assert gpu.ratio_range([2.0, 3.0, 1.0], [1.0, 2.0, 1.0]) == "1.000–2.000"
+    assert common.ratio_range([2.0, 3.0, 1.0], [1.0, 2.0, 1.0]) == "1.000–2.000"
