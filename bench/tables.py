@@ -50,10 +50,11 @@ WRITERS: Dict[str, Dict[str, Tuple[str, ...]]] = {}
 """Per JSON file, per list of rows, the fields its benchmark can write, where the module states them (``WRITES``)."""
 BESIDE: Dict[str, Tuple[str, ...]] = {}
 """Per JSON file of those, what its benchmark writes beside the rows and the stamps (``BESIDE``)."""
-for _module in sorted(set(BENCHES.values()) - {__name__}):
-    COLUMNS.update(getattr(importlib.import_module(_module), "TABLES", {}))
-    WRITERS.update(getattr(importlib.import_module(_module), "WRITES", {}))
-    BESIDE.update(getattr(importlib.import_module(_module), "BESIDE", {}))
+for _name in sorted(set(BENCHES.values()) - {__name__}):
+    _module = importlib.import_module(_name)
+    COLUMNS.update(getattr(_module, "TABLES", {}))
+    WRITERS.update(getattr(_module, "WRITES", {}))
+    BESIDE.update(getattr(_module, "BESIDE", {}))
 
 
 STAMPS = ("runs", "command", "commit")
