@@ -34,8 +34,6 @@ a row can hold, which ``python -m bench tables --check`` holds the files to.
 from __future__ import annotations
 
 import argparse
-import fcntl
-import json
 import os
 import shlex
 import statistics
@@ -45,8 +43,9 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Ty
 
 import torch
 
-from .common import ROOT, command_line, commit, finish_figure, format_table, ratio_range, save
+from .common import ROOT, command_line, commit, finish_figure, format_table, ratio_range
 from .quality import EXAMPLE, depth_cells, example_args, launch, pattern_cell
+from .rowfile import RECORDED, RowFile
 
 PARTS = ("retrieval", "extension", "timing", "recipes")
 DEMO = "DEMO"
@@ -392,37 +391,19 @@ PLACES = {"rows": ("linear", "rows"), "extension": ("linear", "extension"), "tim
 
 
 class Sink:
-    """Where a run of the benchmark puts its rows: each row is stamped with its settings, the command and the commit,
-    and joined to its file (see :func:`merge`) as soon as its launch ends, so that a sweep cut short (a lent
-    machine's time running out) keeps every run it finished. The run's options join each file's ``runs`` once."""
+    """Where a run of the benchmark puts its rows: each part's rows go to its file (a :class:`RowFile`), stamped
+    with the part's settings, as soon as its launch ends."""
 
     def __init__(self, out: str, options: Dict, command: str, made: str, replace_unrecorded: bool = False):
-        self.out, self.options, self.command, self.made = out, options, command, made
-        self.recorded: set = set()
-        self.unrecorded_left = {PLACES[part] for part in PLACES} if replace_unrecorded else set()
+        self.options = options
+        self.files = {name: RowFile(out, name, WRITES[name], options, command, made,
+                                    replace_unrecorded=replace_unrecorded,
+                                    plot=_plot if name == "linear" else None)
+                      for name in WRITES}
 
     def keep(self, part: str, row: Dict) -> None:
         name, key = PLACES[part]
-        row.update(settings=settings(part, self.options, row), command=self.command, commit=self.made)
-        path = os.path.join(self.out, f"{name}.json")
-        os.makedirs(self.out, exist_ok=True)
-        folder = os.open(self.out, os.O_RDONLY)
-        try:  # two sweeps writing to one folder (a GPU shared by two runs of the benchmark) each keep their rows
-            fcntl.flock(folder, fcntl.LOCK_EX)
-            payload: Dict = {"runs": [], **{k: [] for k in WRITES[name] if k != "runs"}}
-            if os.path.exists(path):  # only what this writer makes: a key added by hand does not outlive a run
-                with open(path) as f:
-                    payload.update((k, v) for k, v in json.load(f).items() if k in payload)
-            if (name, key) in self.unrecorded_left:  # the part's first row: only then, so a failed run drops nothing
-                payload[key] = [r for r in payload[key] if "settings" in r]
-                self.unrecorded_left.discard((name, key))
-            payload[key] = merge(payload[key], [row])
-            if name not in self.recorded:
-                payload["runs"] = payload["runs"] + [self.options]
-                self.recorded.add(name)
-            save(self.out, name, payload, _plot(payload) if name == "linear" else None, command=self.command)
-        finally:
-            os.close(folder)  # and with it the lock
+        self.files[name].keep(key, row, settings(part, self.options, row))
 
 
 OPTIONS = {
@@ -437,22 +418,21 @@ OPTIONS = {
 OWN = {"rows": ("n", "seed", "lr", "device"), "extension": ("attention", "seed", "device"), "timing": ("n",), "recipes": ("recipe", "seed")}
 """What tells a part's rows of one run apart."""
 
-_RECORDED = ("settings", "command", "commit")
 WRITES: Dict[str, Dict[str, Tuple[str, ...]]] = {
     "linear": {
         "rows": ("n", "heads", "pattern", "seed", "steps", "lr", "accuracy", "by_depth", "accuracy_over_depths",
-                 "wall_s", "peak_mb_per_rank", "precision", "device") + _RECORDED,
+                 "wall_s", "peak_mb_per_rank", "precision", "device") + RECORDED,
         "extension": ("from", "to", "attention", "seed", "pattern", "steps", "lr", "before", "curve", "after", "by_depth",
                       "after_over_depths", "after_at_from", "wall_s", "step_s_at_full_length", "precision",
-                      "device") + _RECORDED,
+                      "device") + RECORDED,
         "timing": ("n", "ranks", "base_segment", "dense_step_s", "linear_step_s", "step_over_dense", "repeats",
                    "step_over_dense_range", "dense_peak_mb", "linear_peak_mb", "dense_growth",
-                   "linear_growth") + _RECORDED,
+                   "linear_growth") + RECORDED,
     },
     "linear_recipes": {
         "rows": ("part", "attention", "n", "pattern", "first_length", "layers", "steps", "lr", "sequences_per_step",
                  "seed", "before", "accuracy", "accuracy_over_depths", "by_depth", "at_4096", "recipe",
-                 "device") + _RECORDED,
+                 "device") + RECORDED,
     },
 }
 """Per file this benchmark writes, per list of rows in it, every field its writer can set."""
@@ -461,19 +441,6 @@ WRITES: Dict[str, Dict[str, Tuple[str, ...]]] = {
 def settings(part: str, options: Dict, row: Dict) -> Dict:
     """What ``row`` of ``part`` was run with: the part's options, then the row's own length, seed or attention."""
     return {**{k: options[k] for k in OPTIONS[part]}, **{k: row[k] for k in OWN[part]}}
-
-
-def merge(old: List[Dict], new: List[Dict]) -> List[Dict]:
-    """``old`` with each row of ``new`` in the place of the row of the same settings, or after them all; rows
-    written before rows recorded their settings are kept as they are."""
-    out = list(old)
-    for row in new:
-        same = [i for i, r in enumerate(out) if r.get("settings") == row["settings"]]
-        if same:
-            out[same[0]] = row
-        else:
-            out.append(row)
-    return out
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ dense checkpoint of the first seed, evaluates it under the dilated pattern as
 it is, and fine-tunes it with the pattern at full length, recording the
 accuracy after each number of steps. Tokens per step are the same at every
 length (``--tokens-per-step``).
+
+Every row joins ``quality.json`` as soon as its run ends, in the place of the
+row with the same settings or after the others (see :mod:`bench.rowfile`), so
+lengths and seeds run at different times gather in one file.
 """
 from __future__ import annotations
 
@@ -22,11 +26,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .common import command_line, format_table, save
+from .common import ROOT, command_line, commit, format_table, ratio_range
+from .rowfile import RECORDED, RowFile
 
 EXAMPLE = os.path.join("examples", "finetune.py")
 
@@ -36,7 +41,9 @@ TABLES = {
                 ("peak_mb_per_rank", "peak MB per rank")),
     "quality_timing": (("n", "n"), ("ranks", "ranks"), ("batch", "sequences per step"),
                        ("dense_step_s", "dense step s"), ("dilated_step_s", "dilated step s"),
-                       ("step_over_dense", "dilated / dense"), ("dense_peak_mb", "dense peak MB per rank"),
+                       ("step_over_dense", "dilated / dense"), ("repeats", "repeats"),
+                       ("step_over_dense_range", "dilated / dense, lowest–highest repeat"),
+                       ("dense_peak_mb", "dense peak MB per rank"),
                        ("dilated_peak_mb", "dilated peak MB per rank"), ("peak_over_dense", "peak, dilated / dense")),
     "quality_convert": (("n", "n"), ("dense_accuracy_converted", "dense checkpoint under the pattern"),
                         ("after_10_steps", "after 10 steps"), ("after_20_steps", "after 20 steps"),
@@ -77,8 +84,8 @@ def depth_cells(summary: Dict) -> str:
 
 
 def run(script: str, sizes: List[int], seeds: List[int], modes: List[str], tokens_per_step: int, ranks: int,
-        convert_steps: List[int], work: str) -> Dict[str, List[Dict]]:
-    rows, converted = [], []
+        convert_steps: List[int], work: str, keep: Callable[[str, Dict], None]) -> None:
+    """The accuracy runs, each row handed to ``keep`` (with its list, ``rows`` or ``converted``) as it ends."""
     for n in sizes:
         batch = max(1, tokens_per_step // n)
         for seed in seeds:  # the attentions alternate, so a drift of the machine's speed touches both alike
@@ -89,19 +96,19 @@ def run(script: str, sizes: List[int], seeds: List[int], modes: List[str], token
                 row = {"n": n, "attention": mode, "pattern": pattern_cell(got), "seed": seed, "steps": got["steps"],
                        "accuracy": got["accuracy_after"],
                        "by_depth": depth_cells(got), "peak_mb_per_rank": max(got["peak_rss_mb_per_rank"])}
-                rows.append(row)
                 print(format_table([row], list(row)), flush=True)
+                keep("rows", row)
         if convert_steps and "dense" in modes:
-            converted.append(_convert(script, n, seeds[0], batch, ranks, convert_steps, work))
-            print(format_table([converted[-1]], list(converted[-1])), flush=True)
-    return {"rows": rows, "converted": converted}
+            row = _convert(script, n, seeds[0], batch, ranks, convert_steps, work)
+            print(format_table([row], list(row)), flush=True)
+            keep("converted", row)
 
 
 def timing(script: str, sizes: List[int], tokens_per_step: int, ranks: int, steps: int, repeats: int,
-           work: str) -> List[Dict]:
+           work: str, keep: Callable[[str, Dict], None]) -> None:
     """Training steps at full length with no curriculum, dense and dilated alternating: the step-time comparison,
-    in runs short enough to take on a quiet machine (the accuracy runs are long, and only their accuracy counts)."""
-    rows = []
+    in runs short enough to take on a quiet machine (the accuracy runs are long, and only their accuracy counts).
+    Each length's row goes to ``keep`` as it ends."""
     for n in sizes:
         batch = max(1, tokens_per_step // n)
         times: Dict[str, List[float]] = {"dense": [], "dilated": []}
@@ -115,15 +122,16 @@ def timing(script: str, sizes: List[int], tokens_per_step: int, ranks: int, step
                 got = launch(script, ranks, args + (["--dilated", "--dense-frac", "0"] if mode == "dilated" else []))
                 times[mode].append(got["step_s_at_full_length"])
                 peaks[mode].append(max(got["peak_rss_mb_per_rank"]))
-        row = {"n": n, "ranks": ranks, "batch": batch, "dense_step_s": round(statistics.median(times["dense"]), 3),
+        row = {"n": n, "ranks": ranks, "batch": batch, "repeats": repeats,
+               "dense_step_s": round(statistics.median(times["dense"]), 3),
                "dilated_step_s": round(statistics.median(times["dilated"]), 3)}
         row["step_over_dense"] = round(row["dilated_step_s"] / row["dense_step_s"], 2)
+        row["step_over_dense_range"] = ratio_range(times["dilated"], times["dense"])  # each repeat's pair in turn
         row["dense_peak_mb"] = round(max(peaks["dense"]), 1)
         row["dilated_peak_mb"] = round(max(peaks["dilated"]), 1)
         row["peak_over_dense"] = round(row["dilated_peak_mb"] / row["dense_peak_mb"], 2)
-        rows.append(row)
         print(format_table([row], list(row)), flush=True)
-    return rows
+        keep("timing", row)
 
 
 def _convert(script: str, n: int, seed: int, batch: int, ranks: int, steps: List[int], work: str) -> Dict:
@@ -136,7 +144,7 @@ def _convert(script: str, n: int, seed: int, batch: int, ranks: int, steps: List
     got = launch(script, ranks, args)
     history = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=True)["history"]
     curve = {h["step"]: h["accuracy"] for h in history if "accuracy" in h}
-    row = {"n": n, "dense_accuracy_converted": curve[0]}
+    row = {"n": n, "seed": seed, "dense_accuracy_converted": curve[0]}
     for s in steps:
         row[f"after_{s}_steps"] = curve.get(s)
     row["by_depth_at_end"] = depth_cells(got)
@@ -157,31 +165,51 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--convert-steps", type=int, nargs="*", default=[10, 20, 40],
                     help="evaluate the converted dense checkpoint after these fine-tuning steps; the first is also "
                          "the evaluation interval (default: %(default)s; none: no conversion)")
-    ap.add_argument("--out", default="bench_results", help="where quality.json goes (default: %(default)s)")
-    ap.add_argument("--append", action="store_true",
-                    help="add these rows to an existing quality.json in --out, e.g. more seeds at one length "
-                         "(default: replace it)")
+    ap.add_argument("--out", default="bench_results",
+                    help="where quality.json goes; each row joins it in the place of the row run with the same "
+                         "settings (default: %(default)s)")
+    ap.add_argument("--replace-unrecorded", action="store_true",
+                    help="drop, from each list of rows this command writes to, the rows that carry no settings "
+                         "(written before rows recorded them), once its first row there is written")
     ap.add_argument("--timing-steps", type=int, default=10,
                     help="steps per timing run at full length (default: %(default)s)")
     ap.add_argument("--timing-repeats", type=int, default=2,
                     help="timing runs per attention and length, alternating (default: %(default)s)")
     ap.add_argument("--timing-only", action="store_true", help="only the step-time comparison (default: off)")
     args = ap.parse_args(argv)
-    command = command_line("quality", argv)
+    options = vars(args)
+    sink = RowFile(args.out, "quality", WRITES["quality"], options, command_line("quality", argv), commit(ROOT),
+                   replace_unrecorded=args.replace_unrecorded)
+    keep = lambda key, row: sink.keep(key, row, settings(key, options, row))  # noqa: E731
     with tempfile.TemporaryDirectory() as work:
-        got = {"rows": [], "converted": []} if args.timing_only else run(
-            args.script, args.sizes, args.seeds, args.modes, args.tokens_per_step, args.ranks, args.convert_steps,
-            work)
-        got["timing"] = timing(args.script, args.sizes, args.tokens_per_step, args.ranks, args.timing_steps,
-                               args.timing_repeats, work)
-    path = os.path.join(args.out, "quality.json")
-    runs = [vars(args)]
-    if args.append and os.path.exists(path):
-        with open(path) as f:
-            before = json.load(f)
-        runs = before["runs"] + runs
-        got = {key: before.get(key, []) + got[key] for key in got}
-    save(args.out, "quality", {"runs": runs, **got}, command=command)
+        if not args.timing_only:
+            run(args.script, args.sizes, args.seeds, args.modes, args.tokens_per_step, args.ranks, args.convert_steps,
+                work, keep)
+        timing(args.script, args.sizes, args.tokens_per_step, args.ranks, args.timing_steps, args.timing_repeats,
+               work, keep)
+
+
+OPTIONS = {"rows": ("ranks", "tokens_per_step"), "converted": ("ranks", "tokens_per_step", "convert_steps"),
+           "timing": ("ranks", "tokens_per_step", "timing_steps")}
+"""The options each list's rows depend on; with :data:`OWN` they make a row's settings (the number of timing
+repeats is how well a ratio is measured, not what it measures: a row records its own)."""
+
+OWN = {"rows": ("n", "attention", "seed"), "converted": ("n", "seed"), "timing": ("n",)}
+"""What tells a list's rows of one run apart."""
+
+WRITES = {"quality": {
+    "rows": ("n", "attention", "pattern", "seed", "steps", "accuracy", "by_depth", "peak_mb_per_rank") + RECORDED,
+    "converted": ("n", "seed", "dense_accuracy_converted", "after_10_steps", "after_20_steps", "after_40_steps",
+                  "by_depth_at_end") + RECORDED,
+    "timing": ("n", "ranks", "batch", "repeats", "dense_step_s", "dilated_step_s", "step_over_dense",
+               "step_over_dense_range", "dense_peak_mb", "dilated_peak_mb", "peak_over_dense") + RECORDED,
+}}
+"""Every field a row of quality.json can hold (``bench tables --check`` holds the file to them)."""
+
+
+def settings(key: str, options: Dict, row: Dict) -> Dict:
+    """What ``row`` of list ``key`` was run with: the options it depends on, then its own length, attention, seed."""
+    return {**{k: options[k] for k in OPTIONS[key]}, **{k: row[k] for k in OWN[key]}}
 
 
 if __name__ == "__main__":

@@ -11,14 +11,18 @@ above the model-and-warm-up baseline). Peak memory per rank is fitted as
 ``a + b * n / p`` by least squares for each (attention, tiling) group. At the
 largest n of each group the step runs under a tensor tracker that records the
 live tensors at their peak, by where they were made (phase, module, op).
+
+Every row joins the file as soon as its processes end, in the place of the
+row with the same settings or after the others (see :mod:`bench.rowfile`),
+and the fits are made again from all the rows: lengths run at different times
+(a million tokens alone on a quiet machine) gather in one file.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -26,7 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hf_ring.integration.seams import enable_checkpointing
-from .common import command_line, finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks, save
+from .common import ROOT, command_line, commit, finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks
+from .rowfile import RECORDED, RowFile
 
 MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1 << 22, attention_dropout=0.0,
@@ -211,10 +216,10 @@ def fit(rows: List[Dict]) -> Dict:
             "max_rel_err": round(worst, 4), "points": len(rows)}
 
 
-def run(args) -> Tuple[List[Dict], Dict[str, Dict], Dict[str, Dict]]:
-    model = dict(MODEL, vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                 num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
-    rows, breakdowns = [], {}
+def run(args, keep: Callable[[Dict, Dict, Optional[Dict]], None]) -> None:
+    """Every configuration of ``args``; each row goes to ``keep`` (row, its settings, its breakdown or None) as its
+    processes end."""
+    model = run_model(args)
     for attention in args.attention:
         for tiling in args.tiling:
             sizes = [n for n in args.sizes if attention == "dilated" or n <= args.dense_max]
@@ -232,11 +237,42 @@ def run(args) -> Tuple[List[Dict], Dict[str, Dict], Dict[str, Dict]]:
                            "peak_mb": round(worst["peak_mb"], 1),
                            "peak_above_base_mb": round(max(r["peak_above_base_mb"] for r in res), 1),
                            "base_mb": round(worst["base_mb"], 1), "breakdown": "yes" if cfg["breakdown"] else ""}
-                    rows.append(row)
-                    if cfg["breakdown"]:
-                        breakdowns[f"{attention} tiling={label} n={n} p={world}"] = worst["breakdown"]
                     print(format_table([row], list(row)), flush=True)
-    return rows, fit_groups(rows), breakdowns
+                    keep(row, settings(args, row), worst["breakdown"] if cfg["breakdown"] else None)
+
+
+def run_model(args) -> Dict:
+    """The model config a run of ``args`` trains."""
+    return dict(MODEL, vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
+
+
+SETTINGS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "min_segment", "layout",
+            "loss_chunk_rows", "row_chunk_rows", "threads")
+"""The options a row depends on; with its length, ranks, attention and tiling they make its settings."""
+
+
+def settings(args, row: Dict) -> Dict:
+    """What ``row`` was run with (its key in scale.json)."""
+    return {**{k: getattr(args, k) for k in SETTINGS}, **{k: row[k] for k in ("n", "world", "attention", "tiling")}}
+
+
+def breakdown_key(row: Dict) -> str:
+    """The name of ``row``'s breakdown in the file's ``breakdowns``."""
+    return f"{row['attention']} tiling={row['tiling']} n={row['n']} p={row['world']}"
+
+
+def derive(payload: Dict) -> Dict:
+    """What scale.json makes from all its rows: their order (by group, length, ranks) and each group's fit."""
+    rows = sorted(payload["rows"], key=lambda r: (r["attention"], r["tiling"], r["n"], r["world"]))
+    return {"rows": rows, "fits": fit_groups(rows)}
+
+
+WRITES = {"scale": {"rows": ("n", "world", "attention", "tiling", "step_s", "peak_mb", "peak_above_base_mb", "base_mb",
+                             "breakdown") + RECORDED}}
+"""Every field a row of scale.json can hold (``bench tables --check`` holds the file to them)."""
+BESIDE = {"scale": ("model", "fits", "breakdowns")}
+"""What scale.json holds beside its rows: the model of its last run, the fits, the breakdowns by row."""
 
 
 def fit_groups(rows: List[Dict]) -> Dict[str, Dict]:
@@ -302,35 +338,26 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--breakdown", choices=["largest", "all", "none"], default="largest",
                     help="run the step under the live-tensor tracker at the largest n of each group")
-    ap.add_argument("--out", default="bench_results")
+    ap.add_argument("--out", default="bench_results",
+                    help="where NAME.json goes; each row joins it in the place of the row run with the same settings")
     ap.add_argument("--name", default="scale", help="output file stem")
-    ap.add_argument("--merge", nargs="+", metavar="JSON",
-                    help="run nothing: refit and replot the rows of earlier runs' JSON files together")
+    ap.add_argument("--replace-unrecorded", action="store_true",
+                    help="drop the rows that carry no settings (written before rows recorded them) once this "
+                         "command's first row is written")
     args = ap.parse_args(argv)
-    command = command_line("scale", argv)
-    if args.merge:
-        rows, breakdowns = [], {}
-        for path in args.merge:
-            with open(path) as f:
-                saved = json.load(f)
-            for row in saved["rows"]:  # older files say "on" for the parts in their config
-                if row["tiling"] == "on":
-                    row["tiling"] = "+".join(saved["config"].get("parts", ["loss", "mlp"]))
-                rows.append(row)
-            breakdowns.update(saved.get("breakdowns", {}))
-        rows.sort(key=lambda r: (r["attention"], r["tiling"], r["n"], r["world"]))
-        fits = fit_groups(rows)
-    else:
-        rows, fits, breakdowns = run(args)
-    print("\n" + format_table(rows, list(rows[0])))
-    for key, f in fits.items():
-        print(f"fit {key}: peak MB per rank = {f['a_mb']} + {f['b_kib_per_token']} KiB x n/p "
-              f"(worst point off by {100 * f['max_rel_err']:.1f}%, {f['points']} points)")
-    for key, b in breakdowns.items():
-        print(f"\nlive tensors at their peak ({key}): {b['peak_tracked_mb']} MB tracked")
-        print(format_table(b["by_label"], ["label", "mb", "tensors"]))
-    save(args.out, args.name, {"config": vars(args), "model": MODEL, "rows": rows, "fits": fits,
-                               "breakdowns": breakdowns}, _plot(rows, fits), command=command)
+    sink = RowFile(args.out, args.name, WRITES["scale"], vars(args), command_line("scale", argv), commit(ROOT),
+                   beside=BESIDE["scale"], replace_unrecorded=args.replace_unrecorded, derive=derive,
+                   plot=lambda payload: _plot(payload["rows"], payload["fits"]))
+
+    def keep(row: Dict, key: Dict, breakdown: Optional[Dict]) -> None:
+        found = {"model": run_model(args)}
+        if breakdown is not None:
+            found["breakdowns"] = {breakdown_key(row): breakdown}
+            print(f"\nlive tensors at their peak ({breakdown_key(row)}): {breakdown['peak_tracked_mb']} MB tracked")
+            print(format_table(breakdown["by_label"], ["label", "mb", "tensors"]))
+        sink.keep("rows", row, key, beside=found)
+
+    run(args, keep)
 
 
 if __name__ == "__main__":

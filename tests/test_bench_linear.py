@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from bench import linear
+from bench import linear, rowfile
 
 
 def test_timing_rows_compare_like_with_like(tmp_path):
@@ -43,7 +43,7 @@ def test_a_repeated_run_replaces_its_own_rows_only(tmp_path, monkeypatch):
 def test_rows_from_before_settings_were_recorded_are_kept():
     old = [{"n": 64, "seed": 0}, {"n": 64, "seed": 1, "settings": {"n": 64, "seed": 1}}]
     new = [{"n": 64, "seed": 1, "settings": {"n": 64, "seed": 1}, "x": 2}, {"n": 64, "seed": 2, "settings": {"n": 64, "seed": 2}}]
-    assert linear.merge(old, new) == [old[0], new[0], new[1]]
+    assert rowfile.merge(old, new) == [old[0], new[0], new[1]]
 
 
 def test_recipes_write_every_seed_with_its_command_and_only_fields_the_writer_knows(tmp_path):
@@ -172,13 +172,13 @@ def test_two_sweeps_writing_one_file_at_once_keep_each_others_rows(tmp_path, mon
     import threading
     import time
 
-    saved = linear.save
+    saved = rowfile.save
 
     def slow_save(*args, **kwargs):  # widens the window between reading the file and writing it back
         time.sleep(0.2)
         saved(*args, **kwargs)
 
-    monkeypatch.setattr(linear, "save", slow_save)
+    monkeypatch.setattr(rowfile, "save", slow_save)
     row = {"part": "from scratch", "n": 64, "seed": 0, "recipe": "--seq-len 64"}
     sinks = [linear.Sink(str(tmp_path), {"ranks": r}, f"sweep {r}", "abc") for r in (1, 2)]
     threads = [threading.Thread(target=sink.keep, args=("recipes", dict(row))) for sink in sinks]
