@@ -99,15 +99,15 @@ def main(argv=None) -> None:
     ap.add_argument("--sides", nargs="+", choices=race.SIDES, default=list(race.SIDES),
                     help="with --peers: alst, ring and/or head (head parallelism) (default: all three)")
     ap.add_argument("--profile", action="store_true",
-                    help="with --peers: instead of timing, profile one dense step of each side and write where its "
-                         "time goes per layer (race_profile.json)")
+                    help="with --peers: instead of timing, profile --repeats dense steps of each side and write "
+                         "where a step's time goes per layer, their mean (race_profile.json)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="with --peers: timing rounds, each running every side in turn in fresh processes")
     ap.add_argument("--out", default="bench_results", help="where the JSON goes (default bench_results)")
     args = ap.parse_args(argv)
     command = command_line("model", argv)
     if args.peers and args.profile:
-        rows = race.breakdown(args.sizes, args.sides)
+        rows = race.breakdown(args.sizes, args.sides, steps=args.repeats)
         print("\n" + format_table(rows, list(rows[0])))
         save(args.out, "race_profile", {"config": vars(args), "model": race.RACE_MODEL, "rows": rows}, command=command)
         return

@@ -56,7 +56,7 @@ TABLES = {
     + (("alst_extra_mb", "ALST extra MB"),)
     + tuple((f"{s}_mb_over_alst", f"{name} extra MB / ALST") for s, name in _RACE_SIDES[1:])
     + tuple((f"{s}_loss_rel_err", f"{name} loss error") for s, name in _RACE_SIDES),
-    "race_profile": (("n", "n"), ("side", "side"), ("attention kernels", "attention kernels"), ("matmuls", "matmuls"),
+    "race_profile": (("n", "n"), ("side", "side"), ("steps", "steps profiled"), ("attention kernels", "attention kernels"), ("matmuls", "matmuls"),
                      ("element-wise", "element-wise"), ("copies and fills", "copies and fills"),
                      ("communication and waits", "communication and waits"), ("rest", "rest"),
                      ("total", "total ms per layer")),
@@ -213,6 +213,17 @@ PROFILE_PARTS = ("attention kernels", "matmuls", "element-wise", "copies and fil
 """The parts of a step's time in :func:`breakdown`, in the order the table shows them."""
 
 
+WRITES = {
+    "race": {"rows": ("n", "batch", "ranks", "repeats", "rounds")
+             + tuple(f"{side}_{field}" for side in SIDES for field in ("loss_rel_err", "step_s", "extra_mb"))
+             + tuple(f"{side}_{field}" for side in SIDES[1:] for field in ("over_alst", "mb_over_alst"))},
+    "race_profile": {"rows": ("n", "side", "steps") + PROFILE_PARTS + ("total",)},
+}
+"""Every field a row of the race's files can hold (``bench tables --check`` holds the files to them)."""
+BESIDE = {"race": ("config", "model"), "race_profile": ("config", "model")}
+"""What each file holds beside its rows: the command's options and the raced model."""
+
+
 def profile_part(op: str) -> str:
     """Which part of the step a profiled operator's own time belongs to.
 
@@ -239,22 +250,24 @@ def profile_part(op: str) -> str:
     return "rest"
 
 
-def profile_side(name: str, batch: str, n: int) -> Dict:
-    """This rank's own time per part of one step (after two warm-up steps), in ms per layer."""
+def profile_side(name: str, batch: str, n: int, steps: int = 1) -> Dict:
+    """This rank's own time per part of a step (the mean of ``steps`` profiled steps, after two warm-up steps), in
+    ms per layer. One step's waits move with which rank happens to finish first; the mean over steps does not."""
     step = _step(name, batch, n)
     step()
     step()
     dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        step()
+        for _ in range(steps):
+            step()
     dist.barrier()
     parts = dict.fromkeys(PROFILE_PARTS, 0.0)
     for event in prof.key_averages():
-        parts[profile_part(event.key)] += event.self_cpu_time_total / 1e3 / RACE_MODEL["num_hidden_layers"]
+        parts[profile_part(event.key)] += event.self_cpu_time_total / 1e3 / RACE_MODEL["num_hidden_layers"] / steps
     return parts
 
 
-def breakdown(sizes: List[int], sides: List[str], ranks: int = 2) -> List[Dict]:
+def breakdown(sizes: List[int], sides: List[str], ranks: int = 2, steps: int = 1) -> List[Dict]:
     """Where a dense step's time goes, per side and layer: the mean over ranks of each part's own time.
 
     Times are the profiler's, which adds a little to every operator; the
@@ -263,8 +276,8 @@ def breakdown(sizes: List[int], sides: List[str], ranks: int = 2) -> List[Dict]:
     rows = []
     for n in sizes:
         for name in sides:
-            got = run_ranks(ranks, profile_side, name, "dense", n, exact_peak=False)
-            row: Dict = {"n": n, "side": name}
+            got = run_ranks(ranks, profile_side, name, "dense", n, steps, exact_peak=False)
+            row: Dict = {"n": n, "side": name, "steps": steps}
             row.update({part: round(sum(g[part] for g in got) / len(got), 1) for part in PROFILE_PARTS})
             row["total"] = round(sum(row[part] for part in PROFILE_PARTS), 1)
             rows.append(row)

@@ -27,6 +27,7 @@ def test_profile_parts_name_where_each_operator_goes():
 
 
 def test_breakdown_profiles_a_step_per_side():
-    (row,) = race.breakdown([128], ["head"])
+    (row,) = race.breakdown([128], ["head"], steps=2)
+    assert row["steps"] == 2
     assert row["attention kernels"] > 0 and row["communication and waits"] > 0 and row["matmuls"] > 0
     assert row["total"] == pytest.approx(sum(row[p] for p in race.PROFILE_PARTS), abs=0.2)
