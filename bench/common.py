@@ -20,15 +20,16 @@ import torch.multiprocessing as mp
 
 
 def commit(root: str) -> str:
-    """The checkout's commit, short, with ``+changes`` when tracked files differ from it. A tree copied to
-    another machine (a cluster's node, a lent GPU) says the commit it was copied from with ``$BENCH_COMMIT``,
-    since its own git, if any, need not be the one the copy was made from; without git it says ``unknown``."""
+    """The checkout's commit, short, with ``+changes`` when tracked files other than the benchmarks' own results
+    (``docs/bench``, which the runs themselves rewrite) differ from it. A tree copied to another machine (a
+    cluster's node, a lent GPU) says the commit it was copied from with ``$BENCH_COMMIT``, since its own git, if
+    any, need not be the one the copy was made from; without git it says ``unknown``."""
     if os.environ.get("BENCH_COMMIT"):
         return os.environ["BENCH_COMMIT"]
     try:
         run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)docs/bench"], cwd=root, capture_output=True, text=True).stdout.strip()
     except OSError:
         return "unknown"
     if run.returncode != 0 or not run.stdout.strip():

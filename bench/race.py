@@ -35,7 +35,7 @@ from typing import Callable, Dict, List
 import torch
 import torch.distributed as dist
 
-from .common import format_table, peak_rss_mb, rss_mb, run_ranks
+from .common import format_table, peak_rss_mb, ratio_range, rss_mb, run_ranks
 
 RACE_MODEL = dict(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1 << 20,
@@ -53,6 +53,7 @@ TABLES = {
     "race": (("n", "n"), ("batch", "batch"), ("rounds", "rounds"), ("repeats", "steps per round"))
     + tuple((f"{s}_step_s", f"{name} step s") for s, name in _RACE_SIDES)
     + tuple((f"{s}_over_alst", f"{name} / ALST") for s, name in _RACE_SIDES[1:])
+    + tuple((f"{s}_over_alst_range", f"{name} / ALST, lowest–highest round") for s, name in _RACE_SIDES[1:])
     + (("alst_extra_mb", "ALST extra MB"),)
     + tuple((f"{s}_mb_over_alst", f"{name} extra MB / ALST") for s, name in _RACE_SIDES[1:])
     + tuple((f"{s}_loss_rel_err", f"{name} loss error") for s, name in _RACE_SIDES),
@@ -216,7 +217,8 @@ PROFILE_PARTS = ("attention kernels", "matmuls", "element-wise", "copies and fil
 WRITES = {
     "race": {"rows": ("n", "batch", "ranks", "repeats", "rounds")
              + tuple(f"{side}_{field}" for side in SIDES for field in ("loss_rel_err", "step_s", "extra_mb"))
-             + tuple(f"{side}_{field}" for side in SIDES[1:] for field in ("over_alst", "mb_over_alst"))},
+             + tuple(f"{side}_{field}" for side in SIDES[1:] for field in ("over_alst", "over_alst_range",
+                                                                           "mb_over_alst"))},
     "race_profile": {"rows": ("n", "side", "steps") + PROFILE_PARTS + ("total",)},
 }
 """Every field a row of the race's files can hold (``bench tables --check`` holds the files to them)."""
@@ -303,10 +305,13 @@ def run(sizes: List[int], batches: List[str], sides: List[str], repeats: int, ra
             ref = run_ranks(1, reference_loss, batch, n)[0]
             row: Dict = {"n": n, "batch": batch, "ranks": ranks, "repeats": repeats, "rounds": rounds}
             times: Dict[str, List[float]] = {name: [] for name in sides}
+            by_round: Dict[str, List[float]] = {name: [] for name in sides}
             for _ in range(rounds):
                 for name in sides:
                     got = run_ranks(ranks, side, name, batch, n, repeats, exact_peak=False)
-                    times[name] += [max(step) for step in zip(*(g["times"] for g in got))]  # a step ends on its last rank
+                    steps = [max(step) for step in zip(*(g["times"] for g in got))]  # a step ends on its last rank
+                    times[name] += steps
+                    by_round[name].append(statistics.median(steps))
                     row.setdefault(f"{name}_loss_rel_err", float(f"{abs(got[0]['first_loss'] - ref) / abs(ref):.2e}"))
             for name in sides:
                 row[f"{name}_step_s"] = round(statistics.median(times[name]), 3)
@@ -315,6 +320,7 @@ def run(sizes: List[int], batches: List[str], sides: List[str], repeats: int, ra
             for name in sides:
                 if name != "alst" and "alst" in sides:
                     row[f"{name}_over_alst"] = round(row[f"{name}_step_s"] / row["alst_step_s"], 3)
+                    row[f"{name}_over_alst_range"] = ratio_range(by_round[name], by_round["alst"])  # round by round
                     row[f"{name}_mb_over_alst"] = round(row[f"{name}_extra_mb"] / max(row["alst_extra_mb"], 1), 2)
             rows.append(row)
             print(format_table(rows[-1:], list(rows[-1])), flush=True)

@@ -1,6 +1,7 @@
 """``python -m bench gpu --fake``: the GPU benchmark's code runs here, its checks hold, its tables render."""
 import json
 import os
+import subprocess
 
 from bench import common, gpu, tables
 
@@ -51,6 +52,24 @@ def test_a_copy_of_the_tree_says_which_commit_it_was_copied_from(tmp_path, monke
     common.save(str(tmp_path), "x", {"rows": []}, command="python -m bench x")
     assert json.load(open(tmp_path / "x.json"))["commit"] == "abc1234"
     assert sorted(os.listdir(tmp_path)) == ["x.json"]  # written whole, nothing left beside it
+
+
+def test_the_runs_own_results_do_not_mark_the_code_changed(tmp_path, monkeypatch):
+    """A sweep's second command finds the first one's JSON rewritten: its rows still ran the committed code."""
+    monkeypatch.delenv("BENCH_COMMIT", raising=False)
+    git = lambda *args: subprocess.run(["git", "-c", "user.name=x", "-c", "user.email=x@x", *args], cwd=tmp_path,  # noqa: E731
+                                       check=True, capture_output=True, text=True).stdout.strip()
+    (tmp_path / "docs" / "bench").mkdir(parents=True)
+    (tmp_path / "docs" / "bench" / "x.json").write_text("{}")
+    (tmp_path / "code.py").write_text("a = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "x")
+    head = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "docs" / "bench" / "x.json").write_text('{"rows": []}')
+    assert common.commit(str(tmp_path)) == head
+    (tmp_path / "code.py").write_text("a = 2\n")
+    assert common.commit(str(tmp_path)) == head + "+changes"
 
 
 def test_rounds_time_the_implementations_side_by_side():

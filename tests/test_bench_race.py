@@ -13,6 +13,8 @@ def test_race_runs_both_sides_and_scores_them_against_one_process(monkeypatch):
     assert rows["dense"]["alst_loss_rel_err"] <= 1e-5  # the peer is set up right: exact on a plain sequence
     assert rows["packed"]["alst_loss_rel_err"] > 1e-4  # its sdpa attends across packed documents
     assert rows["dense"]["alst_step_s"] > 0 and rows["dense"]["ring_over_alst"] > 0
+    low, high = map(float, rows["dense"]["ring_over_alst_range"].split("–"))  # one round: its one ratio
+    assert low == high > 0
 
 
 def test_profile_parts_name_where_each_operator_goes():
