@@ -263,9 +263,12 @@ def breakdown_key(row: Dict) -> str:
 
 
 def derive(payload: Dict) -> Dict:
-    """What scale.json makes from all its rows: their order (by group, length, ranks) and each group's fit."""
+    """What scale.json makes from all its rows: their order (by group, length, ranks), each group's fit, and the
+    breakdowns of the rows that have one (a row run again without one takes its old breakdown with it)."""
     rows = sorted(payload["rows"], key=lambda r: (r["attention"], r["tiling"], r["n"], r["world"]))
-    return {"rows": rows, "fits": fit_groups(rows)}
+    tracked = {breakdown_key(r) for r in rows if r["breakdown"] == "yes"}
+    breakdowns = {k: v for k, v in payload.get("breakdowns", {}).items() if k in tracked}
+    return {"rows": rows, "fits": fit_groups(rows), "breakdowns": breakdowns}
 
 
 WRITES = {"scale": {"rows": ("n", "world", "attention", "tiling", "step_s", "peak_mb", "peak_above_base_mb", "base_mb",

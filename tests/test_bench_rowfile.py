@@ -68,6 +68,8 @@ def test_scale_runs_at_different_lengths_gather_in_one_file_with_one_fit(tmp_pat
     assert set(saved["fits"]) == {"dilated tiling=loss+mlp+norm"} and saved["fits"]["dilated tiling=loss+mlp+norm"]["points"] == 2
     assert set(saved["breakdowns"]) == {"dilated tiling=off n=4000 p=2", "dilated tiling=loss+mlp+norm n=8000 p=2"}
     assert saved["model"]["hidden_size"] == 256 and tables.unwritten({"scale": saved}) == []
+    scale.main(out + ["--sizes", "4000", "--tiling", "off", "--breakdown", "none"])  # its breakdown goes with it
+    assert set(json.load(open(tmp_path / "scale.json"))["breakdowns"]) == {"dilated tiling=loss+mlp+norm n=8000 p=2"}
 
 
 def test_quality_rows_of_two_commands_gather_and_a_timing_row_records_its_spread(tmp_path, monkeypatch):
