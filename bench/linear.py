@@ -45,7 +45,7 @@ import torch
 
 from .common import ROOT, command_line, commit, finish_figure, format_table, ratio_range
 from .quality import EXAMPLE, depth_cells, example_args, launch, pattern_cell
-from .rowfile import RECORDED, RowFile
+from .rowfile import RECORDED, RowFile, settings
 
 PARTS = ("retrieval", "extension", "timing", "recipes")
 DEMO = "DEMO"
@@ -403,7 +403,7 @@ class Sink:
 
     def keep(self, part: str, row: Dict) -> None:
         name, key = PLACES[part]
-        self.files[name].keep(key, row, settings(part, self.options, row))
+        self.files[name].keep(key, row, settings(self.options, row, OPTIONS[part], OWN[part]))
 
 
 OPTIONS = {
@@ -436,11 +436,6 @@ WRITES: Dict[str, Dict[str, Tuple[str, ...]]] = {
     },
 }
 """Per file this benchmark writes, per list of rows in it, every field its writer can set."""
-
-
-def settings(part: str, options: Dict, row: Dict) -> Dict:
-    """What ``row`` of ``part`` was run with: the part's options, then the row's own length, seed or attention."""
-    return {**{k: options[k] for k in OPTIONS[part]}, **{k: row[k] for k in OWN[part]}}
 
 
 if __name__ == "__main__":

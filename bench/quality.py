@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from .common import ROOT, command_line, commit, format_table, ratio_range
-from .rowfile import RECORDED, RowFile
+from .rowfile import RECORDED, RowFile, settings
 
 EXAMPLE = os.path.join("examples", "finetune.py")
 
@@ -180,7 +180,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     options = vars(args)
     sink = RowFile(args.out, "quality", WRITES["quality"], options, command_line("quality", argv), commit(ROOT),
                    replace_unrecorded=args.replace_unrecorded)
-    keep = lambda key, row: sink.keep(key, row, settings(key, options, row))  # noqa: E731
+    keep = lambda key, row: sink.keep(key, row, settings(options, row, OPTIONS[key], OWN[key]))  # noqa: E731
     with tempfile.TemporaryDirectory() as work:
         if not args.timing_only:
             run(args.script, args.sizes, args.seeds, args.modes, args.tokens_per_step, args.ranks, args.convert_steps,
@@ -205,11 +205,6 @@ WRITES = {"quality": {
                "step_over_dense_range", "dense_peak_mb", "dilated_peak_mb", "peak_over_dense") + RECORDED,
 }}
 """Every field a row of quality.json can hold (``bench tables --check`` holds the file to them)."""
-
-
-def settings(key: str, options: Dict, row: Dict) -> Dict:
-    """What ``row`` of list ``key`` was run with: the options it depends on, then its own length, attention, seed."""
-    return {**{k: options[k] for k in OPTIONS[key]}, **{k: row[k] for k in OWN[key]}}
 
 
 if __name__ == "__main__":

@@ -21,6 +21,12 @@ RECORDED = ("settings", "command", "commit")
 """What :class:`RowFile` adds to every row; a writer's ``WRITES`` lists them with its own fields."""
 
 
+def settings(options: Dict, row: Dict, option_keys: Iterable[str], own_keys: Iterable[str]) -> Dict:
+    """What ``row`` was run with: the ``option_keys`` of the run's ``options``, then its own ``own_keys`` (its
+    length, seed, ranks): the key a later run's row of the same settings replaces it by."""
+    return {**{k: options[k] for k in option_keys}, **{k: row[k] for k in own_keys}}
+
+
 def merge(old: List[Dict], new: List[Dict]) -> List[Dict]:
     """``old`` with each row of ``new`` in the place of the row of the same settings, or after them all; rows
     written before rows recorded their settings are kept as they are."""

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from hf_ring.integration.seams import enable_checkpointing
 from .common import ROOT, command_line, commit, finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks
-from .rowfile import RECORDED, RowFile
+from .rowfile import RECORDED, RowFile, settings
 
 MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1 << 22, attention_dropout=0.0,
@@ -238,7 +238,8 @@ def run(args, keep: Callable[[Dict, Dict, Optional[Dict]], None]) -> None:
                            "peak_above_base_mb": round(max(r["peak_above_base_mb"] for r in res), 1),
                            "base_mb": round(worst["base_mb"], 1), "breakdown": "yes" if cfg["breakdown"] else ""}
                     print(format_table([row], list(row)), flush=True)
-                    keep(row, settings(args, row), worst["breakdown"] if cfg["breakdown"] else None)
+                    keep(row, settings(vars(args), row, SETTINGS, ("n", "world", "attention", "tiling")),
+                         worst["breakdown"] if cfg["breakdown"] else None)
 
 
 def run_model(args) -> Dict:
@@ -250,11 +251,6 @@ def run_model(args) -> Dict:
 SETTINGS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "min_segment", "layout",
             "loss_chunk_rows", "row_chunk_rows", "threads")
 """The options a row depends on; with its length, ranks, attention and tiling they make its settings."""
-
-
-def settings(args, row: Dict) -> Dict:
-    """What ``row`` was run with (its key in scale.json)."""
-    return {**{k: getattr(args, k) for k in SETTINGS}, **{k: row[k] for k in ("n", "world", "attention", "tiling")}}
 
 
 def breakdown_key(row: Dict) -> str:
