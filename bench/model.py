@@ -18,7 +18,8 @@ from typing import Dict, List, Tuple
 import torch
 
 from . import race
-from .common import command_line, format_table, run_ranks, save
+from .common import ROOT, command_line, commit, format_table, run_ranks, save
+from .rowfile import RowFile, settings
 from hf_ring.integration.seams import enable_checkpointing
 from .scale import MODEL
 
@@ -26,8 +27,13 @@ TABLES = {
     "model": (("n", "n"), ("checkpointing", "checkpointing"), ("sdpa_step_s", "sdpa step s"),
               ("ring_step_s", "ring_dilated step s"), ("ring_over_sdpa", "ring_dilated / sdpa"),
               ("pairwise_ratio_spread", "spread of step-by-step ratios")),
+    **race.TABLES,
 }
-"""The columns of this benchmark's tables in the docs: (JSON key, header), in order (see :mod:`bench.tables`)."""
+"""The columns of this benchmark's tables in the docs: (JSON key, header), in order (see :mod:`bench.tables`);
+``--peers`` writes the race's."""
+WRITES = race.WRITES
+"""Every field a row of the files ``--peers`` writes can hold."""
+BESIDE = race.BESIDE
 
 
 def steps(n: int, repeats: int, checkpointing: bool, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -95,7 +101,7 @@ def main(argv=None) -> None:
                     help="race a whole training step on 2 ranks against DeepSpeed's Ulysses (ALST) instead "
                          "(needs the bench extra's deepspeed; see bench.race); off by default")
     ap.add_argument("--batches", nargs="+", choices=race.BATCHES, default=list(race.BATCHES),
-                    help="with --peers: the batch forms raced (default: all four)")
+                    help="with --peers: the batch forms raced (default: all of them)")
     ap.add_argument("--sides", nargs="+", choices=race.SIDES, default=list(race.SIDES),
                     help="with --peers: alst, ring and/or head (head parallelism) (default: all three)")
     ap.add_argument("--profile", action="store_true",
@@ -103,18 +109,29 @@ def main(argv=None) -> None:
                          "where a step's time goes per layer, their mean (race_profile.json)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="with --peers: timing rounds, each running every side in turn in fresh processes")
-    ap.add_argument("--out", default="bench_results", help="where the JSON goes (default bench_results)")
+    ap.add_argument("--out", default="bench_results",
+                    help="where the JSON goes (default bench_results); with --peers each row joins race.json or "
+                         "race_profile.json in the place of the row run with the same settings")
+    ap.add_argument("--replace-unrecorded", action="store_true",
+                    help="with --peers: drop the file's rows that carry no settings (written before rows recorded "
+                         "them), once this command's first row is written")
     args = ap.parse_args(argv)
     command = command_line("model", argv)
-    if args.peers and args.profile:
-        rows = race.breakdown(args.sizes, args.sides, steps=args.repeats)
-        print("\n" + format_table(rows, list(rows[0])))
-        save(args.out, "race_profile", {"config": vars(args), "model": race.RACE_MODEL, "rows": rows}, command=command)
-        return
     if args.peers:
-        rows = race.run(args.sizes, args.batches, args.sides, args.repeats, rounds=args.rounds)
+        name = "race_profile" if args.profile else "race"
+        options = vars(args)
+        sink = RowFile(args.out, name, race.WRITES[name], options, command, commit(ROOT),
+                       beside=race.BESIDE[name], replace_unrecorded=args.replace_unrecorded)
+
+        def keep(row: Dict) -> None:
+            sink.keep("rows", row, settings(options, row, race.OPTIONS[name], race.OWN[name]),
+                      beside={"model": race.RACE_MODEL})
+
+        if args.profile:
+            rows = race.breakdown(args.sizes, args.sides, steps=args.repeats, keep=keep)
+        else:
+            rows = race.run(args.sizes, args.batches, args.sides, args.repeats, rounds=args.rounds, keep=keep)
         print("\n" + format_table(rows, list(rows[0])))
-        save(args.out, "race", {"config": vars(args), "model": race.RACE_MODEL, "rows": rows}, command=command)
         return
     rows = run(args.sizes, args.repeats, args.checkpointing)
     print("\n" + format_table(rows, list(rows[0])))

@@ -30,12 +30,13 @@ import os
 import statistics
 import time
 import warnings
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from .common import format_table, peak_rss_mb, ratio_range, rss_mb, run_ranks
+from .rowfile import RECORDED
 
 RACE_MODEL = dict(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1 << 20,
@@ -218,12 +219,18 @@ WRITES = {
     "race": {"rows": ("n", "batch", "ranks", "repeats", "rounds")
              + tuple(f"{side}_{field}" for side in SIDES for field in ("loss_rel_err", "step_s", "extra_mb"))
              + tuple(f"{side}_{field}" for side in SIDES[1:] for field in ("over_alst", "over_alst_range",
-                                                                           "mb_over_alst"))},
-    "race_profile": {"rows": ("n", "side", "steps") + PROFILE_PARTS + ("total",)},
+                                                                           "mb_over_alst"))
+             + RECORDED},
+    "race_profile": {"rows": ("n", "side", "steps") + PROFILE_PARTS + ("total",) + RECORDED},
 }
 """Every field a row of the race's files can hold (``bench tables --check`` holds the files to them)."""
-BESIDE = {"race": ("config", "model"), "race_profile": ("config", "model")}
-"""What each file holds beside its rows: the command's options and the raced model."""
+BESIDE = {"race": ("model",), "race_profile": ("model",)}
+"""What each file holds beside its rows: the raced model."""
+OPTIONS = {"race": ("sides",), "race_profile": ()}
+"""The options a row depends on; with :data:`OWN` they make its settings (rounds and repeats are how well a ratio
+is measured, not what it measures: a row records its own)."""
+OWN = {"race": ("n", "batch", "ranks"), "race_profile": ("n", "side")}
+"""What tells a file's rows of one run apart."""
 
 
 def profile_part(op: str) -> str:
@@ -269,8 +276,10 @@ def profile_side(name: str, batch: str, n: int, steps: int = 1) -> Dict:
     return parts
 
 
-def breakdown(sizes: List[int], sides: List[str], ranks: int = 2, steps: int = 1) -> List[Dict]:
-    """Where a dense step's time goes, per side and layer: the mean over ranks of each part's own time.
+def breakdown(sizes: List[int], sides: List[str], ranks: int = 2, steps: int = 1,
+              keep: Optional[Callable[[Dict], None]] = None) -> List[Dict]:
+    """Where a dense step's time goes, per side and layer: the mean over ranks of each part's own time. Each row
+    goes to ``keep`` as soon as it is measured.
 
     Times are the profiler's, which adds a little to every operator; the
     parts, not their sum, are what to compare with the timed race.
@@ -283,13 +292,16 @@ def breakdown(sizes: List[int], sides: List[str], ranks: int = 2, steps: int = 1
             row.update({part: round(sum(g[part] for g in got) / len(got), 1) for part in PROFILE_PARTS})
             row["total"] = round(sum(row[part] for part in PROFILE_PARTS), 1)
             rows.append(row)
+            if keep is not None:
+                keep(row)
             print(format_table(rows[-1:], list(rows[-1])), flush=True)
     return rows
 
 
 def run(sizes: List[int], batches: List[str], sides: List[str], repeats: int, ranks: int = 2,
-        rounds: int = 1) -> List[Dict]:
+        rounds: int = 1, keep: Optional[Callable[[Dict], None]] = None) -> List[Dict]:
     """The race's rows: per size and batch, each side's median step, extra memory and first-step loss error.
+    Each row goes to ``keep`` as soon as it is measured, so a race cut short keeps the rows it finished.
 
     Timing runs under glibc's default allocator settings, as a launched job
     does, in ``rounds`` rounds that visit the sides in turn (alst, ring,
@@ -323,5 +335,7 @@ def run(sizes: List[int], batches: List[str], sides: List[str], repeats: int, ra
                     row[f"{name}_over_alst_range"] = ratio_range(by_round[name], by_round["alst"])  # round by round
                     row[f"{name}_mb_over_alst"] = round(row[f"{name}_extra_mb"] / max(row["alst_extra_mb"], 1), 2)
             rows.append(row)
+            if keep is not None:
+                keep(row)
             print(format_table(rows[-1:], list(rows[-1])), flush=True)
     return rows

@@ -5,8 +5,9 @@ depends on and its own length, seed or ranks), the command and the commit
 that made it. It takes the place of the row with the same settings, or joins
 after the others, as soon as it is measured, so a sweep cut short keeps every
 row it finished. What a writer derives from all the rows (a fit, an order)
-is made again from them on every write, and each run's options join the
-file's ``runs`` once.
+is made again from them on every write. Each run's options (its defaults
+included, which its command line does not show) join the file's ``runs``
+with its command and commit, for as long as a row it wrote is in the file.
 """
 from __future__ import annotations
 
@@ -25,6 +26,16 @@ def settings(options: Dict, row: Dict, option_keys: Iterable[str], own_keys: Ite
     """What ``row`` was run with: the ``option_keys`` of the run's ``options``, then its own ``own_keys`` (its
     length, seed, ranks): the key a later run's row of the same settings replaces it by."""
     return {**{k: options[k] for k in option_keys}, **{k: row[k] for k in own_keys}}
+
+
+def runs_kept(runs: List[Dict], rows: Iterable[Dict]) -> List[Dict]:
+    """The entries of ``runs`` that a row still comes from: a stamped entry while a row has its command and commit,
+    an entry from before entries were stamped (options alone) while a row from before rows were stamped is left."""
+    rows = list(rows)
+    made = {(r["command"], r["commit"]) for r in rows if "command" in r and "commit" in r}
+    unrecorded = any("settings" not in r for r in rows)
+    return [run for run in runs
+            if ((run["command"], run["commit"]) in made if "command" in run else unrecorded)]
 
 
 def merge(old: List[Dict], new: List[Dict]) -> List[Dict]:
@@ -58,7 +69,6 @@ class RowFile:
         self.out, self.name, self.lists, self.options = out, name, tuple(writes), options
         self.command, self.made, self.beside = command, made, tuple(beside)
         self.derive, self.plot = derive, plot
-        self.counted = False
         self.unrecorded_left = set(self.lists) if replace_unrecorded else set()
 
     def keep(self, key: str, row: Dict, settings: Dict, beside: Optional[Dict] = None) -> None:
@@ -82,9 +92,10 @@ class RowFile:
             payload[key] = merge(payload[key], [row])
             for k, v in (beside or {}).items():
                 payload[k] = {**payload.get(k, {}), **v} if isinstance(v, dict) else v
-            if not self.counted:
-                payload["runs"] = payload["runs"] + [self.options]
-                self.counted = True
+            this = {"command": self.command, "commit": self.made, "options": self.options}
+            others = [r for r in payload["runs"] if (r.get("command"), r.get("commit")) != (self.command, self.made)]
+            rows = [r for k in self.lists for r in payload[k]]
+            payload["runs"] = runs_kept(others + [this], rows)
             if self.derive is not None:
                 payload.update(self.derive(payload))
             save(self.out, self.name, payload, self.plot(payload) if self.plot else None, command=self.command)

@@ -25,7 +25,7 @@ A selection must match at least one item; a reference used outside
     <!-- fig:ring[n=8192,impl=ring,world=2,layout=zigzag].speedup_over_1_rank | {:.2f}× -->1.85×<!-- /fig -->
 
 ``--check`` exits non-zero when a page differs from what ``--write`` would
-make of it, or when a row holds a field its benchmark never writes (``WRITES``
+make of it, when a page has a table no benchmark renders, or when a row holds a field its benchmark never writes (``WRITES``
 in the benchmark's module), which only an edit by hand could have put there.
 """
 from __future__ import annotations
@@ -75,6 +75,13 @@ def unwritten(payloads: Dict[str, Any]) -> List[str]:
                 if extra:
                     found.append(f"{name}.json {key}[{i}]: {', '.join(extra)}")
     return found
+
+def unrendered(texts: Dict[str, str]) -> List[str]:
+    """Table markers of the pages (``{page: text}``) that no benchmark renders: a table there is typed in by hand."""
+    known = set(COLUMNS) | set(DERIVED)
+    return [f"{page}: {m.group(1)}" for page, text in texts.items()
+            for m in re.finditer(r"<!-- bench:(\w+) -->", text) if m.group(1) not in known]
+
 
 def _cell(value) -> str:
     if value is None or value == "":
@@ -360,10 +367,10 @@ def main(argv=None) -> None:
                 for m in FIGURE.finditer(f.read()):
                     print(f"{page}: {m.group(2)} -> {render_figure(m.group(2), payloads)}")
         return
-    stale = []
+    stale, texts = [], {}
     for page in pages(args.root):
         with open(page) as f:
-            text = f.read()
+            text = texts[page] = f.read()
         new = render_page(text, payloads)
         if new == text:
             continue
@@ -374,6 +381,9 @@ def main(argv=None) -> None:
             print(f"wrote the tables and figures of {page}")
     if args.check and stale:
         sys.exit(f"tables or figures differ from {args.dir}: {', '.join(stale)} (run with --write)")
+    if args.check and unrendered(texts):
+        sys.exit("tables no benchmark renders (state their columns in the benchmark's TABLES):\n  "
+                 + "\n  ".join(unrendered(texts)))
     made_by_hand = unwritten(payloads)
     if args.check and made_by_hand:
         sys.exit("rows with fields no benchmark writes (rerun the benchmark that makes them):\n  "

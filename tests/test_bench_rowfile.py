@@ -6,20 +6,34 @@ import pytest
 from bench import quality, rowfile, scale, tables
 
 
-def _file(tmp_path, **kw):
+def _file(tmp_path, command="python -m bench f", **kw):
     writes = {"rows": ("n", "x") + rowfile.RECORDED, "other": ("n",) + rowfile.RECORDED}
-    return rowfile.RowFile(str(tmp_path), "f", writes, {"opt": 1}, "python -m bench f", "abc", **kw)
+    return rowfile.RowFile(str(tmp_path), "f", writes, {"opt": 1}, command, "abc", **kw)
 
 
 def test_a_row_replaces_the_row_of_its_settings_and_joins_after_the_others(tmp_path):
     sink = _file(tmp_path)
     sink.keep("rows", {"n": 1, "x": 1}, {"n": 1})
     sink.keep("rows", {"n": 2, "x": 2}, {"n": 2})
-    _file(tmp_path).keep("rows", {"n": 1, "x": 3}, {"n": 1})
+    _file(tmp_path, "python -m bench f --n 1").keep("rows", {"n": 1, "x": 3}, {"n": 1})
     saved = json.load(open(tmp_path / "f.json"))
     assert [(r["n"], r["x"]) for r in saved["rows"]] == [(1, 3), (2, 2)]
-    assert saved["rows"][0]["settings"] == {"n": 1} and saved["rows"][0]["command"] == "python -m bench f"
-    assert saved["rows"][0]["commit"] == "abc" and saved["runs"] == [{"opt": 1}, {"opt": 1}]  # once per run
+    assert saved["rows"][0]["settings"] == {"n": 1} and saved["rows"][0]["command"] == "python -m bench f --n 1"
+    assert saved["rows"][0]["commit"] == "abc"
+    assert saved["runs"] == [{"command": "python -m bench f", "commit": "abc", "options": {"opt": 1}},
+                             {"command": "python -m bench f --n 1", "commit": "abc", "options": {"opt": 1}}]
+
+
+def test_a_run_leaves_the_runs_once_no_row_of_it_is_left(tmp_path):
+    json.dump({"runs": [{"opt": 0}], "rows": [{"n": 0, "x": 0}], "other": []}, open(tmp_path / "f.json", "w"))
+    _file(tmp_path, "first").keep("rows", {"n": 1, "x": 1}, {"n": 1})
+    _file(tmp_path, "first").keep("rows", {"n": 2, "x": 1}, {"n": 2})  # the same command again: one entry
+    saved = json.load(open(tmp_path / "f.json"))
+    assert [r.get("command") for r in saved["runs"]] == [None, "first"]  # a row from before stamps is left
+    _file(tmp_path, "second", replace_unrecorded=True).keep("rows", {"n": 1, "x": 2}, {"n": 1})
+    assert [r["command"] for r in json.load(open(tmp_path / "f.json"))["runs"]] == ["first", "second"]
+    _file(tmp_path, "third").keep("rows", {"n": 2, "x": 3}, {"n": 2})
+    assert [r["command"] for r in json.load(open(tmp_path / "f.json"))["runs"]] == ["second", "third"]
 
 
 def test_keys_beside_merge_or_replace_and_derived_keys_are_made_from_all_rows(tmp_path):
@@ -64,7 +78,8 @@ def test_scale_runs_at_different_lengths_gather_in_one_file_with_one_fit(tmp_pat
     saved = json.load(open(tmp_path / "scale.json"))
     assert [(r["tiling"], r["n"]) for r in saved["rows"]] == [("loss+mlp+norm", 2000), ("loss+mlp+norm", 8000),
                                                               ("off", 4000)]
-    assert saved["rows"][1]["command"].endswith("--sizes 8000") and len(saved["runs"]) == 3
+    assert saved["rows"][1]["command"].endswith("--sizes 8000")
+    assert [r["command"].split("--sizes ")[1] for r in saved["runs"]] == ["4000 --tiling off", "2000 8000", "8000"]
     assert set(saved["fits"]) == {"dilated tiling=loss+mlp+norm"} and saved["fits"]["dilated tiling=loss+mlp+norm"]["points"] == 2
     assert set(saved["breakdowns"]) == {"dilated tiling=off n=4000 p=2", "dilated tiling=loss+mlp+norm n=8000 p=2"}
     assert saved["model"]["hidden_size"] == 256 and tables.unwritten({"scale": saved}) == []

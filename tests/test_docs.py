@@ -99,6 +99,15 @@ def test_every_row_holds_only_fields_its_benchmark_writes(payloads):
     assert not tables.unwritten(payloads)
 
 
+def test_every_table_in_the_pages_is_one_a_benchmark_renders():
+    """A table between markers no benchmark renders would keep whatever was typed there."""
+    from bench import tables
+
+    texts = {page: open(page).read() for page in tables.pages(ROOT)}
+    assert tables.unrendered(texts) == []
+    assert tables.unrendered({"p.md": "<!-- bench:nothing -->\n| x |\n<!-- /bench:nothing -->"}) == ["p.md: nothing"]
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_tables_and_figures_are_what_the_json_renders(page, payloads):
     """What ``python -m bench tables --write`` would put in the page is what the page holds."""
