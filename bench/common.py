@@ -338,7 +338,7 @@ def _collect(results, procs: List, timeout_s: float = 3600.0) -> Dict[int, Dict]
 
 def format_table(rows: List[Dict], columns: List[str]) -> str:
     cells = [[str(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]  # no rows: headers
     line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"  # noqa: E731
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(columns), sep] + [line(r) for r in cells])

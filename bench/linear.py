@@ -45,7 +45,7 @@ import torch
 
 from .common import ROOT, command_line, commit, finish_figure, format_table, ratio_range
 from .quality import EXAMPLE, depth_cells, example_args, launch, pattern_cell
-from .rowfile import RECORDED, RowFile, settings
+from .rowfile import RECORDED, RowFile
 
 PARTS = ("retrieval", "extension", "timing", "recipes")
 DEMO = "DEMO"
@@ -395,15 +395,16 @@ class Sink:
     with the part's settings, as soon as its launch ends."""
 
     def __init__(self, out: str, options: Dict, command: str, made: str, replace_unrecorded: bool = False):
-        self.options = options
         self.files = {name: RowFile(out, name, WRITES[name], options, command, made,
+                                    keys={key: (OPTIONS[part], OWN[part])
+                                          for part, (file, key) in PLACES.items() if file == name},
                                     replace_unrecorded=replace_unrecorded,
                                     plot=_plot if name == "linear" else None)
                       for name in WRITES}
 
     def keep(self, part: str, row: Dict) -> None:
         name, key = PLACES[part]
-        self.files[name].keep(key, row, settings(self.options, row, OPTIONS[part], OWN[part]))
+        self.files[name].keep(key, row)
 
 
 OPTIONS = {

@@ -19,7 +19,7 @@ import torch
 
 from . import race
 from .common import ROOT, command_line, commit, format_table, run_ranks, save
-from .rowfile import RowFile, settings
+from .rowfile import RowFile
 from hf_ring.integration.seams import enable_checkpointing
 from .scale import MODEL
 
@@ -121,11 +121,11 @@ def main(argv=None) -> None:
         name = "race_profile" if args.profile else "race"
         options = vars(args)
         sink = RowFile(args.out, name, race.WRITES[name], options, command, commit(ROOT),
-                       beside=race.BESIDE[name], replace_unrecorded=args.replace_unrecorded)
+                       keys={"rows": (race.OPTIONS[name], race.OWN[name])}, beside=race.BESIDE[name],
+                       replace_unrecorded=args.replace_unrecorded)
 
         def keep(row: Dict) -> None:
-            sink.keep("rows", row, settings(options, row, race.OPTIONS[name], race.OWN[name]),
-                      beside={"model": race.RACE_MODEL})
+            sink.keep("rows", row, beside={"model": race.RACE_MODEL})
 
         if args.profile:
             rows = race.breakdown(args.sizes, args.sides, steps=args.repeats, keep=keep)

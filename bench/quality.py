@@ -31,9 +31,11 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from .common import ROOT, command_line, commit, format_table, ratio_range
-from .rowfile import RECORDED, RowFile, settings
+from .rowfile import RECORDED, RowFile
 
 EXAMPLE = os.path.join("examples", "finetune.py")
+CONVERT_STEPS = (10, 20, 40)
+"""The fine-tuning steps a converted dense checkpoint can be evaluated after: each is a column of its table."""
 
 TABLES = {
     "quality": (("n", "n"), ("attention", "attention"), ("pattern", "pattern"), ("seed", "seed"), ("steps", "steps"),
@@ -45,9 +47,9 @@ TABLES = {
                        ("step_over_dense_range", "dilated / dense, lowest–highest repeat"),
                        ("dense_peak_mb", "dense peak MB per rank"),
                        ("dilated_peak_mb", "dilated peak MB per rank"), ("peak_over_dense", "peak, dilated / dense")),
-    "quality_convert": (("n", "n"), ("dense_accuracy_converted", "dense checkpoint under the pattern"),
-                        ("after_10_steps", "after 10 steps"), ("after_20_steps", "after 20 steps"),
-                        ("after_40_steps", "after 40 steps"), ("by_depth_at_end", "by depth after 40 steps")),
+    "quality_convert": (("n", "n"), ("dense_accuracy_converted", "dense checkpoint under the pattern"))
+    + tuple((f"after_{s}_steps", f"after {s} steps") for s in CONVERT_STEPS)
+    + (("by_depth_at_end", "by depth after the last"),),
 }
 """The columns of this benchmark's tables in the docs: (JSON key, header), in order (see :mod:`bench.tables`)."""
 
@@ -162,7 +164,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--tokens-per-step", type=int, default=16384,
                     help="sequences per step are this over the length (default: %(default)s)")
     ap.add_argument("--ranks", type=int, default=2, help="processes, all on one sequence (default: %(default)s)")
-    ap.add_argument("--convert-steps", type=int, nargs="*", default=[10, 20, 40],
+    ap.add_argument("--convert-steps", type=int, nargs="*", default=list(CONVERT_STEPS), choices=CONVERT_STEPS,
                     help="evaluate the converted dense checkpoint after these fine-tuning steps; the first is also "
                          "the evaluation interval (default: %(default)s; none: no conversion)")
     ap.add_argument("--out", default="bench_results",
@@ -177,10 +179,13 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="timing runs per attention and length, alternating (default: %(default)s)")
     ap.add_argument("--timing-only", action="store_true", help="only the step-time comparison (default: off)")
     args = ap.parse_args(argv)
+    if args.convert_steps and any(s % args.convert_steps[0] for s in args.convert_steps):
+        ap.error(f"--convert-steps: the first ({args.convert_steps[0]}) is the evaluation interval, so every other "
+                 f"must be a multiple of it; got {args.convert_steps}")
     options = vars(args)
     sink = RowFile(args.out, "quality", WRITES["quality"], options, command_line("quality", argv), commit(ROOT),
-                   replace_unrecorded=args.replace_unrecorded)
-    keep = lambda key, row: sink.keep(key, row, settings(options, row, OPTIONS[key], OWN[key]))  # noqa: E731
+                   keys={key: (OPTIONS[key], OWN[key]) for key in OPTIONS}, replace_unrecorded=args.replace_unrecorded)
+    keep = sink.keep
     with tempfile.TemporaryDirectory() as work:
         if not args.timing_only:
             run(args.script, args.sizes, args.seeds, args.modes, args.tokens_per_step, args.ranks, args.convert_steps,
@@ -199,8 +204,8 @@ OWN = {"rows": ("n", "attention", "seed"), "converted": ("n", "seed"), "timing":
 
 WRITES = {"quality": {
     "rows": ("n", "attention", "pattern", "seed", "steps", "accuracy", "by_depth", "peak_mb_per_rank") + RECORDED,
-    "converted": ("n", "seed", "dense_accuracy_converted", "after_10_steps", "after_20_steps", "after_40_steps",
-                  "by_depth_at_end") + RECORDED,
+    "converted": ("n", "seed", "dense_accuracy_converted") + tuple(f"after_{s}_steps" for s in CONVERT_STEPS)
+    + ("by_depth_at_end",) + RECORDED,
     "timing": ("n", "ranks", "batch", "repeats", "dense_step_s", "dilated_step_s", "step_over_dense",
                "step_over_dense_range", "dense_peak_mb", "dilated_peak_mb", "peak_over_dense") + RECORDED,
 }}

@@ -22,9 +22,14 @@ RECORDED = ("settings", "command", "commit")
 """What :class:`RowFile` adds to every row; a writer's ``WRITES`` lists them with its own fields."""
 
 
+Keys = Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]]
+"""Per list of rows, what makes a row's settings: the run's options it depends on, then its own fields that tell
+the rows of one run apart (its length, seed, ranks)."""
+
+
 def settings(options: Dict, row: Dict, option_keys: Iterable[str], own_keys: Iterable[str]) -> Dict:
-    """What ``row`` was run with: the ``option_keys`` of the run's ``options``, then its own ``own_keys`` (its
-    length, seed, ranks): the key a later run's row of the same settings replaces it by."""
+    """What ``row`` was run with: the ``option_keys`` of the run's ``options``, then its own ``own_keys``: the key a
+    later run's row of the same settings replaces it by."""
     return {**{k: options[k] for k in option_keys}, **{k: row[k] for k in own_keys}}
 
 
@@ -54,7 +59,7 @@ def merge(old: List[Dict], new: List[Dict]) -> List[Dict]:
 class RowFile:
     """``out/name.json``, whose row lists are the keys of ``writes`` and which also holds ``beside`` keys.
 
-    ``derive(payload)`` returns the keys made from the rows (written again on
+    ``keys`` says what makes the settings of each list's rows (see :data:`Keys`). ``derive(payload)`` returns the keys made from the rows (written again on
     every row); ``plot(payload)`` returns the file's figure, if any. With
     ``replace_unrecorded``, the rows of a list that carry no settings (gathered
     by hand, or written before rows recorded them) are dropped when this run
@@ -63,20 +68,23 @@ class RowFile:
     """
 
     def __init__(self, out: str, name: str, writes: Dict[str, Tuple[str, ...]], options: Dict, command: str,
-                 made: str, *, beside: Iterable[str] = (), replace_unrecorded: bool = False,
+                 made: str, *, keys: Keys, beside: Iterable[str] = (), replace_unrecorded: bool = False,
                  derive: Optional[Callable[[Dict], Dict]] = None,
                  plot: Optional[Callable[[Dict], Optional[Callable[[str], None]]]] = None):
-        self.out, self.name, self.lists, self.options = out, name, tuple(writes), options
+        if set(keys) != set(writes):
+            raise ValueError(f"{name}.json: keys name the lists {sorted(keys)}, its rows are {sorted(writes)}")
+        self.out, self.name, self.lists, self.options, self.keys = out, name, tuple(writes), options, keys
         self.command, self.made, self.beside = command, made, tuple(beside)
         self.derive, self.plot = derive, plot
         self.unrecorded_left = set(self.lists) if replace_unrecorded else set()
 
-    def keep(self, key: str, row: Dict, settings: Dict, beside: Optional[Dict] = None) -> None:
-        """Stamp ``row`` of list ``key`` and write it to the file; ``beside`` keys are written too (a dict merges
-        into the file's dict of that key, anything else replaces it)."""
+    def keep(self, key: str, row: Dict, beside: Optional[Dict] = None) -> None:
+        """Stamp ``row`` of list ``key`` with its settings, the command and the commit, and write it to the file;
+        ``beside`` keys are written too (a dict merges into the file's dict of that key, anything else replaces
+        it)."""
         if key not in self.lists:
             raise ValueError(f"{self.name}.json has no list of rows {key!r}; its lists are {list(self.lists)}")
-        row.update(settings=settings, command=self.command, commit=self.made)
+        row.update(settings=settings(self.options, row, *self.keys[key]), command=self.command, commit=self.made)
         path = os.path.join(self.out, f"{self.name}.json")
         os.makedirs(self.out, exist_ok=True)
         folder = os.open(self.out, os.O_RDONLY)

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from hf_ring.integration.seams import enable_checkpointing
 from .common import ROOT, command_line, commit, finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks
-from .rowfile import RECORDED, RowFile, settings
+from .rowfile import RECORDED, RowFile
 
 MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1 << 22, attention_dropout=0.0,
@@ -238,8 +238,7 @@ def run(args, keep: Callable[[Dict, Dict, Optional[Dict]], None]) -> None:
                            "peak_above_base_mb": round(max(r["peak_above_base_mb"] for r in res), 1),
                            "base_mb": round(worst["base_mb"], 1), "breakdown": "yes" if cfg["breakdown"] else ""}
                     print(format_table([row], list(row)), flush=True)
-                    keep(row, settings(vars(args), row, SETTINGS, ("n", "world", "attention", "tiling")),
-                         worst["breakdown"] if cfg["breakdown"] else None)
+                    keep(row, worst["breakdown"] if cfg["breakdown"] else None)
 
 
 def run_model(args) -> Dict:
@@ -250,7 +249,9 @@ def run_model(args) -> Dict:
 
 SETTINGS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "min_segment", "layout",
             "loss_chunk_rows", "row_chunk_rows", "threads")
-"""The options a row depends on; with its length, ranks, attention and tiling they make its settings."""
+"""The options a row depends on; with :data:`OWN` they make its settings."""
+OWN = ("n", "world", "attention", "tiling")
+"""What tells the rows of one run apart."""
 
 
 def breakdown_key(row: Dict) -> str:
@@ -345,16 +346,17 @@ def main(argv=None) -> None:
                          "command's first row is written")
     args = ap.parse_args(argv)
     sink = RowFile(args.out, args.name, WRITES["scale"], vars(args), command_line("scale", argv), commit(ROOT),
-                   beside=BESIDE["scale"], replace_unrecorded=args.replace_unrecorded, derive=derive,
+                   keys={"rows": (SETTINGS, OWN)}, beside=BESIDE["scale"],
+                   replace_unrecorded=args.replace_unrecorded, derive=derive,
                    plot=lambda payload: _plot(payload["rows"], payload["fits"]))
 
-    def keep(row: Dict, key: Dict, breakdown: Optional[Dict]) -> None:
+    def keep(row: Dict, breakdown: Optional[Dict]) -> None:
         found = {"model": run_model(args)}
         if breakdown is not None:
             found["breakdowns"] = {breakdown_key(row): breakdown}
             print(f"\nlive tensors at their peak ({breakdown_key(row)}): {breakdown['peak_tracked_mb']} MB tracked")
             print(format_table(breakdown["by_label"], ["label", "mb", "tensors"]))
-        sink.keep("rows", row, key, beside=found)
+        sink.keep("rows", row, beside=found)
 
     run(args, keep)
 

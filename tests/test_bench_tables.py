@@ -18,3 +18,10 @@ def test_scale_table_shows_each_point_against_the_fit():
                                                 "max_rel_err": 0.0, "points": 2}}}
     table = render("scale", payload)
     assert "| 110.0 | 110 | +0.0% |" in table and "100.0 + 10.24 KiB" in table
+
+
+def test_a_printed_table_with_no_rows_is_its_header():
+    from bench.common import format_table
+
+    assert format_table([], ["n", "label"]) == "| n | label |\n|---|-------|"
+    assert format_table([{"n": 12345}], ["n"]).splitlines()[-1] == "| 12345 |"
