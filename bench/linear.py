@@ -45,7 +45,7 @@ import torch
 
 from .common import ROOT, command_line, commit, finish_figure, format_table, ratio_range
 from .quality import EXAMPLE, depth_cells, example_args, launch, pattern_cell
-from .rowfile import RECORDED, RowFile
+from .rowfile import RECORDED, RowFile, add_replace_unrecorded
 
 PARTS = ("retrieval", "extension", "timing", "recipes")
 DEMO = "DEMO"
@@ -356,10 +356,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                          "every device, so CPU and GPU rows compare; auto is bf16 on GPUs)")
     ap.add_argument("--out", default="bench_results",
                     help="where linear.json and linear_recipes.json go (default: %(default)s)")
-    ap.add_argument("--replace-unrecorded", action="store_true",
-                    help="drop, from each part this command runs, the rows the benchmark did not write (no settings: "
-                         "gathered by hand, or written before rows recorded them), once its first row is written: "
-                         "the part is then wholly what this benchmark made")
+    add_replace_unrecorded(ap)
     args = ap.parse_args(argv)
     if "recipes" in args.parts and not args.recipe:
         ap.error("--parts recipes needs at least one --recipe")

@@ -19,7 +19,7 @@ import torch
 
 from . import race
 from .common import ROOT, command_line, commit, format_table, run_ranks, save
-from .rowfile import RowFile
+from .rowfile import RowFile, add_replace_unrecorded
 from hf_ring.integration.seams import enable_checkpointing
 from .scale import MODEL
 
@@ -112,9 +112,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="bench_results",
                     help="where the JSON goes (default bench_results); with --peers each row joins race.json or "
                          "race_profile.json in the place of the row run with the same settings")
-    ap.add_argument("--replace-unrecorded", action="store_true",
-                    help="with --peers: drop the file's rows that carry no settings (written before rows recorded "
-                         "them), once this command's first row is written")
+    add_replace_unrecorded(ap, "with --peers: ")
     args = ap.parse_args(argv)
     command = command_line("model", argv)
     if args.peers:

@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from .common import ROOT, command_line, commit, format_table, ratio_range
-from .rowfile import RECORDED, RowFile
+from .rowfile import RECORDED, RowFile, add_replace_unrecorded
 
 EXAMPLE = os.path.join("examples", "finetune.py")
 CONVERT_STEPS = (10, 20, 40)
@@ -170,9 +170,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--out", default="bench_results",
                     help="where quality.json goes; each row joins it in the place of the row run with the same "
                          "settings (default: %(default)s)")
-    ap.add_argument("--replace-unrecorded", action="store_true",
-                    help="drop, from each list of rows this command writes to, the rows that carry no settings "
-                         "(written before rows recorded them), once its first row there is written")
+    add_replace_unrecorded(ap)
     ap.add_argument("--timing-steps", type=int, default=10,
                     help="steps per timing run at full length (default: %(default)s)")
     ap.add_argument("--timing-repeats", type=int, default=2,

@@ -11,6 +11,7 @@ with its command and commit, for as long as a row it wrote is in the file.
 """
 from __future__ import annotations
 
+import argparse
 import fcntl
 import json
 import os
@@ -31,6 +32,15 @@ def settings(options: Dict, row: Dict, option_keys: Iterable[str], own_keys: Ite
     """What ``row`` was run with: the ``option_keys`` of the run's ``options``, then its own ``own_keys``: the key a
     later run's row of the same settings replaces it by."""
     return {**{k: options[k] for k in option_keys}, **{k: row[k] for k in own_keys}}
+
+
+def add_replace_unrecorded(ap: argparse.ArgumentParser, scope: str = "") -> None:
+    """The ``--replace-unrecorded`` option of a command whose files are :class:`RowFile` s (``scope``: when it
+    applies, e.g. "with --peers: ")."""
+    ap.add_argument("--replace-unrecorded", action="store_true",
+                    help=f"{scope}drop, from each list of rows this command writes to, the rows that carry no settings "
+                         "(gathered by hand, or written before rows recorded them), once its first row there is "
+                         "written: the list is then wholly what the benchmark made")
 
 
 def runs_kept(runs: List[Dict], rows: Iterable[Dict]) -> List[Dict]:

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from hf_ring.integration.seams import enable_checkpointing
 from .common import ROOT, command_line, commit, finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks
-from .rowfile import RECORDED, RowFile
+from .rowfile import RECORDED, RowFile, add_replace_unrecorded
 
 MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1 << 22, attention_dropout=0.0,
@@ -341,9 +341,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="bench_results",
                     help="where NAME.json goes; each row joins it in the place of the row run with the same settings")
     ap.add_argument("--name", default="scale", help="output file stem")
-    ap.add_argument("--replace-unrecorded", action="store_true",
-                    help="drop the rows that carry no settings (written before rows recorded them) once this "
-                         "command's first row is written")
+    add_replace_unrecorded(ap)
     args = ap.parse_args(argv)
     sink = RowFile(args.out, args.name, WRITES["scale"], vars(args), command_line("scale", argv), commit(ROOT),
                    keys={"rows": (SETTINGS, OWN)}, beside=BESIDE["scale"],
