@@ -44,13 +44,13 @@ def add_replace_unrecorded(ap: argparse.ArgumentParser, scope: str = "") -> None
 
 
 def runs_kept(runs: List[Dict], rows: Iterable[Dict]) -> List[Dict]:
-    """The entries of ``runs`` that a row still comes from: a stamped entry while a row has its command and commit,
-    an entry from before entries were stamped (options alone) while a row from before rows were stamped is left."""
-    rows = list(rows)
-    made = {(r["command"], r["commit"]) for r in rows if "command" in r and "commit" in r}
-    unrecorded = any("settings" not in r for r in rows)
-    return [run for run in runs
-            if ((run["command"], run["commit"]) in made if "command" in run else unrecorded)]
+    """The entries of ``runs`` that a row still comes from: a stamped entry while a row has its command and commit;
+    the entries from before entries were stamped (options alone, which row they made unknown) while a row is left
+    whose run has no stamped entry."""
+    made = {(r.get("command"), r.get("commit")) for r in rows}
+    stamped = {(run["command"], run["commit"]) for run in runs if "command" in run}
+    orphans = bool(made - stamped)
+    return [run for run in runs if ((run["command"], run["commit"]) in made if "command" in run else orphans)]
 
 
 def merge(old: List[Dict], new: List[Dict]) -> List[Dict]:

@@ -26,13 +26,16 @@ def test_a_row_replaces_the_row_of_its_settings_and_joins_after_the_others(tmp_p
 
 
 def test_a_run_leaves_the_runs_once_no_row_of_it_is_left(tmp_path):
-    json.dump({"runs": [{"opt": 0}], "rows": [{"n": 0, "x": 0}], "other": []}, open(tmp_path / "f.json", "w"))
+    old = {"n": 0, "x": 0, "settings": {"opt": 1, "n": 0}, "command": "zeroth", "commit": "abc"}  # its run unstamped
+    json.dump({"runs": [{"opt": 0}], "rows": [{"n": -1, "x": 0}, old], "other": []}, open(tmp_path / "f.json", "w"))
     _file(tmp_path, "first").keep("rows", {"n": 1, "x": 1})
     _file(tmp_path, "first").keep("rows", {"n": 2, "x": 1})  # the same command again: one entry
     saved = json.load(open(tmp_path / "f.json"))
-    assert [r.get("command") for r in saved["runs"]] == [None, "first"]  # a row from before stamps is left
+    assert [r.get("command") for r in saved["runs"]] == [None, "first"]  # rows from before runs were stamped
     _file(tmp_path, "second", replace_unrecorded=True).keep("rows", {"n": 1, "x": 2})
-    assert [r["command"] for r in json.load(open(tmp_path / "f.json"))["runs"]] == ["first", "second"]
+    runs = json.load(open(tmp_path / "f.json"))["runs"]
+    assert [r.get("command") for r in runs] == [None, "first", "second"]  # the row of "zeroth" is still there
+    _file(tmp_path, "third").keep("rows", {"n": 0, "x": 3})
     _file(tmp_path, "third").keep("rows", {"n": 2, "x": 3})
     assert [r["command"] for r in json.load(open(tmp_path / "f.json"))["runs"]] == ["second", "third"]
 
