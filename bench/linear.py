@@ -55,7 +55,7 @@ DEMO_LEN = 4096
 TABLES = {
     "linear": (("n", "n"), ("heads", "query heads"), ("pattern", "pattern"), ("seed", "seed"), ("steps", "steps"),
                ("lr", "peak lr"),
-               ("accuracy", "accuracy (8 held-out)"), ("accuracy_over_depths", "accuracy over all depths"),
+               ("accuracy", "accuracy (8 held-out batches)"), ("accuracy_over_depths", "accuracy over all depths"),
                ("by_depth", "by passkey depth 0/10/…/90%"), ("wall_s", "training s"),
                ("peak_mb_per_rank", "peak MB per rank"), ("device", "device")),
     "linear_extension": (("from", "from"), ("to", "to"), ("attention", "attention"), ("seed", "seed"),
@@ -67,7 +67,7 @@ TABLES = {
     "linear_recipes": (("part", "run"), ("attention", "attention"), ("n", "n"), ("pattern", "pattern"),
                        ("first_length", "curriculum from"), ("layers", "layers"), ("steps", "steps"), ("lr", "peak lr"),
                        ("sequences_per_step", "sequences per step"), ("seed", "seed"), ("before", "at step 0"),
-                       ("accuracy", "accuracy (8 held-out)"), ("accuracy_over_depths", "over all depths"),
+                       ("accuracy", "accuracy (8 held-out batches)"), ("accuracy_over_depths", "over all depths"),
                        ("by_depth", "by passkey depth"), ("at_4096", "after, at 4096"), ("device", "device"),
                        ("recipe", "recipe")),
     "linear_timing": (("n", "n"), ("ranks", "ranks"), ("base_segment", "base segment"),
