@@ -292,9 +292,9 @@ def breakdown(sizes: List[int], sides: List[str], ranks: int = 2, steps: int = 1
             row.update({part: round(sum(g[part] for g in got) / len(got), 1) for part in PROFILE_PARTS})
             row["total"] = round(sum(row[part] for part in PROFILE_PARTS), 1)
             rows.append(row)
-            if keep is not None:
-                keep(row)
             print(format_table(rows[-1:], list(rows[-1])), flush=True)
+            if keep is not None:  # after the print: keeping stamps the row with its settings, command and commit
+                keep(row)
     return rows
 
 
@@ -335,7 +335,7 @@ def run(sizes: List[int], batches: List[str], sides: List[str], repeats: int, ra
                     row[f"{name}_over_alst_range"] = ratio_range(by_round[name], by_round["alst"])  # round by round
                     row[f"{name}_mb_over_alst"] = round(row[f"{name}_extra_mb"] / max(row["alst_extra_mb"], 1), 2)
             rows.append(row)
-            if keep is not None:
-                keep(row)
             print(format_table(rows[-1:], list(rows[-1])), flush=True)
+            if keep is not None:  # after the print: keeping stamps the row with its settings, command and commit
+                keep(row)
     return rows

@@ -69,8 +69,10 @@ def merge(old: List[Dict], new: List[Dict]) -> List[Dict]:
 class RowFile:
     """``out/name.json``, whose row lists are the keys of ``writes`` and which also holds ``beside`` keys.
 
-    ``keys`` says what makes the settings of each list's rows (see :data:`Keys`). ``derive(payload)`` returns the keys made from the rows (written again on
-    every row); ``plot(payload)`` returns the file's figure, if any. With
+    ``keys`` says what makes the settings of each list's rows (see
+    :data:`Keys`). ``derive(payload)`` returns the keys made from the rows
+    (written again on every row); ``plot(payload)`` returns the file's
+    figure, if any. With
     ``replace_unrecorded``, the rows of a list that carry no settings (gathered
     by hand, or written before rows recorded them) are dropped when this run
     writes its first row to that list: only then, so a run that fails drops

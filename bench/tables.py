@@ -25,8 +25,9 @@ A selection must match at least one item; a reference used outside
     <!-- fig:ring[n=8192,impl=ring,world=2,layout=zigzag].speedup_over_1_rank | {:.2f}× -->1.85×<!-- /fig -->
 
 ``--check`` exits non-zero when a page differs from what ``--write`` would
-make of it, when a page has a table no benchmark renders, or when a row holds a field its benchmark never writes (``WRITES``
-in the benchmark's module), which only an edit by hand could have put there.
+make of it, when a page has a table no benchmark renders, or when a row
+holds a field its benchmark never writes (``WRITES`` in the benchmark's
+module), which only an edit by hand could have put there.
 """
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ def unwritten(payloads: Dict[str, Any]) -> List[str]:
                 if extra:
                     found.append(f"{name}.json {key}[{i}]: {', '.join(extra)}")
     return found
+
 
 def unrendered(texts: Dict[str, str]) -> List[str]:
     """Table markers of the pages (``{page: text}``) that no benchmark renders: a table there is typed in by hand."""
@@ -381,9 +383,10 @@ def main(argv=None) -> None:
             print(f"wrote the tables and figures of {page}")
     if args.check and stale:
         sys.exit(f"tables or figures differ from {args.dir}: {', '.join(stale)} (run with --write)")
-    if args.check and unrendered(texts):
+    typed_in = unrendered(texts)
+    if args.check and typed_in:
         sys.exit("tables no benchmark renders (state their columns in the benchmark's TABLES):\n  "
-                 + "\n  ".join(unrendered(texts)))
+                 + "\n  ".join(typed_in))
     made_by_hand = unwritten(payloads)
     if args.check and made_by_hand:
         sys.exit("rows with fields no benchmark writes (rerun the benchmark that makes them):\n  "
