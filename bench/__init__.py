@@ -5,5 +5,6 @@ BENCHES = {"ring": "bench.ring", "dilated": "bench.dilated", "generate": "bench.
            "gpu": "bench.gpu", "quality": "bench.quality",
            "linear": "bench.linear",
            "tables": "bench.tables", "plan": "bench.plan", "compat": "bench.compat",
-           "compile": "bench.compile", "sft": "bench.sft", "vision": "bench.vision", "fixed": "bench.fixed"}
+           "compile": "bench.compile", "sft": "bench.sft", "vision": "bench.vision", "fixed": "bench.fixed",
+           "demo": "bench.demo"}
 """Each command's module."""

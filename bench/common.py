@@ -37,6 +37,13 @@ def commit(root: str) -> str:
     return run.stdout.strip() + ("+changes" if dirty else "")
 
 
+def device_name() -> str:
+    """What a row ran on: the GPU's name, or the CPU's core count."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"CPU ({os.cpu_count()} cores)"
+
+
 def rss_mb() -> float:
     """Current resident set size of this process in MiB."""
     with open("/proc/self/statm") as f:

@@ -43,7 +43,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Ty
 
 import torch
 
-from .common import ROOT, command_line, commit, finish_figure, format_table, ratio_range
+from .common import ROOT, command_line, commit, device_name, finish_figure, format_table, ratio_range
 from .quality import EXAMPLE, depth_cells, example_args, launch, pattern_cell
 from .rowfile import RECORDED, RowFile, add_replace_unrecorded
 
@@ -227,13 +227,6 @@ def _option(args: List[str], name: str) -> Optional[str]:
     """The value of ``name`` in a command's arguments (its last one), or None."""
     found = [args[i + 1] for i, a in enumerate(args[:-1]) if a == name]
     return found[-1] if found else None
-
-
-def device_name() -> str:
-    """What a row ran on: the GPU's name, or the CPU's core count."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"CPU ({os.cpu_count()} cores)"
 
 
 def recipe_row(recipe: str, seed: int, got: Dict, at_demo: Optional[float]) -> Dict:

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from bench import demo
 from helpers import rel_err
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,6 +179,7 @@ def test_generate_answers_from_a_checkpoint(tmp_path, capsys):
     lines = [line for line in out.splitlines() if line.startswith("prompt ")]
     assert lines == [f"prompt {i}: passkey {a - ft.KEY0:2d}, {s}" for i, (a, s) in enumerate(zip(answers.tolist(), said))]
     assert accuracy == float((pred == answers).float().mean())
+    assert demo.recalled(out) == (int((pred == answers).sum()), 3)  # as `bench demo` reads what it printed
 
 
 def test_dilated_recipe_runs_dense_first_then_the_pattern_scaled_to_each_stage(tmp_path, monkeypatch):
