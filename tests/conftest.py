@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 
@@ -6,7 +7,40 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import helpers  # noqa: E402
 from dist_pool import RankPool  # noqa: E402
+
+ERRORS = pytest.StashKey[dict]()
+"""Per passed test (node id), the largest error per norm it asserted within its tolerance (``helpers.close``)."""
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-errors", metavar="FILE", default=None,
+                     help="write each passed test's largest relative error against its reference (per norm) to FILE "
+                          "as JSON (what python -m bench exactness reads)")
+
+
+def pytest_configure(config):
+    config.stash[ERRORS] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    recording = item.config.getoption("--record-errors") is not None
+    if recording:
+        helpers.RECORDING.append({})
+    outcome = yield
+    if recording:
+        kept = helpers.RECORDING.pop()
+        if outcome.excinfo is None and kept:
+            item.config.stash[ERRORS][item.nodeid] = kept
+
+
+def pytest_sessionfinish(session):
+    path = session.config.getoption("--record-errors")
+    if path:
+        with open(path, "w") as f:
+            json.dump(session.config.stash[ERRORS], f, indent=2)
 
 _POOLS = {}
 

@@ -1,6 +1,25 @@
-from typing import Optional
+from typing import Dict, List, Optional
 
 import torch
+
+RECORDING: List[Dict[str, float]] = []
+"""While ``pytest --record-errors FILE`` runs, one dict per running test: per norm, the largest error :func:`close`
+was given (conftest.py writes them out). Empty otherwise."""
+
+
+def close(err: float, tol: float, norm: str = "max") -> bool:
+    """``err <= tol``: a relative error against an independent reference, within its tolerance.
+
+    ``err`` is also kept as the running test's measured error for ``pytest
+    --record-errors`` (``python -m bench exactness``), so a figure the docs
+    give is the one the test asserted on; ``norm`` says how it was measured:
+    ``"max"`` for ``max|a - b| / max|b|`` (:func:`rel_err`), ``"l2"`` for
+    ``||a - b|| / ||b||`` (:func:`norm_rel_err`).
+    """
+    if RECORDING:
+        kept = RECORDING[-1]
+        kept[norm] = max(kept.get(norm, 0.0), err)
+    return err <= tol
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor, zero_scale: Optional[float] = None) -> float:
@@ -25,6 +44,14 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor, zero_scale: Optional[float] = 
     if scale == 0.0:
         return 0.0 if diff == 0.0 else float("inf")
     return diff / scale
+
+
+def norm_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||got - ref|| / ||ref||`` of one tensor in float64 (inf when the reference is zero and ``got`` is not)."""
+    if got.shape != ref.shape:
+        raise AssertionError(f"shapes differ: got {tuple(got.shape)}, reference {tuple(ref.shape)}")
+    diff, scale = (got.double() - ref.double()).norm().item(), ref.double().norm().item()
+    return diff / scale if scale else (0.0 if diff == 0.0 else float("inf"))
 
 
 def dilated_sdpa_mask(n: int, branches, heads: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ import hf_ring
 import reference as R
 from attention_cases import assemble, make_qkv, packed_case
 from attention_cases import packed_reference as reference
-from helpers import rel_err
+from helpers import close, rel_err
 from hf_ring.engine.documents import check_documents, document_starts, key_span, longest
 
 FP32_TOL = 1e-5
@@ -56,7 +56,7 @@ def run(pools, world, args, **kw):
 
 def check(got, ref):
     errs = {name: rel_err(got[name], ref[name]) for name in ref}
-    assert max(errs.values()) <= FP32_TOL, errs
+    assert close(max(errs.values()), FP32_TOL), errs
     return errs
 
 

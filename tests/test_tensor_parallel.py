@@ -7,10 +7,9 @@ by ``||got - ref|| / ||ref||`` with no absolute floor.
 """
 
 import pytest
-import torch
 
 import hf_ring
-from helpers import dilated_sdpa_mask
+from helpers import close, dilated_sdpa_mask, norm_rel_err
 from models import load, saved_model_dir
 from tp_cases import _data, data_mesh_case, different_tp_batches_case, tp_refusal_case, tp_step_case, trainer_refusal_case
 
@@ -23,12 +22,6 @@ TOL = 1e-5
 DILATED = {"segment_lengths": [8, 16, 64], "dilation_rates": [1, 2, 4]}
 """Rate 4 over 4 query heads: tp rank 1 holds heads 2 and 3, whose offsets (2, 3) differ from local heads 0, 1."""
 DOCUMENTS = [15, 25, 1, 9, 30]
-
-
-def norm_rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """``||got - ref|| / ||ref||`` in float64."""
-    assert got.shape == ref.shape, (tuple(got.shape), tuple(ref.shape))
-    return float((got.double() - ref.double()).norm() / ref.double().norm())
 
 
 def reference(path, seeds, b, n, *, pattern=None, documents=None):
@@ -74,11 +67,11 @@ def check(results, ref):
         errors[f"loss dp{res['dp_rank']}"] = abs(res["loss"] - want) / abs(want)
     got = results[0]["grads"]
     assert got.keys() == grads.keys()
-    errors.update({k: norm_rel(got[k], grads[k]) for k in grads})
+    errors.update({k: norm_rel_err(got[k], grads[k]) for k in grads})
     worst = max(errors, key=errors.get)
     loss = max(v for k, v in errors.items() if k.startswith("loss"))
     print(f"worst relative error {errors[worst]:.2e} ({worst}); loss {loss:.2e}")
-    assert errors[worst] <= TOL, (worst, errors[worst])
+    assert close(errors[worst], TOL, "l2"), (worst, errors[worst])
 
 
 @pytest.mark.parametrize("return_logits", [False, True])

@@ -7,6 +7,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 import hf_ring
 from model_cases import sp_tiled_train_case
+from helpers import close
 from helpers import rel_err as rel
 from helpers import worst_rel_err as worst_grad
 from hf_ring.patches import tiling
@@ -65,9 +66,9 @@ def test_tiled_loss_equals_full_logits_loss(chunk, form):
     loss = hf_ring.tiled_causal_lm_loss(h, w, leaves[2] if bias is not None else None, softcap=softcap,
                                         chunk_rows=chunk, **kw)
     loss.backward()
-    assert rel(loss.detach(), ref_loss) <= TOL
+    assert close(rel(loss.detach(), ref_loss), TOL)
     for leaf, ref in zip(leaves, ref_grads):
-        assert rel(leaf.grad, ref) <= TOL
+        assert close(rel(leaf.grad, ref), TOL)
 
 
 def test_tiled_loss_scales_by_any_output_gradient_and_backwards_twice():
@@ -77,10 +78,10 @@ def test_tiled_loss_scales_by_any_output_gradient_and_backwards_twice():
     loss = hf_ring.tiled_causal_lm_loss(*leaves, labels=labels, chunk_rows=5)
     (loss * 3.0).backward(retain_graph=True)
     for leaf, ref in zip(leaves, ref_grads):
-        assert rel(leaf.grad, 3.0 * ref) <= TOL
+        assert close(rel(leaf.grad, 3.0 * ref), TOL)
     loss.backward()  # the gradients the forward computed are still intact
     for leaf, ref in zip(leaves, ref_grads):
-        assert rel(leaf.grad, 4.0 * ref) <= TOL
+        assert close(rel(leaf.grad, 4.0 * ref), TOL)
 
 
 class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
@@ -104,7 +105,7 @@ def test_tiled_loss_makes_each_chunks_logits_once_and_no_gradients_without_grad_
     with torch.no_grad(), _CountMatmuls() as counted:
         loss = hf_ring.tiled_causal_lm_loss(*leaves, labels=labels, chunk_rows=7)
     assert counted.count == chunks
-    assert rel(loss, _reference(hidden, weight, bias, labels=labels)[0]) <= TOL
+    assert close(rel(loss, _reference(hidden, weight, bias, labels=labels)[0]), TOL)
 
 
 def test_tiled_loss_rows_all_ignored_is_nan_like_the_untiled_loss():
@@ -146,9 +147,9 @@ def test_tiled_rows_equals_one_pass_and_repeats_dropout():
         xt = x.clone().requires_grad_()
         out = hf_ring.tiled_rows(fn, xt, params, chunk)
         # Dropout draws in row order, so chunks see the same mask as one pass.
-        assert rel(out, ref) <= TOL
+        assert close(rel(out, ref), TOL)
         for got, want in zip(torch.autograd.grad(out, [xt] + params, dout), ref_grads):
-            assert rel(got, want) <= TOL
+            assert close(rel(got, want), TOL)
 
 
 # ---- whole models in one process -----------------------------------------------------------------------------
@@ -167,8 +168,8 @@ def _check_tiled_step(model, data, ref, ref_grads, **chunks):
     finally:
         tiling.revert(model)
     assert out.logits is None
-    assert rel(out.loss.detach(), ref.loss.detach()) <= TOL
-    assert worst_grad(grads, ref_grads) <= TOL
+    assert close(rel(out.loss.detach(), ref.loss.detach()), TOL)
+    assert close(worst_grad(grads, ref_grads), TOL)
 
 
 @pytest.mark.parametrize("kind,overrides", [
@@ -223,10 +224,10 @@ def test_logits_come_back_without_labels_or_when_asked():
             as_tuple = model(**data, return_dict=False)
         finally:
             tiling.revert(model)
-    assert plain.loss is None and rel(plain.logits, ref.logits) <= TOL
-    assert rel(asked.logits, ref.logits) <= TOL and rel(asked.loss, ref.loss) <= TOL
-    assert tiled.logits is None and rel(tiled.loss, ref.loss) <= TOL
-    assert isinstance(as_tuple, tuple) and rel(as_tuple[0], ref.loss) <= TOL
+    assert plain.loss is None and close(rel(plain.logits, ref.logits), TOL)
+    assert close(rel(asked.logits, ref.logits), TOL) and close(rel(asked.loss, ref.loss), TOL)
+    assert tiled.logits is None and close(rel(tiled.loss, ref.loss), TOL)
+    assert isinstance(as_tuple, tuple) and close(rel(as_tuple[0], ref.loss), TOL)
 
 
 def test_untiled_by_default_without_sequence_parallelism_and_when_switched_off():
@@ -303,8 +304,8 @@ def test_sp2_tiled_step_equals_untiled_single_process(pools, kind, chunks):
     ref, ref_grads = _untiled_reference(path, 11, 2, n)
     for res in results:
         assert res["logits"] is None
-        assert rel(torch.tensor(res["loss"]), ref.loss.detach()) <= TOL
-    assert worst_grad(results[0]["grads"], ref_grads) <= TOL
+        assert close(rel(torch.tensor(res["loss"]), ref.loss.detach()), TOL)
+    assert close(worst_grad(results[0]["grads"], ref_grads), TOL)
 
 
 def test_sp2_tiled_dilated_step_and_logits_on_request(pools):
@@ -315,9 +316,9 @@ def test_sp2_tiled_dilated_step_and_logits_on_request(pools):
     hf_ring.configure(model, pattern=pattern)
     ref, ref_grads = _step(model, batch(12, 1, 41, pad="right"))
     for res in results:
-        assert rel(res["logits"], ref.logits.detach()) <= TOL
-        assert rel(torch.tensor(res["loss"]), ref.loss.detach()) <= TOL
-    assert worst_grad(results[0]["grads"], ref_grads) <= TOL
+        assert close(rel(res["logits"], ref.logits.detach()), TOL)
+        assert close(rel(torch.tensor(res["loss"]), ref.loss.detach()), TOL)
+    assert close(worst_grad(results[0]["grads"], ref_grads), TOL)
 
 
 def test_sp2_tiled_step_makes_no_rows_by_vocab_tensor(pools):
