@@ -46,6 +46,13 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor, zero_scale: Optional[float] = 
     return diff / scale
 
 
+def scalar_rel_err(got: float, want: float) -> float:
+    """``|got - want| / |want|`` of two numbers (a loss, a count); when ``want`` is zero, 0.0 if ``got`` is zero too
+    and inf otherwise."""
+    diff, scale = abs(float(got) - float(want)), abs(float(want))
+    return diff / scale if scale else (0.0 if diff == 0.0 else float("inf"))
+
+
 def norm_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     """``||got - ref|| / ||ref||`` of one tensor in float64 (inf when the reference is zero and ``got`` is not)."""
     if got.shape != ref.shape:

@@ -5,7 +5,7 @@ from transformers import DataCollatorWithFlattening
 
 import hf_ring
 from model_cases import packed_train_case
-from helpers import close, dilated_sdpa_mask, rel_err
+from helpers import close, dilated_sdpa_mask, rel_err, scalar_rel_err
 from models import load, saved_model_dir
 
 TOL = 1e-5
@@ -24,7 +24,7 @@ def separately(path, feats):
 
 def check(loss, logits, grads, ref):
     ref_loss, ref_logits, ref_grads = ref
-    assert close(abs(loss - ref_loss) / abs(ref_loss), TOL)
+    assert close(scalar_rel_err(loss, ref_loss), TOL)
     assert close(rel_err(logits, ref_logits), TOL)
     worst = max(rel_err(grads[k], ref_grads[k]) for k in ref_grads)
     assert close(worst, TOL), worst

@@ -10,7 +10,7 @@ import hf_ring
 from trainer_cases import sft_case, sft_example_case, trainer_case
 from dist_pool import RankError
 from hf_ring.integration.seams import TRAINER_KEEPS_LOADED_SHARDING_SINCE, since
-from helpers import close
+from helpers import close, scalar_rel_err
 from helpers import rel_err as rel
 from helpers import worst_rel_err as worst
 from models import saved_model_dir
@@ -24,7 +24,7 @@ TOL = 1e-5
 def check_losses(got, ref):
     assert len(got) == len(ref) > 0
     for g, r in zip(got, ref):
-        assert close(abs(g - r) / abs(r), TOL), (got, ref)
+        assert close(scalar_rel_err(g, r), TOL), (got, ref)
 
 
 def check_steps(res, ref):
@@ -50,7 +50,7 @@ def test_sp2_trainer_equals_one_process_and_resumes(pools, tmp_path):
     res = results[0]
     assert res["wrapped"] == "DistributedDataParallel"
     check_steps(res, ref)
-    assert close(abs(res["eval_loss"] - ref["eval_loss"]) / abs(ref["eval_loss"]), TOL)
+    assert close(scalar_rel_err(res["eval_loss"], ref["eval_loss"]), TOL)
     assert res["logits"].shape == ref["logits"].shape == (3, 23, 97)  # global order, no row repeated
     assert close(rel(res["logits"], ref["logits"]), TOL)
     assert torch.equal(res["label_ids"], ref["label_ids"])
@@ -70,7 +70,7 @@ def test_dp2_sp2_trainer_equals_one_process(pools):
     res = results[0]
     assert res["wrapped"] == "DistributedDataParallel"
     check_steps(res, ref)
-    assert close(abs(res["eval_loss"] - ref["eval_loss"]) / abs(ref["eval_loss"]), TOL)
+    assert close(scalar_rel_err(res["eval_loss"], ref["eval_loss"]), TOL)
     assert res["logits"].shape == ref["logits"].shape == (3, 23, 97)  # the row repeated for an even split dropped
     assert close(rel(res["logits"], ref["logits"]), TOL)
     assert torch.equal(res["label_ids"], ref["label_ids"])
@@ -90,7 +90,7 @@ def test_head_parallel_trainer_equals_one_process(pools, world, sp_size, ulysses
     res = results[0]
     assert res["ulysses_size"] == ulysses
     check_steps(res, ref)
-    assert close(abs(res["eval_loss"] - ref["eval_loss"]) / abs(ref["eval_loss"]), TOL)
+    assert close(scalar_rel_err(res["eval_loss"], ref["eval_loss"]), TOL)
     assert close(rel(res["logits"], ref["logits"]), TOL)
     assert close(worst(res["params"], ref["params"]), TOL)
 
@@ -104,7 +104,7 @@ def test_lora_with_gradient_checkpointing_sp2(pools):
     assert res["checkpointing"] and ref["checkpointing"]
     assert all("lora_" in name for name in res["grads"][0]) and len(res["grads"][0]) == 8  # 2 layers x q, v x A, B
     check_steps(res, ref)
-    assert close(abs(res["eval_loss"] - ref["eval_loss"]) / abs(ref["eval_loss"]), TOL)
+    assert close(scalar_rel_err(res["eval_loss"], ref["eval_loss"]), TOL)
 
 
 def test_fsdp2_dp2_sp2(pools):
@@ -121,7 +121,7 @@ def test_fsdp2_dp2_sp2(pools):
     ref = reference(per_device=2, **kw)
     assert res["dtensor"] and res["wrapped"] != "DistributedDataParallel"
     check_steps(res, ref)
-    assert close(abs(res["eval_loss"] - ref["eval_loss"]) / abs(ref["eval_loss"]), TOL)
+    assert close(scalar_rel_err(res["eval_loss"], ref["eval_loss"]), TOL)
     assert close(rel(res["logits"], ref["logits"]), TOL)
     assert close(worst(res["params"], ref["params"]), TOL)
 
@@ -140,7 +140,7 @@ def test_sft_trainer_sp2(pools, sft_model):
     ref = sft_case(sft_model)
     check_steps(res, ref)
     for key in ("eval_loss", "accuracy", "num_tokens"):  # TRL's metrics too: one count per sp group
-        assert close(abs(res[key] - ref[key]) / abs(ref[key]), TOL), key
+        assert close(scalar_rel_err(res[key], ref[key]), TOL), key
 
 
 def test_sft_trainer_packed_rows_sp2(pools, sft_model):
@@ -159,7 +159,7 @@ def test_sft_example_sp2_equals_one_process(pools, sft_model, tmp_path, trl):
     assert all(g["world"] == 2 and g["sp_size"] == 2 for g in got) and ref["world"] == 1
     for g in got:
         for key in ("train_loss", "eval_loss"):
-            assert close(abs(g[key] - ref[key]) / abs(ref[key]), TOL), key
+            assert close(scalar_rel_err(g[key], ref[key]), TOL), key
         assert g["held_out_token_accuracy"] == ref["held_out_token_accuracy"]
     assert os.path.isfile(tmp_path / "sp" / "model.safetensors") and os.path.isfile(tmp_path / "sp" / "summary.json")
 
