@@ -35,7 +35,7 @@ GENERATE = os.path.join(ROOT, "examples", "generate.py")
 TABLES = {
     "demo": (("seed", "seed"), ("ranks", "ranks"), ("steps", "steps"), ("accuracy_before", "accuracy before"),
              ("accuracy_after", "accuracy after"), ("by_depth", "after, by passkey depth 0/10/…/50%"),
-             ("recalled", "`generate.py --passkey` recalled"), ("training_s", "training s"),
+             ("prompts", "`generate.py --passkey` prompts"), ("recalled", "recalled"), ("training_s", "training s"),
              ("finetune_s", "`finetune.py` launch s"), ("generate_s", "`generate.py` s"),
              ("commands_s", "both commands s"), ("device", "device")),
 }

@@ -6,7 +6,7 @@ replaces what is there with the rows of ``DIR/NAME.json`` (as
 ``python -m bench NAME --out DIR`` wrote it), in every page that has
 the markers, so the figures shown are the ones the benchmarks measured. A few
 tables are made from another file's JSON (``DERIVED``: ``generate_decode_parts``
-from ``generate.json``, ``finetune_runs`` from ``finetune_summary.json``).
+from ``generate.json``, ``linear_timing`` from ``linear.json``).
 
 A figure in prose sits between ``<!-- fig:EXPR | FORMAT -->`` and
 ``<!-- /fig -->``: ``--write`` puts ``FORMAT.format(value of EXPR)`` there.
@@ -18,7 +18,8 @@ characters; ``.*`` every value of a dict), ``[k=v,...]`` (the items of a list,
 or of a file's ``rows``, whose entries ``k`` read as ``v``, or begin with it
 for ``k^=v``, or are numbers of at least ``v`` for ``k>=v``, below it for
 ``k<v``; ``v`` may be quoted; ``!k``: the items without an entry ``k``), ``[*]`` (every item) and ``[i]`` (item ``i``).
-A selection must match at least one item; a reference used outside
+A selection's ``=``, ``^=`` and ``!k`` conditions must match at least one
+item, while its ``>=`` and ``<`` bounds may leave none (``len`` is then 0); a reference used outside
 ``min``/``max``/``len``/``sum`` must come to exactly one value. ``FORMAT`` is a ``str.format`` string with one field (default
 ``{}``). For example::
 
@@ -143,24 +144,8 @@ def render_decode_parts(payload: Dict) -> str:
     return "\n".join(lines)
 
 
-def render_finetune_runs(payload: Dict) -> str:
-    """One row per run of the fine-tuning demo (``finetune_summary.json``: the runs' ``summary.json``)."""
-    runs = payload["runs"]
-    depths = sorted({d for r in runs for d in r.get("accuracy_by_depth", {})}, key=float)
-    lines = ["| seed | command wall time | of it training | accuracy at the full length, before → after "
-             f"| after, by passkey depth {' / '.join(depths)} | `generate.py --passkey` recalled |",
-             "|---|---|---|---|---|---|"]
-    for r in runs:
-        command = f"{r['command_wall_s']:.1f} s" + (" (with the install)" if r.get("command_includes_install") else "")
-        by_depth = " / ".join(f"{r['accuracy_by_depth'][d]:.2f}" for d in depths if d in r.get("accuracy_by_depth", {}))
-        lines.append(f"| {r['seed']} | {command} | {r['wall_s']:.1f} s | {r['accuracy_before']:.2f} → "
-                     f"{r['accuracy_after']:.2f} | {by_depth} | {r['generate_recalled_of_8']} of 8 |")
-    return "\n".join(lines)
-
-
 DERIVED: Dict[str, Tuple[str, Callable[[Dict], str]]] = {
     "generate_decode_parts": ("generate", render_decode_parts),
-    "finetune_runs": ("finetune_summary", render_finetune_runs),
     "quality_timing": ("quality", lambda payload: render("quality_timing", {"rows": payload.get("timing", [])})),
     "quality_convert": ("quality", lambda payload: render("quality_convert", {"rows": payload.get("converted", [])})),
     "linear_extension": ("linear", lambda payload: render("linear_extension", {"rows": payload.get("extension", [])})),
@@ -196,6 +181,10 @@ class _Many(list):
 
 def _unquote(text: str) -> str:
     return text[1:-1] if len(text) >= 2 and text[0] == text[-1] == "'" else text
+
+
+_BOUNDS = (">=", "<")
+"""The conditions on a number: a selection that names items may have none within its bounds."""
 
 
 def _holds(value: Any, op: str, want: str) -> bool:
@@ -242,18 +231,21 @@ def resolve(ref: str, payloads: Dict[str, Any]) -> Any:
                                      "(k=v, k^=v, k>=number, k<number, !k, *, or an index)")
                 conditions = [(c.group(1), "!", "") if c.group(1) else (c.group(2), c.group(3), _unquote(c.group(4)))
                               for c in _CONDITION.finditer(selector) if c.group(1) or c.group(2)]
-            out = []
+            out, named = [], False
             for v in values:
                 items = v["rows"] if isinstance(v, dict) and "rows" in v else v
                 if not isinstance(items, list):
                     raise ValueError(f"{ref}: [{selector}] needs a list, got {type(items).__name__}")
                 if index is not None:
                     out.extend(items[index:index + 1] if -len(items) <= index < len(items) else [])
+                    named = named or bool(out)
                     continue
-                out.extend(i for i in items
-                           if all(isinstance(i, dict) and (k not in i if op == "!" else k in i and _holds(i[k], op, want))
-                                  for k, op, want in conditions))
-            if not out:
+                meets = [all(isinstance(i, dict) and (k not in i if op == "!" else k in i and _holds(i[k], op, want))
+                             for k, op, want in conditions if (op in _BOUNDS) == bounds)
+                         for i in items for bounds in (False, True)]
+                named = named or any(meets[0::2])
+                out.extend(i for i, name_ok, bound_ok in zip(items, meets[0::2], meets[1::2]) if name_ok and bound_ok)
+            if not named:  # a typo in a name or value; a bound that no item meets is a count of 0
                 raise ValueError(f"{ref}: [{selector}] matches nothing")
             values, many = out, True
     return _Many(values) if many else values[0]

@@ -133,9 +133,8 @@ def test_figure_expressions_select_exactly_and_refuse_anything_else(payloads):
     two = row("ring", n=8192, impl="ring", world=2, layout="zigzag")
     assert tables.render_figure("ring[n=8192,impl=ring,world=2,layout=zigzag].speedup_over_1_rank | {:.2f}×",
                                 payloads) == f"{two['speedup_over_1_rank']:.2f}×"
-    depths = [v for r in payloads["finetune_summary"]["runs"] for v in r["accuracy_by_depth"].values()]
-    assert tables.render_figure("min(finetune_summary.runs[*].accuracy_by_depth.*) | {:.2f}", payloads) == \
-        f"{min(depths):.2f}"
+    depths = [v for r in payloads["demo"]["rows"] for v in r["accuracy_by_depth"].values()]
+    assert tables.render_figure("min(demo.rows[*].accuracy_by_depth.*) | {:.2f}", payloads) == f"{min(depths):.2f}"
     at_16k = [r for r in payloads["linear"]["rows"] if r["n"] == 16384]
     learned = [r for r in at_16k if r["accuracy_over_depths"] >= 0.9]
     assert tables.render_figure("len(linear.rows[n=16384,accuracy_over_depths>=0.9])", payloads) == str(len(learned))
@@ -148,6 +147,12 @@ def test_figure_expressions_select_exactly_and_refuse_anything_else(payloads):
     toy = {"t": {"rows": [{"n": 1, "lr": 0.002}, {"n": 1}, {"n": 2}]}}
     assert tables.render_figure("len(t.rows[n=1,!lr])", toy) == "1"
     assert tables.render_figure("len(t.rows[!lr])", toy) == "2"
+    # a bound no item meets is a count of 0; a name or value no item has is a typo
+    assert tables.render_figure("len(t.rows[n=1,lr>=0.5])", toy) == "0"
+    with pytest.raises(ValueError, match="matches nothing"):
+        tables.render_figure("len(t.rows[n=3,lr>=0.5])", toy)
+    with pytest.raises(ValueError, match="selects 0 values"):
+        tables.render_figure("t.rows[n=1,lr<0.001].lr", toy)
     assert tables.render_figure("t.rows[!lr, n=2].n", toy) == "2"
     with pytest.raises(ValueError, match="matches nothing"):
         tables.render_figure("t.rows[!n].n", toy)
