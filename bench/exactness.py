@@ -7,8 +7,8 @@ process with transformers' own attention, a plain run without hf_ring, or
 float64) is kept, and a test function's row is the largest of them over its
 parametrized cases, in the norm the test measures it: ``max`` is ``max|a - b| / max|b|``, ``l2`` is
 ``||a - b|| / ||b||``, each per tensor. The figures in the docs are these rows,
-not numbers copied from a test's output. A test that fails or is skipped writes
-no row; a failure ends the command with the tests' output.
+not numbers copied from a test's output. A skipped test writes no row; a test
+that fails ends the command with the tests' output before any row is written.
 
 Every row joins ``exactness.json`` as soon as the tests end, in the place of
 the row of the same test and norm or after the others (see
