@@ -9,7 +9,7 @@ fixed costs show. They run in turns, ``--rounds`` times, each round timing
 rounds, the ratio, and the spread of the rounds' ratios. A third turn runs the
 ring with every tensor of a message as its own transfer (how small messages
 travelled before :func:`hf_ring.engine.comm.fused`), so what fusing them saves
-is measured side by side.
+is measured side by side, round by round.
 
 Then one more set of steps on the ranks, with every exchange hf_ring makes
 counted on rank 0: per step, each kind (the ring's K/V and gradient
@@ -30,7 +30,7 @@ from typing import Dict, List
 
 import torch
 
-from .common import clock, command_line, format_table, run_ranks, save, timed
+from .common import clock, command_line, format_table, ratio_range, run_ranks, save, timed
 from .scale import MODEL as SCALE
 
 MODEL = dict(SCALE, vocab_size=1024)
@@ -39,6 +39,9 @@ TABLES = {
     "fixed": (("n", "tokens"), ("sdpa_ms", "1 process, sdpa ms"), ("ring_ms", "2 ranks, ring ms"),
               ("ring_over_sdpa", "ratio"), ("ratio_spread", "ratio over rounds"),
               ("unfused_over_sdpa", "ratio, each tensor its own transfer"),
+              ("unfused_ratio_spread", "over rounds"),
+              ("fused_over_unfused", "fused / each tensor its own transfer"),
+              ("fused_over_unfused_spread", "over rounds"),
               ("one_process_ring_over_sdpa", "1 process, ring_dilated / sdpa"),
               ("attention_ms_per_layer", "in attention per layer ms"),
               ("exchange_ms_per_layer", "of it in exchanges"),
@@ -148,9 +151,27 @@ def one_process(n: int, repeats: int) -> Dict[str, List[float]]:
     return times
 
 
+def timing_fields(sdpa: List[List[float]], ring: List[List[float]], unfused: List[List[float]]) -> Dict:
+    """The step times of each round (one list of seconds per round and side) as the table's fields: medians over
+    all rounds, their ratios, and each ratio's spread over the rounds (the sides of a round ran back to back)."""
+    def med(rounds: List[List[float]]) -> float:
+        return statistics.median([t for r in rounds for t in r])
+
+    def per_round(a: List[List[float]], b: List[List[float]]) -> str:
+        return ratio_range([statistics.median(x) for x in a], [statistics.median(y) for y in b])
+
+    ms = lambda s: round(1e3 * s, 2)  # noqa: E731
+    return {"sdpa_ms": ms(med(sdpa)), "ring_ms": ms(med(ring)),
+            "ring_over_sdpa": round(med(ring) / med(sdpa), 3), "ratio_spread": per_round(ring, sdpa),
+            "unfused_ms": ms(med(unfused)), "unfused_over_sdpa": round(med(unfused) / med(sdpa), 3),
+            "unfused_ratio_spread": per_round(unfused, sdpa),
+            "fused_over_unfused": round(med(ring) / med(unfused), 3),
+            "fused_over_unfused_spread": per_round(ring, unfused)}
+
+
 def rows_for(n: int, rounds: int, repeats: int) -> Dict:
     layers = MODEL["num_hidden_layers"]
-    sdpa, ring, unfused, one_ring, ratios = [], [], [], [], []
+    sdpa, ring, unfused, one_ring = [], [], [], []
 
     def ranks(fuse: bool) -> List[float]:
         found = run_ranks(2, measure, "ring_dilated", n, repeats, False, fuse, exact_peak=False)
@@ -158,26 +179,20 @@ def rows_for(n: int, rounds: int, repeats: int) -> Dict:
 
     for _ in range(rounds):
         alone = run_ranks(1, one_process, n, repeats, exact_peak=False)[0]
-        s = alone["sdpa"]
+        sdpa.append(alone["sdpa"])
         one_ring += alone["ring_dilated"]
-        r = ranks(True)
-        unfused += ranks(False)
-        sdpa += s
-        ring += r
-        ratios.append(statistics.median(r) / statistics.median(s))
+        ring.append(ranks(True))
+        unfused.append(ranks(False))
     acct = run_ranks(2, measure, "ring_dilated", n, repeats, True, exact_peak=False)[0]
     spent = acct["spent"]
     attention = spent.get("attention forward", 0.0) + spent.get("attention backward", 0.0)
     exchanges = spent.get("ring K/V and gradient messages", 0.0) + spent.get("small all-gathers", 0.0)
     ms = lambda s: round(1e3 * s, 2)  # noqa: E731
-    row = {"n": n, "sdpa_ms": ms(statistics.median(sdpa)), "ring_ms": ms(statistics.median(ring)),
-           "ring_over_sdpa": round(statistics.median(ring) / statistics.median(sdpa), 3),
-           "ratio_spread": f"{min(ratios):.2f}-{max(ratios):.2f}",
-           "unfused_ms": ms(statistics.median(unfused)),
-           "unfused_over_sdpa": round(statistics.median(unfused) / statistics.median(sdpa), 3),
-           "one_process_ring_over_sdpa": round(statistics.median(one_ring) / statistics.median(sdpa), 3),
+    alone_sdpa = statistics.median([t for r in sdpa for t in r])
+    row = {"n": n, **timing_fields(sdpa, ring, unfused),
+           "one_process_ring_over_sdpa": round(statistics.median(one_ring) / alone_sdpa, 3),
            "attention_ms_per_layer": ms(attention / layers), "exchange_ms_per_layer": ms(exchanges / layers),
-           "host_ms_per_layer": ms((statistics.median(one_ring) - statistics.median(sdpa)) / layers),
+           "host_ms_per_layer": ms((statistics.median(one_ring) - alone_sdpa) / layers),
            "rounds": rounds, "repeats": repeats}
     exchanges_rows = [{"n": n, "kind": kind, "per_step": round(c, 2), "transfers_per_step": round(t, 2),
                        "bytes_per_step": int(b),
