@@ -1,4 +1,7 @@
 """The memory planner's arithmetic, checked against hand-computed bytes."""
+import json
+import os
+
 from bench import plan
 
 P = plan.LLAMA_8B["params"]
@@ -29,3 +32,14 @@ def test_activations_follow_the_tokens_each_rank_holds():
     longer = _rows(tokens=4 * 131072)["FSDP2"]
     assert abs(longer["checkpoints_gb"] - 4 * rows["FSDP2"]["checkpoints_gb"]) < 0.1
     assert longer["total_offloaded_gb"] < longer["total_gb"]
+
+
+def test_the_committed_plan_is_made_from_the_committed_scale_fit():
+    """plan.json is arithmetic over scale.json's fit: a scale.json made again without plan.json would leave the
+    plan's rows (and the docs' figures from them) stale."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "bench", "plan.json")) as f:
+        payload = json.load(f)
+    c = payload["config"]
+    rows = plan.run(c["gpus"], c["tokens"], c["gpu_gb"], os.path.join(root, c["scale_json"]))
+    assert rows == payload["rows"], "plan.json is stale: python -m bench plan --out docs/bench"
