@@ -199,6 +199,12 @@ def _holds(value: Any, op: str, want: str) -> bool:
     return value >= float(want) if op == ">=" else value < float(want)
 
 
+def _meets(item: Any, conditions: List[Tuple[str, str, str]]) -> bool:
+    """Whether a list's ``item`` meets every one of a selection's ``conditions`` (``!`` for an absent entry)."""
+    return all(isinstance(item, dict) and (k not in item if op == "!" else k in item and _holds(item[k], op, want))
+               for k, op, want in conditions)
+
+
 def resolve(ref: str, payloads: Dict[str, Any]) -> Any:
     """The value (or, after a selection, the ``_Many`` values) a reference names."""
     name = re.match(r"[A-Za-z_]\w*", ref).group(0)
@@ -231,6 +237,8 @@ def resolve(ref: str, payloads: Dict[str, Any]) -> Any:
                                      "(k=v, k^=v, k>=number, k<number, !k, *, or an index)")
                 conditions = [(c.group(1), "!", "") if c.group(1) else (c.group(2), c.group(3), _unquote(c.group(4)))
                               for c in _CONDITION.finditer(selector) if c.group(1) or c.group(2)]
+            names = [c for c in conditions if c[1] not in _BOUNDS]
+            bounds = [c for c in conditions if c[1] in _BOUNDS]
             out, named = [], False
             for v in values:
                 items = v["rows"] if isinstance(v, dict) and "rows" in v else v
@@ -240,11 +248,9 @@ def resolve(ref: str, payloads: Dict[str, Any]) -> Any:
                     out.extend(items[index:index + 1] if -len(items) <= index < len(items) else [])
                     named = named or bool(out)
                     continue
-                meets = [all(isinstance(i, dict) and (k not in i if op == "!" else k in i and _holds(i[k], op, want))
-                             for k, op, want in conditions if (op in _BOUNDS) == bounds)
-                         for i in items for bounds in (False, True)]
-                named = named or any(meets[0::2])
-                out.extend(i for i, name_ok, bound_ok in zip(items, meets[0::2], meets[1::2]) if name_ok and bound_ok)
+                found = [i for i in items if _meets(i, names)]
+                named = named or bool(found)
+                out.extend(i for i in found if _meets(i, bounds))
             if not named:  # a typo in a name or value; a bound that no item meets is a count of 0
                 raise ValueError(f"{ref}: [{selector}] matches nothing")
             values, many = out, True
