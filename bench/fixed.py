@@ -151,22 +151,30 @@ def one_process(n: int, repeats: int) -> Dict[str, List[float]]:
     return times
 
 
-def timing_fields(sdpa: List[List[float]], ring: List[List[float]], unfused: List[List[float]]) -> Dict:
-    """The step times of each round (one list of seconds per round and side) as the table's fields: medians over
-    all rounds, their ratios, and each ratio's spread over the rounds (the sides of a round ran back to back)."""
+def ms(seconds: float) -> float:
+    """Seconds as the tables' milliseconds."""
+    return round(1e3 * seconds, 2)
+
+
+def timing_fields(sdpa: List[List[float]], ring: List[List[float]], unfused: List[List[float]],
+                  one_ring: List[List[float]], layers: int) -> Dict:
+    """The step times of each round (one list of seconds per round and side; ``one_ring`` is ``ring_dilated`` in
+    the process that timed ``sdpa``) as the table's fields: medians over all rounds, their ratios, each ratio's
+    spread over the rounds (the sides of a round ran back to back), and hf_ring's own host work per layer."""
     def med(rounds: List[List[float]]) -> float:
         return statistics.median([t for r in rounds for t in r])
 
     def per_round(a: List[List[float]], b: List[List[float]]) -> str:
         return ratio_range([statistics.median(x) for x in a], [statistics.median(y) for y in b])
 
-    ms = lambda s: round(1e3 * s, 2)  # noqa: E731
     return {"sdpa_ms": ms(med(sdpa)), "ring_ms": ms(med(ring)),
             "ring_over_sdpa": round(med(ring) / med(sdpa), 3), "ratio_spread": per_round(ring, sdpa),
             "unfused_ms": ms(med(unfused)), "unfused_over_sdpa": round(med(unfused) / med(sdpa), 3),
             "unfused_ratio_spread": per_round(unfused, sdpa),
             "fused_over_unfused": round(med(ring) / med(unfused), 3),
-            "fused_over_unfused_spread": per_round(ring, unfused)}
+            "fused_over_unfused_spread": per_round(ring, unfused),
+            "one_process_ring_over_sdpa": round(med(one_ring) / med(sdpa), 3),
+            "host_ms_per_layer": ms((med(one_ring) - med(sdpa)) / layers)}
 
 
 def rows_for(n: int, rounds: int, repeats: int) -> Dict:
@@ -180,19 +188,15 @@ def rows_for(n: int, rounds: int, repeats: int) -> Dict:
     for _ in range(rounds):
         alone = run_ranks(1, one_process, n, repeats, exact_peak=False)[0]
         sdpa.append(alone["sdpa"])
-        one_ring += alone["ring_dilated"]
+        one_ring.append(alone["ring_dilated"])
         ring.append(ranks(True))
         unfused.append(ranks(False))
     acct = run_ranks(2, measure, "ring_dilated", n, repeats, True, exact_peak=False)[0]
     spent = acct["spent"]
     attention = spent.get("attention forward", 0.0) + spent.get("attention backward", 0.0)
     exchanges = spent.get("ring K/V and gradient messages", 0.0) + spent.get("small all-gathers", 0.0)
-    ms = lambda s: round(1e3 * s, 2)  # noqa: E731
-    alone_sdpa = statistics.median([t for r in sdpa for t in r])
-    row = {"n": n, **timing_fields(sdpa, ring, unfused),
-           "one_process_ring_over_sdpa": round(statistics.median(one_ring) / alone_sdpa, 3),
+    row = {"n": n, **timing_fields(sdpa, ring, unfused, one_ring, layers),
            "attention_ms_per_layer": ms(attention / layers), "exchange_ms_per_layer": ms(exchanges / layers),
-           "host_ms_per_layer": ms((statistics.median(one_ring) - alone_sdpa) / layers),
            "rounds": rounds, "repeats": repeats}
     exchanges_rows = [{"n": n, "kind": kind, "per_step": round(c, 2), "transfers_per_step": round(t, 2),
                        "bytes_per_step": int(b),
