@@ -1,4 +1,4 @@
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -87,10 +87,11 @@ def cancelling_scale(name, q, k, v, dout):
     return float(terms * other.double().abs().max() / q.shape[-1] ** 0.5)
 
 
-def worst_rel_err(got: dict, ref: dict) -> float:
-    """The largest :func:`rel_err` over tensors of the same names (e.g. every parameter gradient)."""
+def worst_rel_err(got: dict, ref: dict, err: Callable[[torch.Tensor, torch.Tensor], float] = rel_err) -> float:
+    """The largest ``err`` (:func:`rel_err`, or :func:`norm_rel_err`) over tensors of the same names (e.g. every
+    parameter gradient)."""
     assert got.keys() == ref.keys() and ref, (sorted(got), sorted(ref))
-    return max(rel_err(got[k], ref[k]) for k in ref)
+    return max(err(got[k], ref[k]) for k in ref)
 
 
 def raises_on_rank(fn, *args, **kwargs):
