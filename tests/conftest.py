@@ -1,6 +1,8 @@
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -12,6 +14,8 @@ from dist_pool import RankPool  # noqa: E402
 
 ERRORS = pytest.StashKey[dict]()
 """Per passed test (node id), the largest error per norm it asserted within its tolerance (``helpers.close``)."""
+SCRATCH = pytest.StashKey[str]()
+"""The session's temporary folder: every tiny checkpoint and trainer output the tests and their ranks write."""
 
 
 def pytest_addoption(parser):
@@ -22,6 +26,17 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.stash[ERRORS] = {}
+    # The ranks, launches and trainers a test starts write with tempfile in processes of their own, which inherit
+    # TMPDIR: pointing it at one folder per session lets the session remove all they leave behind.
+    config.stash[SCRATCH] = tempfile.mkdtemp(prefix="hf_ring_tests_")
+    os.environ["TMPDIR"] = config.stash[SCRATCH]
+    tempfile.tempdir = None  # tempfile caches the folder it chose first
+
+
+def pytest_unconfigure(config):
+    scratch = config.stash.get(SCRATCH, None)
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 @pytest.hookimpl(hookwrapper=True)
