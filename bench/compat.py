@@ -49,10 +49,12 @@ MATRIX: List[Dict[str, str]] = (
     + [dict(BASE, transformers=t) for t in ("5.17.0", "5.18.0", "5.19.0", "5.20.2", "5.21.1", "5.22.2", "5.23.0")]
     + [dict(BASE, accelerate=a) for a in ("1.10.1", "1.11.0", "1.12.0", "1.13.0", "1.14.0")]
     + [{"torch": "2.13.0", "transformers": "5.17.0", "accelerate": "1.10.1"},  # the floor CI job
-       dict(NEWEST, python="3.10", transformers="5.20.2"), dict(NEWEST, python="3.12")])
+       dict(NEWEST, python="3.10", transformers="5.20.2"), dict(NEWEST, python="3.12"),
+       {"torch": "2.11.0", "transformers": "5.17.0", "accelerate": "1.15.0", "python": "3.12"}])  # the GPU machine's
 """Every row of compat.json: each minor release of each package with the others at the newest pinned stack, the
-floor, and the declared Python floor and a newer Python (the newest releases each allows: transformers needs Python
-3.11 from 5.21; ``python`` defaults to 3.11)."""
+floor, the declared Python floor and a newer Python (the newest releases each allows: transformers needs Python
+3.11 from 5.21; ``python`` defaults to 3.11), and the stack of the GPU machine ``bench gpu`` runs on (its CUDA build
+of torch runs on the CPU here)."""
 UNRUNNABLE = {("torch", "2.15.0"): "this machine's pip stops at torch 2.14.1 (a constraint of the image), so 2.15 "
                                    "cannot be installed here; the unpinned CI job runs the newest pip allows"}
 
@@ -60,6 +62,9 @@ MODEL = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_la
              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
              bos_token_id=None, eos_token_id=None, pad_token_id=None)
 N, ROWS = 37, 2
+WHERE = "CPU, gloo"
+"""Where every probe computes, on a GPU machine too: on the CPU, its two ranks in a gloo group (the CUDA route is
+``bench gpu``'s)."""
 
 TABLES = {
     "compat": (("transformers", "transformers"), ("accelerate", "accelerate"), ("torch", "torch"),
@@ -68,6 +73,11 @@ TABLES = {
                ("sp2_trainer_loss", "2-rank Trainer: loss"), ("compat_subset", "compatibility subset")),
 }
 """The columns of this benchmark's tables in the docs: (JSON key, header), in order (see :mod:`bench.tables`)."""
+WRITES = {"compat": {"rows": PACKAGES + (
+    "python", "where", "date", "commit", "command", "ran", "why", "one_process_logits", "sp2_step_loss",
+    "sp2_step_grads", "sp2_trainer_loss", "compat_subset", "compat_failures")}}
+"""Every field a row of compat.json can hold (``bench tables --check`` holds the file to them)."""
+BESIDE = {"compat": ("config",)}
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -176,7 +186,7 @@ def probe(suite: bool) -> Dict:
     root = Path(__file__).resolve().parents[1]
     row: Dict = {p: installed(p) for p in PACKAGES}
     row["python"] = ".".join(map(str, sys.version_info[:3]))
-    row["where"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU, gloo"
+    row["where"] = WHERE
     row["date"] = datetime.date.today().isoformat()
     row["commit"] = commit(str(root))
     row["command"] = "python -m bench compat" + (" --suite" if suite else "")
@@ -194,16 +204,21 @@ def probe(suite: bool) -> Dict:
 
 
 def _key(row: Dict) -> Tuple:
-    """What a row is of: its releases, its Python and where it ran (a GPU's row stays beside the CPU's)."""
+    """What a row is of: its releases, its Python and where it computed."""
     return tuple(row.get(p) for p in PACKAGES) + (".".join(str(row.get("python", "3.11")).split(".")[:2]),
                                                    row.get("where"))
 
 
-def write(out: str, row: Dict) -> None:
-    """Add ``row`` to ``out``/compat.json, replacing the row of the same releases and Python run in the same place."""
+def _recorded(row: Dict) -> bool:
+    return "command" in row and "commit" in row
+
+
+def write(out: str, row: Dict, replace_unrecorded: bool = False) -> None:
+    """Add ``row`` to ``out``/compat.json, replacing the row of the same releases and Python run in the same place
+    (and, with ``replace_unrecorded``, every row that records no command and commit)."""
     path = os.path.join(out, "compat.json")
     rows = json.load(open(path))["rows"] if os.path.exists(path) else []
-    rows = [r for r in rows if _key(r) != _key(row)] + [row]
+    rows = [r for r in rows if _key(r) != _key(row) and not (replace_unrecorded and not _recorded(r))] + [row]
     rows.sort(key=lambda r: [tuple(int(x) for x in re.findall(r"\d+", str(r.get(p)))[:3]) for p in
                              ("transformers", "accelerate", "torch", "python")])
     os.makedirs(out, exist_ok=True)
@@ -225,7 +240,7 @@ def _interpreter(version: str) -> Optional[str]:
     return None
 
 
-def matrix(out: str, venvs: str, only: Optional[List[int]] = None) -> None:
+def matrix(out: str, venvs: str, only: Optional[List[int]] = None, replace_unrecorded: bool = False) -> None:
     """Every row of :data:`MATRIX` (or the rows numbered ``only``), each in its own environment."""
     root = Path(__file__).resolve().parents[1]
     for i, spec in enumerate(MATRIX):
@@ -240,7 +255,7 @@ def matrix(out: str, venvs: str, only: Optional[List[int]] = None) -> None:
         if why is not None:
             write(out, dict(releases, python=python, date=datetime.date.today().isoformat(), commit=commit(str(root)),
                             command="python -m bench compat --matrix", ran=False, why=why,
-                            compat_subset=f"not run: {why}"))
+                            compat_subset=f"not run: {why}"), replace_unrecorded)
             continue
         env = os.path.join(venvs, "-".join([f"py{python}"] + [f"{p}{v}" for p, v in releases.items()]))
         pip = [os.path.join(env, "bin", "python"), "-m", "pip", "install", "--quiet"]
@@ -249,8 +264,8 @@ def matrix(out: str, venvs: str, only: Optional[List[int]] = None) -> None:
             subprocess.run(pip + ["--upgrade", "pip"], check=True)
         subprocess.run(pip + [f"torch=={releases['torch']}"], check=True)
         subprocess.run(pip + ["-e", f"{root}[test]"] + [f"{p}=={v}" for p, v in releases.items()], check=True)
-        subprocess.run([os.path.join(env, "bin", "python"), "-m", "bench", "compat", "--suite", "--out", out],
-                       cwd=root, check=True)
+        subprocess.run([os.path.join(env, "bin", "python"), "-m", "bench", "compat", "--suite", "--out", out]
+                       + (["--replace-unrecorded"] if replace_unrecorded else []), cwd=root, check=True)
 
 
 def main(argv: List[str]) -> None:
@@ -261,11 +276,14 @@ def main(argv: List[str]) -> None:
                     help="write every row of the matrix, each in a virtual environment of its releases (see above)")
     ap.add_argument("--rows", type=int, nargs="+", help="with --matrix: only these rows (numbered from 0)")
     ap.add_argument("--venvs", default=".venv-compat", help="with --matrix: where the environments are kept")
+    ap.add_argument("--replace-unrecorded", action="store_true",
+                    help="drop the rows that record no command and commit (gathered by hand, or written before "
+                         "rows recorded them) once this run's row is written")
     ap.add_argument("--out", default="docs/bench")
     args = ap.parse_args(argv)
     if args.matrix:
-        matrix(os.path.abspath(args.out), os.path.abspath(args.venvs), args.rows)
+        matrix(os.path.abspath(args.out), os.path.abspath(args.venvs), args.rows, args.replace_unrecorded)
         return
     row = probe(args.suite)
     print(json.dumps(row), flush=True)
-    write(args.out, row)
+    write(args.out, row, args.replace_unrecorded)

@@ -28,7 +28,8 @@ item, while its ``>=`` and ``<`` bounds may leave none (``len`` is then 0); a re
 ``--check`` exits non-zero when a page differs from what ``--write`` would
 make of it, when a page has a table no benchmark renders, or when a row
 holds a field its benchmark never writes (``WRITES`` in the benchmark's
-module), which only an edit by hand could have put there.
+module) or lacks the command and commit its benchmark stamps every row
+with, which only an edit by hand could have made.
 """
 from __future__ import annotations
 
@@ -63,19 +64,27 @@ STAMPS = ("runs", "command", "commit")
 """What every writer that states its rows puts beside them: the runs' options, the command, the commit."""
 
 
+ROW_STAMPS = ("command", "commit")
+"""What a writer that stamps each row (it lists them in ``WRITES``) puts in every row it writes."""
+
+
 def unwritten(payloads: Dict[str, Any]) -> List[str]:
-    """Rows holding a field their benchmark never writes, and keys beside the rows it never writes: no command
-    could have made them."""
+    """Rows holding a field their benchmark never writes or lacking the stamps it always writes, and keys beside the
+    rows it never writes: no command could have made them."""
     found = []
     for name, lists in WRITERS.items():
         extra = sorted(set(payloads.get(name, {})) - set(lists) - set(STAMPS) - set(BESIDE.get(name, ())))
         if extra:
             found.append(f"{name}.json: {', '.join(extra)}")
         for key, fields in lists.items():
+            stamps = [s for s in ROW_STAMPS if s in fields]
             for i, row in enumerate(payloads.get(name, {}).get(key, [])):
                 extra = sorted(set(row) - set(fields))
                 if extra:
                     found.append(f"{name}.json {key}[{i}]: {', '.join(extra)}")
+                missing = [s for s in stamps if s not in row]
+                if missing:
+                    found.append(f"{name}.json {key}[{i}]: no {' or '.join(missing)}")
     return found
 
 

@@ -121,10 +121,13 @@ def test_a_sweep_cut_short_keeps_the_runs_it_finished(tmp_path, monkeypatch):
 def test_a_row_with_a_field_no_benchmark_writes_is_flagged():
     from bench import tables
 
-    good = {"rows": [{"n": 64, "seed": 0, "accuracy": 1.0}], "timing": [], "extension": []}
+    stamps = {"command": "python -m bench linear", "commit": "abc"}
+    good = {"rows": [dict(stamps, n=64, seed=0, accuracy=1.0)], "timing": [], "extension": []}
     assert tables.unwritten({"linear": good}) == []
-    bad = {"rows": [{"n": 64, "seed": 0, "note": "merged from two runs"}]}
+    bad = {"rows": [dict(stamps, n=64, seed=0, note="merged from two runs")]}
     assert tables.unwritten({"linear": bad}) == ["linear.json rows[0]: note"]
+    unstamped = {"rows": [{"n": 64, "seed": 0, "accuracy": 1.0, "commit": "abc"}]}
+    assert tables.unwritten({"linear": unstamped}) == ["linear.json rows[0]: no command"]
     beside = dict(good, runs=[], command="python -m bench linear", commit="abc", config={"device": "by hand"})
     assert tables.unwritten({"linear": beside}) == ["linear.json: config"]
 
