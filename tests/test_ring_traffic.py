@@ -1,4 +1,8 @@
 """The ring really is a ring: no K/V all-gather, no tensor of the global length on any rank."""
+import itertools
+
+import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -6,6 +10,8 @@ from torch.utils._pytree import tree_flatten
 
 import hf_ring
 from hf_ring.engine.comm import CONTROL_INTS, FUSE_BYTES, fused
+from hf_ring.engine.layout import local_runs
+from hf_ring.engine.schedule import Geometry, pair_plan, sent
 from attention_cases import make_qkv
 
 COLLECTIVES = ["all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "broadcast",
@@ -134,3 +140,46 @@ def _exchange_case(*sizes):
         want = [torch.arange(n, dtype=torch.float32) + 1000 * peer + i for i, n in enumerate(numel)]
         ok &= all(torch.equal(g, w) for g, w in zip(got, want)) and torch.equal(got[-1], torch.arange(7) % 2 == peer)
     return ok
+
+
+def _read_rows(geo, dst, src):
+    """(K/V head, position) of every row of rank ``src`` that a query of rank ``dst`` reads, by brute force over the
+    pattern's definition: head h and branch (w, r) pair positions of one segment whose in-segment indices are both
+    ``h mod r`` modulo r (and key <= query when causal)."""
+    n = geo.seq_len
+
+    def held(rank):
+        return np.concatenate([np.arange(a, b) for a, b in local_runs(n, rank, geo.world_size, geo.layout)])
+
+    keys, queries = held(src), held(dst)
+    read = set()
+    for h in range(geo.hq):
+        for w, r in geo.branches:
+            w, o = min(w, n), (h + geo.head_base) % r
+            k, q = keys[keys % w % r == o], queries[queries % w % r == o]
+            for p in k:
+                peers = q[q // w == p // w]
+                if (peers >= p).any() if geo.causal else len(peers):
+                    read.add((h * geo.hkv // geo.hq, int(p)))
+    return read
+
+
+@pytest.mark.parametrize("n,world,layout,branches,heads,causal,head_base", [
+    (512, 2, "zigzag", ((64, 1), (128, 2), (256, 4), (512, 8)), (8, 8), True, 0),
+    (512, 4, "zigzag", ((64, 1), (128, 2), (256, 4), (512, 8)), (8, 2), True, 0),
+    (512, 4, "contiguous", ((64, 1), (128, 2), (256, 4), (512, 8)), (8, 8), True, 0),
+    (1024, 2, "zigzag", ((128, 1), (256, 2), (512, 4), (1024, 8), (1024, 16), (1024, 32)), (8, 8), True, 0),
+    (600, 3, "zigzag", ((100, 1), (300, 3), (600, 6)), (6, 3), True, 0),
+    (600, 3, "zigzag", ((100, 1), (300, 3), (600, 6)), (6, 3), False, 0),
+    (500, 4, "zigzag", ((70, 1), (250, 2), (500, 4)), (4, 1), True, 4),
+    (512, 2, "zigzag", ((512, 1),), (4, 2), True, 0),
+])
+def test_a_transfer_sends_each_row_its_peer_reads_once_and_no_other(n, world, layout, branches, heads, causal, head_base):
+    """A zigzag rank's two chunks are one run of positions, where a long segment's dilated rows and a shorter
+    one's overlap without either holding the other: their common rows still travel once."""
+    for dst, src in itertools.permutations(range(world), 2):
+        geo = Geometry(n, world, layout, causal, None, branches, *heads, head_base=head_base)
+        sent_rows = [(h, p.rows.pos + i * p.rows.stride) for p in sent(pair_plan(geo, dst, src).pieces)
+                     for h in p.heads for i in range(p.rows.count)]
+        assert len(sent_rows) == len(set(sent_rows)), f"{dst} <- {src}: a row travels twice"
+        assert set(sent_rows) == _read_rows(geo, dst, src), f"{dst} <- {src}"

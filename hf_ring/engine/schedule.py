@@ -5,7 +5,8 @@ every message without asking each other. At step ``s`` rank ``r`` receives from
 ``r - s`` exactly the rows its blocks need and sends ``r + s`` what that rank
 needs. Dense attention is the one-branch pattern ``(N, 1)``: the shards travel
 whole (or the half a causal zigzag rank can use). A dilated branch moves only its
-dilated rows, only between ranks that share a segment; an empty step is skipped.
+dilated rows, only between ranks that share a segment, and a row that several
+branches read travels once; an empty step is skipped.
 
 With documents packed into the rows, only tiles whose query and key rows
 share a document are kept, and only the key rows those tiles read travel.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .blocks import Progression, classify, default_tile, tiles
 from .documents import Documents, key_span, reach
@@ -272,8 +273,63 @@ def pair_plan(geo: Geometry, dst: int, src: int) -> PairPlan:
                         for _, (qt, kt, kind) in found:
                             off = (kt.pos - kp.pos) // rate
                             blocks.append(Block(qt, q_heads, pid, off, kt.count, kt.pos, kind))
-    # Only a transfer has rows to share; a rank's own rows are read in place.
-    return PairPlan(tuple(pieces if dst == src else _share_rows(pieces)), tuple(blocks))
+    if dst == src:  # a rank's own rows are read in place: only a transfer has rows to share
+        return PairPlan(tuple(pieces), tuple(blocks))
+    pieces, blocks = _cut_to_share(pieces, blocks, causal, window)
+    return PairPlan(tuple(_share_rows(pieces)), tuple(blocks))
+
+
+def _cut_to_share(pieces: List[Piece], blocks: List[Block], causal: bool,
+                  window: Optional[int]) -> Tuple[List[Piece], List[Block]]:
+    """Cut each piece where a part of it lies within another piece, so that part travels once, as a view.
+
+    A zigzag rank's two chunks are one run of positions, so a long segment's dilated rows span both while a
+    shorter segment's rows, at a rate dividing its own, lie in one: neither piece holds the other whole, and the
+    rows both read would travel twice. Cut pieces are cut again until no cut is left to make.
+    """
+    entries = [(i, 0, p.rows.count) for i, p in enumerate(pieces)]  # (piece, first item, count)
+    while True:
+        made = [Piece(pieces[i].heads, pieces[i].rows.sub(first, count)) for i, first, count in entries]
+        spans = [(p.rows.pos, p.rows.last_pos) for p in made]
+        cut = []
+        for (i, first, _), piece, (lo, hi) in zip(entries, made, spans):
+            at = set()
+            step = piece.rows.stride
+            for other, (o_lo, o_hi) in zip(made, spans):
+                if (o_hi < lo or o_lo > hi or (o_lo <= lo and o_hi >= hi)  # apart, or holding all of it
+                        or step % other.rows.stride or (lo - o_lo) % other.rows.stride  # its rows are none of ours
+                        or piece.heads[0] not in other.heads):
+                    continue
+                inside = piece.rows.clip(o_lo, o_hi)
+                if inside is not None and contains(other, Piece(piece.heads, inside)):
+                    at.update((inside.pos, inside.last_pos + 1))
+            for part in piece.rows.split(at) if at else [piece.rows]:
+                cut.append((i, first + (part.pos - piece.rows.pos) // piece.rows.stride, part.count))
+        if len(cut) == len(entries):
+            return made, _recut(blocks, entries, causal, window)
+        entries = cut
+
+
+def _recut(blocks: Sequence[Block], entries: Sequence[Tuple[int, int, int]], causal: bool,
+           window: Optional[int]) -> List[Block]:
+    """``blocks`` over new pieces, new piece ``j`` being items ``first .. first+count-1`` of old piece ``i``
+    (``entries[j] = (i, first, count)``): each block cut to the part of its keys in each, a cut one re-classified from
+    positions."""
+    out = []
+    for blk in blocks:
+        for new_id, (pid, first, count) in enumerate(entries):
+            if pid != blk.piece:
+                continue
+            lo, hi = max(blk.k_off, first), min(blk.k_off + blk.nk, first + count)
+            if lo >= hi:
+                continue
+            k_pos = blk.k_pos + (lo - blk.k_off) * blk.q.stride
+            whole = (lo, hi) == (blk.k_off, blk.k_off + blk.nk)
+            kind = blk.kind if whole or blk.kind == "span" else classify(
+                blk.q, Progression(0, k_pos, hi - lo, blk.q.stride), causal, window)
+            if kind is not None:
+                out.append(Block(blk.q, blk.q_heads, new_id, lo - first, hi - lo, k_pos, kind))
+    return out
 
 
 def chunk_pair(plan: PairPlan, budget: int, causal: bool, window: Optional[int]) -> List[PairPlan]:
@@ -321,20 +377,7 @@ def chunk_pair(plan: PairPlan, budget: int, causal: bool, window: Optional[int])
                 if lo <= hi:
                     pieces.append(Piece(alias.heads, alias.rows.sub(lo, hi - lo + 1), new_parent))
                     entries.append((aid, lo, hi - lo + 1))
-        blocks = []
-        for blk in plan.blocks:
-            for new_id, (pid, first, count) in enumerate(entries):
-                if pid != blk.piece:
-                    continue
-                lo, hi = max(blk.k_off, first), min(blk.k_off + blk.nk, first + count)
-                if lo >= hi:
-                    continue
-                k_pos = blk.k_pos + (lo - blk.k_off) * blk.q.stride
-                kind = "span" if blk.kind == "span" else classify(blk.q, Progression(0, k_pos, hi - lo, blk.q.stride),
-                                                                   causal, window)
-                if kind is not None:
-                    blocks.append(Block(blk.q, blk.q_heads, new_id, lo - first, hi - lo, k_pos, kind))
-        out.append(PairPlan(tuple(pieces), tuple(blocks)))
+        out.append(PairPlan(tuple(pieces), tuple(_recut(plan.blocks, entries, causal, window))))
     return out
 
 
