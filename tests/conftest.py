@@ -1,4 +1,5 @@
 import json
+import multiprocessing.util
 import os
 import shutil
 import sys
@@ -28,6 +29,9 @@ def pytest_configure(config):
     config.stash[ERRORS] = {}
     # The ranks, launches and trainers a test starts write with tempfile in processes of their own, which inherit
     # TMPDIR: pointing it at one folder per session lets the session remove all they leave behind.
+    # multiprocessing removes its folder for this process at exit, after the scratch folder is gone: made first, it
+    # lies outside it.
+    multiprocessing.util.get_temp_dir()
     config.stash[SCRATCH] = tempfile.mkdtemp(prefix="hf_ring_tests_")
     os.environ["TMPDIR"] = config.stash[SCRATCH]
     tempfile.tempdir = None  # tempfile caches the folder it chose first
