@@ -306,6 +306,8 @@ def _cut_to_share(pieces: List[Piece], blocks: List[Block], causal: bool,
             for part in piece.rows.split(at) if at else [piece.rows]:
                 cut.append((i, first + (part.pos - piece.rows.pos) // piece.rows.stride, part.count))
         if len(cut) == len(entries):
+            if len(entries) == len(pieces):  # nothing was cut: the blocks stand as planned
+                return pieces, blocks
             return made, _recut(blocks, entries, causal, window)
         entries = cut
 
@@ -313,7 +315,7 @@ def _cut_to_share(pieces: List[Piece], blocks: List[Block], causal: bool,
 def _recut(blocks: Sequence[Block], entries: Sequence[Tuple[int, int, int]], causal: bool,
            window: Optional[int]) -> List[Block]:
     """``blocks`` over new pieces, new piece ``j`` being items ``first .. first+count-1`` of old piece ``i``
-    (``entries[j] = (i, first, count)``): each block cut to the part of its keys in each, a cut one re-classified from
+    (``entries[j] = (i, first, count)``): each block cut to the part of its keys in each and re-classified from
     positions."""
     out = []
     for blk in blocks:
@@ -324,9 +326,8 @@ def _recut(blocks: Sequence[Block], entries: Sequence[Tuple[int, int, int]], cau
             if lo >= hi:
                 continue
             k_pos = blk.k_pos + (lo - blk.k_off) * blk.q.stride
-            whole = (lo, hi) == (blk.k_off, blk.k_off + blk.nk)
-            kind = blk.kind if whole or blk.kind == "span" else classify(
-                blk.q, Progression(0, k_pos, hi - lo, blk.q.stride), causal, window)
+            kind = "span" if blk.kind == "span" else classify(blk.q, Progression(0, k_pos, hi - lo, blk.q.stride),
+                                                               causal, window)
             if kind is not None:
                 out.append(Block(blk.q, blk.q_heads, new_id, lo - first, hi - lo, k_pos, kind))
     return out
