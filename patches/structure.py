@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
+import weakref
 from typing import Any, List, Optional
 
 import torch
@@ -66,8 +67,9 @@ def _causal_lm_class_of(config_type: type) -> Optional[type]:
 def _backend_problems(cls: Optional[type]) -> List[str]:
     if cls is None or getattr(cls, "_supports_attention_backend", True):
         return []
-    return [f"{cls.__name__} does not route its attention through transformers' attention interface, "
-            "so ring_dilated would never see the other shards"]
+    return [f"{cls.__name__} does not declare that its attention goes through transformers' attention interface "
+            "(its class leaves _supports_attention_backend False), so hf_ring cannot know that every attention of it "
+            "sees the other shards"]
 
 
 def multimodal_keys(config) -> List[str]:
@@ -110,12 +112,43 @@ def module_problems(model: torch.nn.Module) -> List[str]:
     mixers = sorted({type(m).__name__ for m in model.modules() if SEQUENCE_MIXER.search(type(m).__name__)})
     if mixers:
         problems.append(f"non-attention sequence mixers: {_listed(mixers)}")
+    counting = counting_embeddings(model)
+    known = set() if counting is None else {id(m) for m in counting.modules()}
     numbered = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding)
-                and "position" in name and m.padding_idx is not None]
+                and "position" in name and m.padding_idx is not None and id(m) not in known]
     if numbered:
-        problems.append(f"learned positions counted from the padding of its own input ids ({_listed(numbered)}, "
-                        "RoBERTa-style), which no shard holds whole")
+        problems.append(f"learned positions counted from the padding of its own input ids ({_listed(numbered)}), "
+                        "which no shard holds whole, by code hf_ring does not know")
     return problems
+
+
+def counting_embeddings(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The embeddings module that counts positions from the padding of its own input ids (RoBERTa-style:
+    ``create_position_ids_from_input_ids(ids, padding_idx, offset)``), or None.
+
+    Such a model numbers a row's tokens ``padding_idx + 1, + 2, ...`` skipping
+    padding, where a shard would count from its own first row; the guard on a
+    sharded call hands it the positions it would count on the whole row
+    (:mod:`hf_ring.integration.positions`).
+    """
+    if model in _COUNTING:
+        return _COUNTING[model]()
+    found = _counting(model)
+    _COUNTING[model] = (lambda: None) if found is None else weakref.ref(found)
+    return found
+
+
+_COUNTING: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+"""Per model, what :func:`counting_embeddings` found (each sharded call asks; the modules do not change)."""
+
+
+def _counting(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    for m in model.modules():
+        if callable(getattr(m, "create_position_ids_from_input_ids", None)) and \
+                isinstance(getattr(m, "padding_idx", None), int) and \
+                isinstance(getattr(m, "position_embeddings", None), torch.nn.Embedding):
+            return m
+    return None
 
 
 def problems(model_or_config: Any) -> List[str]:

@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+import hybrid_models
+
 ROWS = 61
 """Tokens of the sweep's rows: longer than every shrunk window and chunk, and not a multiple of anything."""
 WINDOW = 8
@@ -35,7 +37,9 @@ SIZES = {
     # state-space and linear-attention layers of hybrids
     "mamba_d_state": 8, "mamba_n_heads": 4, "mamba_d_head": 16, "ssm_state_size": 8, "state_size": 8,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-    "conv_L_cache": 3,
+    "conv_L_cache": 3, "mamba_n_heads": 8, "mamba_num_heads": 8, "mamba_head_dim": 16, "mamba_d_ssm": 128,
+    "mamba_headdim": 16, "n_mamba_heads": 8, "linear_num_heads": 4, "linear_head_dim": 16, "mamba_chunk_size": 16,
+    "chunk_size": 16,
 }
 """Sizes a tiny model of any type takes, where its config has the setting (aliases resolved by the config)."""
 
@@ -75,28 +79,55 @@ def _set(cfg, name: str, value: Any) -> None:
         pass
 
 
-def shrink(cfg, vision: bool = False):
-    """A tiny copy of ``cfg`` (nested text and vision configs included)."""
+def _no_dropout(cfg) -> None:
+    """Every dropout setting of ``cfg`` to 0, nested configs and dicts (MPT's ``attn_config``) included: a type is
+    judged by its structure, not refused for its dropout."""
+    for name, value in list(vars(cfg).items()):
+        if "drop" in name and isinstance(value, (int, float)) and not isinstance(value, bool) and value:
+            _set(cfg, name, 0.0)
+        elif isinstance(value, dict):
+            for key, inner in value.items():
+                if isinstance(key, str) and "drop" in key and isinstance(inner, (int, float)) and not isinstance(inner, bool):
+                    value[key] = 0.0
+        elif hasattr(value, "to_dict") and value is not cfg and not name.startswith("_"):
+            _no_dropout(value)
+
+
+def _shrink_mrope(cfg) -> None:
+    """mRoPE's sections (Qwen-VL, GLM-4V) cover half the head: cut them to the shrunk head, in their proportions."""
+    rope = getattr(cfg, "rope_parameters", None)
+    head = getattr(cfg, "head_dim", None) or SIZES["head_dim"]
+    if not isinstance(rope, dict) or "mrope_section" not in getattr(cfg, "ignore_keys_at_rope_validation", ()):
+        return
+    sections = list(rope.get("mrope_section") or (16, 24, 24))  # the models' default when the config has none
+    half, total = head // 2, sum(sections)
+    cut = [max(1, s * half // total) for s in sections]
+    cut[0] += half - sum(cut)
+    rope["mrope_section"] = cut
+
+
+def shrink(cfg, vision: bool = False, keep_layers: bool = False):
+    """A tiny copy of ``cfg`` (nested text and vision configs included); ``keep_layers``: the layer pattern was
+    chosen already (:mod:`hybrid_models`), so keep every layer."""
     cfg = copy.deepcopy(cfg)
     for name, value in SIZES.items():
         current = getattr(cfg, name, False)
         if current is None and name in ("head_dim", "num_key_value_heads") or (
                 isinstance(current, int) and not isinstance(current, bool)):
             _set(cfg, name, value)
+    _shrink_mrope(cfg)
     if isinstance(getattr(cfg, "rotary_dim", None), int):
         _set(cfg, "rotary_dim", 8)
     for name, value in LENGTHS.items():
         if isinstance(getattr(cfg, name, None), int) and getattr(cfg, name) > 0:
             setattr(cfg, name, value)
-    chosen = _pick_layers(cfg)
+    chosen = None if keep_layers else _pick_layers(cfg)
     if chosen is not None:
         layers = cfg.num_hidden_layers
         for name, values in _per_layer_lists(cfg, layers).items():
             setattr(cfg, name, type(values)(values[i] for i in chosen))
         cfg.num_hidden_layers = len(chosen)
-    for name, value in list(vars(cfg).items()):
-        if "drop" in name and isinstance(value, float):
-            _set(cfg, name, 0.0)
+    _no_dropout(cfg)
     if isinstance(getattr(cfg, "vocab_size", None), int) and cfg.vocab_size > 4096:
         special = [v for k, v in vars(cfg).items() if isinstance(v, int) and not isinstance(v, bool)
                    and (k.endswith("token_id") or k.endswith("token_index"))]
@@ -119,24 +150,62 @@ def causal_lm_types() -> List[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def build(model_type: str, attn: str = "eager", dtype: torch.dtype = torch.float32) -> Tuple[Any, Optional[str]]:
-    """``(model, None)``, or ``(None, why it cannot be built tiny)``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def causal_lm_rows() -> List[Tuple[str, Optional[str]]]:
+    """``(type, pattern)`` for every causal-LM type: a hybrid twice (with its attention layers, recurrent only), a
+    purely recurrent type in its recurrent form, any other type from its default layers (pattern None)."""
+    rows = []
+    for t in causal_lm_types():
+        if t in hybrid_models.TYPES:
+            rows += [(t, p) for p in hybrid_models.PATTERNS if hybrid_models.pattern_kwargs(t, p) is not None]
+        else:
+            rows.append((t, None))
+    return rows
 
+
+IMAGE_TEXT = "image-text"
+"""The ``head`` of the image-text-to-text sweep (else the causal-LM one)."""
+
+
+def _auto(head: Optional[str]):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if head == IMAGE_TEXT else AutoModelForCausalLM
+
+
+def image_text_types() -> List[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def build(model_type: str, attn: str = "eager", dtype: torch.dtype = torch.float32,
+          pattern: Optional[str] = None, head: Optional[str] = None) -> Tuple[Any, Optional[str]]:
+    """``(model, None)``, or ``(None, why it cannot be built tiny)``; ``pattern``: a hybrid's layers
+    (:mod:`hybrid_models`), else one layer of each kind its default config mixes; ``head``: :data:`IMAGE_TEXT`
+    for the image-text-to-text model of a multimodal type (else its causal LM)."""
+    from transformers import AutoConfig
+
+    auto = _auto(head)
+
+    chosen = hybrid_models.pattern_kwargs(model_type, pattern)
+    if chosen is None:
+        return None, f"no {pattern} form of {model_type}"
     try:
-        cfg = shrink(AutoConfig.for_model(model_type))
+        cfg = shrink(AutoConfig.for_model(model_type, **chosen), keep_layers=bool(chosen))
+        for name, value in hybrid_models.SIZE_FIXES.get(model_type, {}).items():
+            _set(cfg, name, value)
     except Exception as err:  # noqa: BLE001 -- the reason is the row
         return None, f"config: {type(err).__name__}: {str(err)[:160]}"
     try:
         with torch.device("meta"):  # sized first: a config the shrinking missed is listed, not allocated
-            size = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).parameters())
+            size = sum(p.numel() for p in auto.from_config(cfg, attn_implementation=attn).parameters())
     except Exception as err:  # noqa: BLE001
         return None, f"build: {type(err).__name__}: {str(err)[:160]}"
     if size > MAX_PARAMETERS:
         return None, f"still {size / 1e6:.0f}M parameters once shrunk"
     torch.manual_seed(0)
     try:
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
+        model = auto.from_config(cfg, attn_implementation=attn, dtype=dtype)
     except Exception as err:  # noqa: BLE001
         return None, f"build: {type(err).__name__}: {str(err)[:160]}"
     return model.eval(), None
@@ -169,11 +238,11 @@ def logits_of(model, batch, attn: str) -> Tuple[torch.Tensor, int]:
     return out.logits.float(), calls[0]
 
 
-def one_process_row(model_type: str) -> Dict[str, Any]:
+def one_process_row(model_type: str, pattern: Optional[str] = None, head: Optional[str] = None) -> Dict[str, Any]:
     """``{"type", "status": exact | wrong | refused | unbuilt | eager-fails, "error" or "why"}`` for one type."""
     import hf_ring  # noqa: F401  (registers ring_dilated)
 
-    model, why = build(model_type)
+    model, why = build(model_type, pattern=pattern, head=head)
     if model is None:
         return {"type": model_type, "status": "unbuilt", "why": why}
     batch = inputs(model_type)
@@ -206,9 +275,10 @@ def _grads(model) -> Dict[str, torch.Tensor]:
             for name, p in model.named_parameters()}
 
 
-def eager_step(model_type: str, seed: int = 1, dtype: torch.dtype = torch.float64) -> Dict[str, Any]:
+def eager_step(model_type: str, seed: int = 1, dtype: torch.dtype = torch.float64,
+               pattern: Optional[str] = None, head: Optional[str] = None) -> Dict[str, Any]:
     """One-process ``eager`` loss and every parameter gradient of the type's tiny model on the sweep's batch."""
-    model, why = build(model_type, dtype=dtype)
+    model, why = build(model_type, dtype=dtype, pattern=pattern, head=head)
     assert model is not None, why
     model.eval()  # gradients all the same; no stochastic routing (PhiMoE samples experts in training)
     batch = inputs(model_type, seed=seed)
@@ -217,7 +287,8 @@ def eager_step(model_type: str, seed: int = 1, dtype: torch.dtype = torch.float6
     return {"loss": out.loss.detach(), "grads": _grads(model)}
 
 
-def sharded_step_case(model_type: str, seed: int = 1, dtype: torch.dtype = torch.float64) -> Dict[str, Any]:
+def sharded_step_case(model_type: str, seed: int = 1, dtype: torch.dtype = torch.float64,
+                      pattern: Optional[str] = None, head: Optional[str] = None) -> Dict[str, Any]:
     """Rank function: the same step with the sequence split over the pool's ranks (``shard_batch``, the loss and
     summed gradients); what each rank raised, if anything, in place of the results."""
     import torch.distributed as dist
@@ -226,18 +297,17 @@ def sharded_step_case(model_type: str, seed: int = 1, dtype: torch.dtype = torch
 
     sp = hf_ring.setup_sequence_parallel(None)
     try:
-        model, why = build(model_type, "ring_dilated", dtype)
-        if model is None:
-            return {"refused": why}
+        model, why = build(model_type, "ring_dilated", dtype, pattern, head)
+        if model is None:  # transformers itself cannot load it with ring_dilated (its attention ignores the interface)
+            return {"unbuilt": why}
         model.eval()
         batch = inputs(model_type, seed=seed)
-        try:
-            hf_ring.patches.apply(model)
+        try:  # the documented loop: the guard on the model's call checks the model itself
             data = hf_ring.shard_batch({**batch, "labels": batch["input_ids"]})
             out = model(**data)
             out.loss.backward()
         except (NotImplementedError, ValueError, TypeError) as err:
-            return {"refused": f"{type(err).__name__}: {err}"}
+            return {"refused": f"{type(err).__name__}: {err}", "built": model.config.model_type}
         hf_ring.sync_gradients(model)
         loss = out.loss.detach().clone()
         dist.all_reduce(loss, group=sp.sp_group)

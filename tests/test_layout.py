@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from hf_ring import local_positions, shard_sizes
-from hf_ring.engine.layout import chunk_bounds, infer_seq_len, local_runs, owner
+from hf_ring.engine.layout import chunk_bounds, infer_seq_len, local_runs, owner, totals_before
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
@@ -64,3 +64,21 @@ def test_owner_agrees_with_local_positions(layout, n, world):
             assert owner(p, n, world, layout) == r
     with pytest.raises(ValueError, match="position must be in"):
         owner(n, n, world, layout)
+
+
+@pytest.mark.parametrize("world, layout, ulysses", [(2, "zigzag", 1), (3, "zigzag", 1), (4, "contiguous", 1),
+                                                    (4, "zigzag", 2)])
+def test_totals_before_each_run_are_the_counts_of_every_earlier_row(world, layout, ulysses):
+    """A count along the sequence continued across ranks: per run, what every run before it holds."""
+    n = 29
+    counted = torch.randint(0, 2, (3, n))
+    runs = [local_runs(n, r, world, layout, ulysses) for r in range(world)]
+    width = max(len(r) for r in runs)
+    totals = torch.zeros(world, 3, width, dtype=torch.long)
+    for r, mine in enumerate(runs):
+        for i, (a, b) in enumerate(mine):
+            totals[r, :, i] = counted[:, a:b].sum(1)
+    for r, mine in enumerate(runs):
+        got = totals_before(runs, totals, r)
+        want = torch.stack([counted[:, :a].sum(1) for a, _ in mine], dim=1) if mine else torch.zeros(3, 0)
+        assert torch.equal(got, want.long()), (r, got, want)

@@ -84,7 +84,7 @@ def test_convolutions_and_mixers_are_found_in_the_modules_and_other_refusals():
     with pytest.raises(ValueError, match=r"convolutions mix neighbouring tokens: model.layers.0.conv.conv \(Conv1d\); "
                                          r"non-attention sequence mixers: Lfm2ShortConv"):
         patches.check_supported(model)
-    with pytest.raises(ValueError, match="BloomForCausalLM does not route its attention"):
+    with pytest.raises(ValueError, match="BloomForCausalLM does not declare that its attention goes through"):
         patches.check_supported(AutoConfig.for_model("bloom", n_layer=2, hidden_size=64, n_head=4))
     with pytest.raises(ValueError, match="'llava_next' cannot run .* multimodal .* not among the multimodal families"):
         patches.check_supported(AutoConfig.for_model("llava_next"))

@@ -1,9 +1,11 @@
 """Every causal-LM type of the installed transformers, shrunk from its own defaults: exact against ``eager`` in
 one process and on 2 ranks, or refused with a message; a type that cannot be built tiny is skipped with why.
 
-The net under :mod:`hf_ring.integration.masks`: a model whose mask says more than causality
-and a window (chunks, blocks, a window known only to its mask) is computed
-exactly or refused, never silently wrong; a new type or release shows up here.
+The net under :mod:`hf_ring.integration.masks` and the guard on a sharded call: a model whose mask says more
+than causality and a window (chunks, blocks, a window known only to its mask), that mixes the sequence other
+than through attention (a state-space scan, a convolution, positions counted from its own input ids) or whose
+layers never reach the attention backend is computed exactly or refused on every rank, never silently wrong. A
+hybrid type is built twice (:mod:`hybrid_models`): with its attention layers and with recurrent layers only.
 """
 import warnings
 
@@ -16,49 +18,82 @@ from helpers import gradient_errors, rel_err
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 TOL = 1e-5
-TYPES = sweep.causal_lm_types()
-ROWS = {}
+ROWS = sweep.causal_lm_rows()
+IDS = [t if p is None else f"{t}-{p}" for t, p in ROWS]
+FOUND = {}
 
 
-def row(model_type):
-    if model_type not in ROWS:
+def row(model_type, pattern):
+    if (model_type, pattern) not in FOUND:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ROWS[model_type] = sweep.one_process_row(model_type)
-    return ROWS[model_type]
+            FOUND[model_type, pattern] = sweep.one_process_row(model_type, pattern)
+    return FOUND[model_type, pattern]
 
 
-def skip_unrunnable(found):
-    if found["status"] in ("unbuilt", "eager-fails", "not-routed"):
+def skip_unbuildable(found):
+    if found["status"] in ("unbuilt", "eager-fails"):
         pytest.skip(f"{found['status']}: {found['why'][:200]}")
 
 
 @pytest.mark.compat  # the net for a new release: every type of it, in one process
-@pytest.mark.parametrize("model_type", TYPES)
-def test_one_process_is_exact_or_refused(model_type):
-    found = row(model_type)
-    skip_unrunnable(found)
+@pytest.mark.parametrize("model_type, pattern", ROWS, ids=IDS)
+def test_one_process_is_exact_or_refused(model_type, pattern):
+    found = row(model_type, pattern)
+    skip_unbuildable(found)
+    if found["status"] == "not-routed":
+        pytest.skip(found["why"])  # its own code ran: nothing of hf_ring's to compare in one process
     assert found["status"] in ("exact", "refused"), found
     if found["status"] == "refused":
         assert "attn_implementation='sdpa'" in found["why"] or "attn_implementation='eager'" in found["why"], found
 
 
-@pytest.mark.parametrize("model_type", TYPES)
-def test_two_ranks_are_exact_or_refused_alike(pools, model_type):
-    found = row(model_type)
-    skip_unrunnable(found)
+def check_two_ranks(model_type, got, want):
+    """Both ranks refused with the same one-line message naming the type, or the step equals one process's."""
+    if any(r.get("unbuilt") for r in got):
+        pytest.skip(f"transformers cannot build it with ring_dilated: {got[0].get('unbuilt')}")
+    refusals = [r.get("refused") for r in got]
+    if any(refusals):
+        assert refusals[0] == refusals[1], refusals  # the same error on every rank
+        named = {repr(model_type), repr(got[0]["built"])}  # a multimodal type builds its text model's config
+        assert "\n" not in refusals[0] and any(n in refusals[0] for n in named), refusals[0]
+        return "refused"
+    errs = {"loss": rel_err(got[0]["loss"], want["loss"]), **gradient_errors(got[0]["grads"], want["grads"])}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= TOL, (worst, errs[worst])
+    return "exact"
+
+
+@pytest.mark.parametrize("model_type, pattern", ROWS, ids=IDS)
+def test_two_ranks_are_exact_or_refused_alike(pools, model_type, pattern):
+    found = row(model_type, pattern)
+    skip_unbuildable(found)
     if found["status"] == "refused":
         pytest.skip("refused in one process")
     # float64 where the model runs in it: rounding stays far below the bound, and a wrong pair does not
     try:
-        dtype, want = torch.float64, sweep.eager_step(model_type)
+        dtype, want = torch.float64, sweep.eager_step(model_type, pattern=pattern)
     except RuntimeError:  # a kernel without float64 (grouped expert matmuls)
-        dtype, want = torch.float32, sweep.eager_step(model_type, dtype=torch.float32)
-    got = pools(2).run(sweep.sharded_step_case, model_type, dtype=dtype)
-    refusals = [r.get("refused") for r in got]
-    if any(refusals):
-        assert refusals[0] == refusals[1], refusals  # the same error on every rank
-        return
-    errs = {"loss": rel_err(got[0]["loss"], want["loss"]), **gradient_errors(got[0]["grads"], want["grads"])}
-    worst = max(errs, key=errs.get)
-    assert errs[worst] <= TOL, (worst, errs[worst])
+        dtype, want = torch.float32, sweep.eager_step(model_type, dtype=torch.float32, pattern=pattern)
+    got = pools(2).run(sweep.sharded_step_case, model_type, dtype=dtype, pattern=pattern)
+    check_two_ranks(model_type, got, want)
+
+
+IMAGE_TEXT = sweep.image_text_types()
+
+
+@pytest.mark.parametrize("model_type", IMAGE_TEXT)
+def test_image_text_models_on_two_ranks_are_exact_or_refused_alike(pools, model_type):
+    """Every image-text-to-text type on text rows: its language model split (a tested family) or the whole model
+    refused, on every rank alike."""
+    found = FOUND.setdefault((model_type, sweep.IMAGE_TEXT), sweep.one_process_row(model_type, head=sweep.IMAGE_TEXT))
+    skip_unbuildable(found)
+    assert found["status"] in ("exact", "refused", "not-routed"), found
+    if found["status"] == "refused":
+        pytest.skip("refused in one process")
+    try:
+        dtype, want = torch.float64, sweep.eager_step(model_type, head=sweep.IMAGE_TEXT)
+    except RuntimeError:
+        dtype, want = torch.float32, sweep.eager_step(model_type, dtype=torch.float32, head=sweep.IMAGE_TEXT)
+    got = pools(2).run(sweep.sharded_step_case, model_type, dtype=dtype, head=sweep.IMAGE_TEXT)
+    check_two_ranks(model_type, got, want)

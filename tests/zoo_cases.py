@@ -27,12 +27,15 @@ def zoo_train_case(path, b, n, seed, ulysses=1):
         dist.all_reduce(loss, group=sp.sp_group)
         logits = hf_ring.gather_sequence(out.logits.detach(), n)
         grads = {name: zero_if_none(p) for name, p in model.named_parameters()} if dist.get_rank() == 0 else None
-        # A fresh model (no RoPE state from the run above) with every shard using its own length.
+        # A fresh model (no RoPE state from the run above) with every shard using its own length: the patches
+        # undone, and the guard on the model's call kept from making them again.
         hf_ring.patches.revert_all()
+        patch_rotary, hf_ring.patches.rope.patch_rotary = hf_ring.patches.rope.patch_rotary, lambda cls: False
         try:
             with torch.no_grad():
                 unpatched = hf_ring.gather_sequence(load(path, "ring_dilated")(**data).logits, n)
         finally:
+            hf_ring.patches.rope.patch_rotary = patch_rotary
             hf_ring.patches.apply_all()
         return {"loss": float(loss), "logits": logits, "grads": grads, "unpatched_logits": unpatched}
     finally:

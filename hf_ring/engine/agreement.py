@@ -107,7 +107,7 @@ def agree_table(comm: RingComm, mine: Optional[Facts], codes: Sequence[Tuple[str
     table = [Facts(*r[:_WIDTH]) for r in both]
     sharded = [f.sharded for f in table]
     if not all(sharded):
-        raise ValueError(_disagreement("sharded inputs", sharded))
+        raise unsharded_error([r for r, v in enumerate(sharded) if not v])
     shared = [f for f in fields(Facts) if f.metadata.get("shared")]
     for name, values in differing([[getattr(row, f.name) for f in shared] for row in table],
                                   [f.name for f in shared]).items():
@@ -151,6 +151,19 @@ def _name_the_option(comm: RingComm, codes: Sequence[Tuple[str, int]]) -> None:
             raise ValueError(f"the ranks passed different {name}: {shown} (by rank); pass the same on every rank")
 
 
+UNSHARDED_RANKS = "unsharded_ranks"
+"""The attribute naming, on the ValueError of :func:`unsharded_error`, the group ranks whose attention got no sharded
+inputs: a caller that knows the forward *was* sharded (the guard on the model's call) can then tell a model that
+dropped the forward's context on the way to its attention from a batch that was never sharded."""
+
+
+def unsharded_error(ranks: Sequence[int]) -> ValueError:
+    """The error of a forward under sequence parallelism whose attention got no sharded inputs on ``ranks``."""
+    error = ValueError(unsharded_message(ranks))
+    setattr(error, UNSHARDED_RANKS, list(ranks))
+    return error
+
+
 def unsharded_message(ranks: Sequence[int]) -> str:
     return (
         f"rank(s) {list(ranks)} ran a forward whose inputs were not sharded for sequence parallelism, so each rank "
@@ -161,8 +174,6 @@ def unsharded_message(ranks: Sequence[int]) -> str:
 
 
 def _disagreement(name: str, values: List[int]) -> str:
-    if name == "sharded inputs":
-        return unsharded_message([r for r, v in enumerate(values) if not v])
     if name == "batch contents":
         return ("the ranks of a sequence-parallel group passed different batches to hf_ring.shard_batch; every rank "
                 "of a group must shard the same global batch (only data-parallel ranks differ)")

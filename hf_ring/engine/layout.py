@@ -164,6 +164,25 @@ def runs_to_local(runs: Sequence[Run]) -> List[Tuple[int, int, int]]:
     return out
 
 
+def totals_before(runs_by_rank: Sequence[Sequence[Run]], totals: torch.Tensor, rank: int) -> torch.Tensor:
+    """Per run of ``rank``, the sum of ``totals`` over every run (of any rank) that lies before it.
+
+    ``totals[r, ..., i]`` belongs to run ``i`` of rank ``r`` (runs padded to
+    the longest list, extra entries ignored); the result is ``(..., runs of
+    rank)``. Runs never overlap, so a run lies before another when it starts
+    earlier: what a count along the sequence (a cumulative sum) adds to a run
+    from the rows other ranks hold.
+    """
+    mine = runs_by_rank[rank]
+    out = totals.new_zeros(totals.shape[1:-1] + (len(mine),))
+    for r, runs in enumerate(runs_by_rank):
+        for i, (start, _) in enumerate(runs):
+            for j, (mine_start, _) in enumerate(mine):
+                if start < mine_start:
+                    out[..., j] += totals[r, ..., i]
+    return out
+
+
 def infer_seq_len(local_lens: Sequence[int], layout: str = "zigzag", ulysses: int = 1) -> int:
     """Global length from every rank's row count; raises if no length gives these shards."""
     world_size = len(local_lens)

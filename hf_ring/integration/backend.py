@@ -296,6 +296,7 @@ def _sharded(module, query: Tensor, key: Tensor, value: Tensor, spec: AttentionS
     rank that holds no row of the sequence runs the model on a placeholder
     row: the ring gets none of it, and its output there is zero.
     """
+    forward.mixing()
     if forward.placeholder:
         key_valid = spec.key_mask
         out = _sharded(module, query[:, :, :0], key[:, :, :0], value[:, :, :0],

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..engine.agreement import agree_table, facts, global_length, unsharded_message
+from ..engine.agreement import agree_table, facts, global_length, unsharded_error
 from ..engine.comm import RingComm
 from ..engine.documents import Documents, check_documents, chunk_ids, document_ids, starts_of_ids
 from ..engine.layout import local_positions, shard_sizes
@@ -66,7 +66,9 @@ class ShardedForward(ForwardContext):
     :func:`hf_ring.setup_sequence_parallel`);
     ``left_padding``: each batch row's padded rows before its first token,
     and ``positions`` the global ``(B, n)`` position ids (None: ``0..n-1``):
-    where chunked attention (Llama 4) starts its chunks.
+    where chunked attention (Llama 4) starts its chunks; ``positions_given``:
+    the batch brought its own position ids (else :func:`hf_ring.shard_batch`
+    counted them, and a model that counts its own is given what it would count).
     """
 
     seq_len: int
@@ -81,10 +83,13 @@ class ShardedForward(ForwardContext):
     ring_comm: Optional[RingComm] = None
     left_padding: Optional[Tuple[int, ...]] = None
     positions: Optional[Tensor] = None
+    positions_given: bool = False
     _chunks: Dict[Tuple[int, bool], Optional[Documents]] = field(default_factory=dict, repr=False)
     _agreed: Dict[Tuple, bool] = field(default_factory=dict, repr=False)
     _group_masks: List[Tuple[Tensor, Tensor]] = field(default_factory=list, repr=False)
     _rows: Dict[str, Tensor] = field(default_factory=dict, repr=False)
+    _mixers: int = field(default=0, repr=False)
+    _open_calls: int = field(default=0, repr=False)
 
     @classmethod
     def over(cls, sp: Optional[SequenceParallel], seq_len: int, layout: str, **facts: Any) -> "ShardedForward":
@@ -178,6 +183,23 @@ class ShardedForward(ForwardContext):
             agree_table(self.comm, None, (), error)
         raise error
 
+    def mixing(self) -> None:
+        """Note that one sequence-mixing layer (an attention call, a recurrent layer) ran over the shards."""
+        self._mixers += 1
+
+    @property
+    def mixers(self) -> int:
+        """Sequence-mixing layers hf_ring has run over the shards in this forward (recomputations included)."""
+        return self._mixers
+
+    def enter_call(self) -> bool:
+        """A model's call with this forward begins; True for the outermost one (see :meth:`leave_call`)."""
+        self._open_calls += 1
+        return self._open_calls == 1
+
+    def leave_call(self) -> None:
+        self._open_calls -= 1
+
     @property
     def collectives(self) -> int:
         """Agreement collectives this forward has issued (one per kind of layer on several ranks)."""
@@ -191,4 +213,4 @@ def refuse_unsharded(comm: RingComm, q: Tensor, k: Tensor, opts: AttentionSpec) 
     ranks forgot to shard fails at once everywhere instead of timing out.
     """
     agree_table(comm, facts(q, k, None, opts, False, False))  # raises: this rank's row says unsharded
-    raise ValueError(unsharded_message([comm.rank]))
+    raise unsharded_error([comm.rank])

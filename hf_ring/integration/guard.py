@@ -6,25 +6,33 @@ A forward given :func:`hf_ring.shard_batch` inputs (or a step of
 Another attention (``sdpa``, ``eager``, ``flash_attention_2``) ignores it and
 attends each rank's rows to that rank's own keys only: a wrong loss with
 nothing raised. :func:`install` makes every transformers model refuse such a
-call, on every rank at once, before the model computes anything. Calls
-without that context (every call of a model that hf_ring never sees) pass
-through untouched. A multimodal batch from :func:`hf_ring.shard_batch` carries a
+call, on every rank at once, before the model computes anything; so is a
+model whose modules mix the sequence other than through what hf_ring computes
+(:func:`hf_ring.patches.check_supported`, once per model object). A forward
+over shards that still ends without hf_ring having computed one
+sequence-mixing layer, or whose attention never saw the shards (a model that
+drops the forward's keyword arguments on the way), is refused on every rank
+too, naming the model. Calls without that context (every call of a model that
+hf_ring never sees) pass through untouched. A multimodal batch from :func:`hf_ring.shard_batch` carries a
 :class:`~hf_ring.integration.media.MediaForward`: the call of the model's
 language model gets this rank's rows (:func:`~hf_ring.integration.media.enter`),
 and is checked like any sharded call.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+import weakref
+from typing import Any, Mapping, Optional, Tuple
 
 import torch
 from transformers import PreTrainedModel
 
-from ..patches import registry
+from ..engine.agreement import UNSHARDED_RANKS
+from ..patches import check_supported, registry, rope, rotary_modules
 from .config import ATTN_IMPLEMENTATION, CONFIG_KEY, attn_implementations, parse, runs_ring, shape_conflict
 from .context import CONTEXT_KEY, ForwardContext, ShardedForward
 from .groups import tp_place
 from .media import MediaForward, enter
+from .positions import counted_positions
 from .tp import sharding_error
 
 def other_attention_message(model: Any) -> str:
@@ -76,14 +84,91 @@ def refuse_other_sharding(model: Any, kwargs: Mapping[str, Any]) -> None:
         forward.fail(ValueError(message))
 
 
-WHY = ("refuses sequence-sharded inputs to a model whose attention is not ring_dilated, whose saved layout or "
-       "ulysses_size is not the setup's, or that is not sharded over the forward's tp group (other calls pass "
+_VERDICTS: "weakref.WeakKeyDictionary[Any, Tuple[Optional[ValueError], Tuple[type, ...]]]" = \
+    weakref.WeakKeyDictionary()
+"""Per model object, what :func:`hf_ring.patches.check_supported` said of it and its rotary classes (its modules
+do not change between forwards; the check walks all of them)."""
+
+
+def structure_error(model: Any) -> Optional[ValueError]:
+    """Why ``model``'s sequence cannot be split (its modules and config, :func:`hf_ring.patches.check_supported`),
+    or None; worked out once per model object. A model that can be split has its length-dependent RoPE made
+    global (:func:`hf_ring.patches.apply`; made again after ``clear_sequence_parallel`` undid it)."""
+    if model not in _VERDICTS:
+        try:
+            check_supported(model)
+            error = None
+        except ValueError as err:
+            error = err
+        _VERDICTS[model] = (error, tuple(dict.fromkeys(type(m) for m in rotary_modules(model))))
+    error, rotary = _VERDICTS[model]
+    if error is None:
+        for cls in rotary:
+            rope.patch_rotary(cls)
+    return error
+
+
+def refuse_structure(model: Any, kwargs: Mapping[str, Any]) -> None:
+    """Raise ValueError on every rank when sharded inputs reach a model that mixes the sequence other than through
+    what hf_ring computes (a state-space scan, a convolution, positions it cannot count), before any layer runs."""
+    forward = kwargs.get(CONTEXT_KEY)
+    error = structure_error(model)
+    if error is None:
+        return
+    error = ValueError(str(error))
+    if isinstance(forward, ShardedForward):
+        forward.fail(error)
+    raise error
+
+
+def _name(model: Any) -> str:
+    return f"{type(model).__name__} (model type {getattr(getattr(model, 'config', None), 'model_type', None)!r})"
+
+
+def unmixed_message(model: Any) -> str:
+    return (f"{_name(model)} ran a sequence-sharded forward in which hf_ring computed no sequence-mixing layer (no "
+            "ring_dilated attention call, no recurrent layer), so each layer saw only this rank's rows and the result "
+            "would be wrong; this model cannot run with its sequence split: run it in one process "
+            "(hf_ring.clear_sequence_parallel())")
+
+
+def dropped_context_message(model: Any) -> str:
+    return (f"{_name(model)} was given sequence-sharded inputs, but its layers do not hand the keyword arguments of "
+            "model(...) on to the attention function, so ring_dilated never learns that the rows are a shard: this "
+            "model cannot run with its sequence split; run it in one process (hf_ring.clear_sequence_parallel())")
+
+
+def _sharded_call(original, model: Any, forward: ShardedForward, args, kwargs):
+    """The model's call with a forward over shards: positions it counts itself made global, and refused on every rank
+    when the forward lost its context on the way to the attention or ended with no layer hf_ring computed."""
+    outermost = forward.enter_call()
+    try:
+        if outermost:
+            kwargs = counted_positions(model, forward, kwargs)
+        out = original(model, *args, **kwargs)
+    except ValueError as err:
+        # The backend saw no sharded inputs on this rank, though they arrived here: the model dropped them.
+        if (0 if forward.comm is None else forward.comm.rank) in getattr(err, UNSHARDED_RANKS, ()):
+            raise ValueError(dropped_context_message(model)) from None
+        raise
+    finally:
+        forward.leave_call()
+    if outermost and forward.mixers == 0:  # every rank ran the same model, so every rank raises here
+        raise ValueError(unmixed_message(model))
+    return out
+
+
+WHY = ("refuses sequence-sharded inputs to a model whose attention is not ring_dilated, whose structure mixes the "
+       "sequence other than through what hf_ring computes, whose saved layout or ulysses_size is not the setup's, or "
+       "that is not sharded over the forward's tp group, and a sharded forward in which no layer reached hf_ring; "
+       "hands a model that counts its own positions the ones it would count on the whole row (other calls pass "
        "through untouched); installed by import hf_ring and kept")
 
 
 @torch.compiler.disable  # may join the forward's agreement exchange: outside a compiled graph, on purpose
 def _refuse(model: Any, kwargs: Mapping[str, Any]) -> None:
     refuse_other_attention(model, kwargs)
+    refuse_structure(model, kwargs)
     refuse_other_shape(model, kwargs)
     refuse_other_sharding(model, kwargs)
 
@@ -101,6 +186,8 @@ def _guarded(original):
             forward = kwargs.get(CONTEXT_KEY)
         if forward is not None and not isinstance(forward, MediaForward):
             _refuse(self, kwargs)
+        if isinstance(forward, ShardedForward):
+            return _sharded_call(original, self, forward, args, kwargs)
         return original(self, *args, **kwargs)
 
     __call__.__wrapped__ = original

@@ -254,7 +254,7 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
             out["shift_labels"] = torch.full_like(out["shift_labels"], IGNORE_INDEX)
     forward = ShardedForward.over(
         group, n, layout, padded=mask is not None and not bool(mask.all()), left_padding=left_padding(mask),
-        positions=_text_positions(positions),
+        positions=_text_positions(positions), positions_given=batch.get("position_ids") is not None,
         contents=0 if group is None else (
             fingerprint(tokens, documents)),
         documents=documents,

@@ -1,0 +1,109 @@
+"""Layer patterns for the hybrid types of the installed transformers: with attention layers, and recurrent only.
+
+A hybrid (linear attention, Mamba, convolutions or RG-LRU beside a few
+attention layers) is built tiny by :mod:`sweep` from its own default config;
+this table says how each type's config spells its layer pattern, so that it
+can be built twice: four layers in a realistic pattern (three recurrent, then
+one attention layer, as Qwen3.5 and Qwen3-Next alternate them), and four
+recurrent layers with no attention at all. A type whose mixers cannot be told
+apart (Falcon-H1 runs Mamba beside attention in every layer) has no
+recurrent-only form.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+HYBRID = "hybrid"
+RECURRENT = "recurrent"
+PATTERNS = (HYBRID, RECURRENT)
+
+LAYERS = 4
+
+
+def _types(recurrent: str, attention: str = "full_attention") -> Callable[[str], Dict]:
+    """Three recurrent layers then one attention layer, or recurrent layers only (``config.layer_types``)."""
+    def kwargs(pattern: str) -> Dict:
+        last = attention if pattern == HYBRID else recurrent
+        return {"layer_types": [recurrent] * (LAYERS - 1) + [last], "num_hidden_layers": LAYERS}
+    return kwargs
+
+
+def _nemotron_h(pattern: str) -> Dict:
+    # Nemotron-H lists each mixer and each feed-forward block as a layer of its own ("M-M*-")
+    last = "full_attention" if pattern == HYBRID else "mlp"
+    return {"layers_block_type": ["linear_attention", "mlp", "linear_attention", last], "num_hidden_layers": LAYERS}
+
+
+def _jamba(pattern: str) -> Dict:
+    # every attn_layer_period-th layer from attn_layer_offset attends; a period past the layers leaves none
+    period = LAYERS if pattern == HYBRID else 2 * LAYERS
+    return {"num_hidden_layers": LAYERS, "attn_layer_period": period, "attn_layer_offset": period - 1,
+            "expert_layer_period": 2, "expert_layer_offset": 1}
+
+
+def _recurrent_gemma(pattern: str) -> Dict:
+    blocks = ["recurrent", "recurrent", "recurrent", "attention"] if pattern == HYBRID else ["recurrent"]
+    return {"num_hidden_layers": LAYERS, "block_types": blocks}
+
+
+def _bamba(pattern: str) -> Dict:
+    return {"num_hidden_layers": LAYERS, "attn_layer_indices": [LAYERS - 1] if pattern == HYBRID else []}
+
+
+def _falcon_h1(pattern: str) -> Optional[Dict]:
+    return {"num_hidden_layers": LAYERS} if pattern == HYBRID else None
+
+
+def _attending(pattern: str) -> Optional[Dict]:
+    """OLMo hybrid: its config refuses a pattern without attention."""
+    return _types("linear_attention")(pattern) if pattern == HYBRID else None
+
+
+def _pure(pattern: str) -> Optional[Dict]:
+    return {"num_hidden_layers": 2} if pattern == RECURRENT else None
+
+
+TYPES: Dict[str, Callable[[str], Optional[Dict]]] = {
+    "qwen3_5_text": _types("linear_attention"),
+    "qwen3_5_moe_text": _types("linear_attention"),
+    "qwen3_next": _types("linear_attention"),
+    "olmo_hybrid": _attending,
+    "minimax": _types("linear_attention"),
+    "kimi_linear": _types("linear_attention"),
+    "bailing_hybrid": _types("linear_attention"),
+    "granitemoehybrid": _types("linear_attention"),
+    "lfm2": _types("conv"),
+    "lfm2_moe": _types("conv"),
+    "nemotron_h": _nemotron_h,
+    "jamba": _jamba,
+    "recurrent_gemma": _recurrent_gemma,
+    "bamba": _bamba,
+    "falcon_h1": _falcon_h1,
+    "mamba": _pure,
+    "mamba2": _pure,
+    "falcon_mamba": _pure,
+    "rwkv": _pure,
+    "xlstm": _pure,
+}
+"""Per hybrid (or purely recurrent) type, the config keywords of each pattern (None: the type has no such form)."""
+
+
+SIZE_FIXES: Dict[str, Dict] = {
+    "kimi_linear": {"head_dim": 8, "num_key_value_heads": 4},  # MLA: the rotary part is qk_rope_head_dim wide
+    "bailing_hybrid": {"head_dim": 8, "num_key_value_heads": 4},
+    "mamba2": {"num_heads": 8},  # heads x head_dim = expand x hidden
+}
+"""Sizes the sweep's shrinking leaves inconsistent for these types, set after it."""
+
+
+def pattern_kwargs(model_type: str, pattern: Optional[str]) -> Optional[Dict]:
+    """Config keywords that give ``model_type`` the layer ``pattern`` ({} for a type that is not a hybrid, or
+    no pattern asked; None when the type has no such form)."""
+    if pattern is None or model_type not in TYPES:
+        return {} if pattern in (None, HYBRID) else None
+    return TYPES[model_type](pattern)
+
+
+def hybrid_types() -> List[str]:
+    """Types that mix a recurrence or convolution with attention (built in both patterns by the sweep)."""
+    return sorted(t for t in TYPES if TYPES[t](HYBRID) is not None)
