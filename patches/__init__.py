@@ -30,7 +30,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from . import registry, rope, structure, tiling
+from . import recurrent, registry, rope, structure, tiling
 from .families import FAMILIES, MULTIMODAL, Family, Multimodal
 from .temperature import at_global_positions
 
@@ -148,6 +148,10 @@ def apply(model_or_type: Any) -> None:
         check_supported(model_or_type)
     for cls in _rotary_classes(model_or_type):
         rope.patch_rotary(cls)
+    hybrid = recurrent.family(_model_type(_decoder(model_or_type) if _model_type(model_or_type) in MULTIMODAL
+                                          and not isinstance(model_or_type, str) else model_or_type))
+    if hybrid is not None:
+        recurrent.apply(hybrid)
 
 
 def revert(model_or_type: Any) -> None:

@@ -17,6 +17,7 @@ import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .families import MULTIMODAL
+from .recurrent import family
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 """Layer types the ring attention computes exactly (windows and chunks are applied on global positions)."""
@@ -64,9 +65,9 @@ def _causal_lm_class_of(config_type: type) -> Optional[type]:
         return None
 
 
-def _backend_problems(cls: Optional[type]) -> List[str]:
-    if cls is None or getattr(cls, "_supports_attention_backend", True):
-        return []
+def _backend_problems(cls: Optional[type], model_type: Optional[str] = None) -> List[str]:
+    if cls is None or getattr(cls, "_supports_attention_backend", True) or family(model_type) is not None:
+        return []  # a hybrid family hf_ring hooks: its attention layers are known to go through the interface
     return [f"{cls.__name__} does not declare that its attention goes through transformers' attention interface "
             "(its class leaves _supports_attention_backend False), so hf_ring cannot know that every attention of it "
             "sees the other shards"]
@@ -88,8 +89,10 @@ def config_problems(config) -> List[str]:
             "from the text config)"
         )
     types = _layer_types(config)
+    hybrid = family(getattr(config, "model_type", None))
+    handled = ATTENTION_LAYER_TYPES + TOKENWISE_LAYER_TYPES + (() if hybrid is None else hybrid.layer_types)
     if types is not None:
-        foreign = [t for t in dict.fromkeys(types) if t not in ATTENTION_LAYER_TYPES + TOKENWISE_LAYER_TYPES]
+        foreign = [t for t in dict.fromkeys(types) if t not in handled]
         for t in foreign:
             where = [i for i, x in enumerate(types) if x == t]
             why = _LAYER_TYPE_REASONS.get(t, "they are not attention layers ring_dilated can shard")
@@ -105,11 +108,18 @@ def config_problems(config) -> List[str]:
 
 def module_problems(model: torch.nn.Module) -> List[str]:
     """Reasons, read from the modules, why sharding the sequence would change this model's result."""
-    problems = _backend_problems(type(model))
-    convs = [f"{name} ({type(m).__name__})" for name, m in model.named_modules() if isinstance(m, SEQUENCE_CONVS)]
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    problems = _backend_problems(type(model), model_type)
+    hybrid = family(model_type)
+    mixers = () if hybrid is None else hybrid.mixers  # computed over shards (recurrent.py), convolution included
+    inside = {id(m) for mixer in model.modules() if type(mixer).__name__ in mixers for m in mixer.modules()}
+    convs = [f"{name} ({type(m).__name__})" for name, m in model.named_modules()
+             if isinstance(m, SEQUENCE_CONVS) and id(m) not in inside]
     if convs:
         problems.append(f"convolutions mix neighbouring tokens: {_listed(convs)}")
-    mixers = sorted({type(m).__name__ for m in model.modules() if SEQUENCE_MIXER.search(type(m).__name__)})
+    known = () if hybrid is None else hybrid.known
+    mixers = sorted({type(m).__name__ for m in model.modules() if SEQUENCE_MIXER.search(type(m).__name__)
+                     and id(m) not in inside and type(m).__name__ not in known})
     if mixers:
         problems.append(f"non-attention sequence mixers: {_listed(mixers)}")
     counting = counting_embeddings(model)
@@ -155,4 +165,5 @@ def problems(model_or_config: Any) -> List[str]:
     """All reasons found for ``model_or_config`` (a model or a config); empty when it can be sharded."""
     if isinstance(model_or_config, torch.nn.Module):
         return config_problems(model_or_config.config) + module_problems(model_or_config)
-    return config_problems(model_or_config) + _backend_problems(_causal_lm_class(model_or_config))
+    return config_problems(model_or_config) + _backend_problems(_causal_lm_class(model_or_config),
+                                                                getattr(model_or_config, "model_type", None))

@@ -11,7 +11,8 @@ recurrent-only form.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+import contextlib
+from typing import Callable, Dict, Iterator, List, Optional
 
 HYBRID = "hybrid"
 RECURRENT = "recurrent"
@@ -107,3 +108,33 @@ def pattern_kwargs(model_type: str, pattern: Optional[str]) -> Optional[Dict]:
 def hybrid_types() -> List[str]:
     """Types that mix a recurrence or convolution with attention (built in both patterns by the sweep)."""
     return sorted(t for t in TYPES if TYPES[t](HYBRID) is not None)
+
+
+REFERENCE_KERNELS = {"delta rule": "delta_rule", "Mamba2 scan": "mamba2_scan", "Mamba scan": "selective_scan"}
+"""The float64 recurrence of :mod:`reference` that stands in for each kind of kernel hf_ring hooks."""
+
+
+@contextlib.contextmanager
+def float64_kernels(model_type: str) -> Iterator[None]:
+    """A hybrid's scan kernels replaced by the float64 recurrences of :mod:`reference` (transformers' torch paths
+    compute in float32 whatever the input dtype, so an ill-conditioned gradient would show float32 rounding, not
+    the state passing); nothing for another type. Used alike by a one-process reference and a sharded run."""
+    import importlib
+
+    import reference
+    from hf_ring.patches.recurrent import RECURRENT
+
+    found = RECURRENT.get(model_type)
+    if found is None:
+        yield
+        return
+    module = importlib.import_module(found.modeling)
+    swapped = {name: getattr(module, name) for name, kind in found.kernels if kind in REFERENCE_KERNELS}
+    for name, kind in found.kernels:
+        if kind in REFERENCE_KERNELS:
+            setattr(module, name, getattr(reference, REFERENCE_KERNELS[kind]))
+    try:
+        yield
+    finally:
+        for name, fn in swapped.items():
+            setattr(module, name, fn)

@@ -142,3 +142,80 @@ def block_bias(block_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = N
     same_block = (block_ids[:, :, None] == block_ids[:, None, :]) & (block_ids[:, :, None] >= 0)
     allowed = (base | same_block) & (docs[:, :, None] == docs[:, None, :])
     return torch.zeros(b, 1, n, n, dtype=torch.float64).masked_fill(~allowed[:, None], float("-inf"))
+
+
+# Recurrences, step by step in float64 (transformers' torch paths of these layers compute in float32 whatever the
+# input dtype; the hybrid tests put these in their place, in the one-process reference and the sharded run alike).
+
+
+def delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False, **kwargs):
+    """The gated delta rule (``g`` ``(B, L, H)``) or KDA (``g`` ``(B, L, H, d_k)``), one row at a time:
+    ``S = (I - β k kᵀ) diag(exp g) S + β k vᵀ``, ``o = Sᵀ q / √d_k``. Query and key heads serve
+    ``H_v / H_k`` value heads each. Returns ``(o, S_end or None)``, ``o`` in the value's dtype."""
+    dtype = value.dtype
+    q, k, v, g, beta = (t.double() for t in (query, key, value, g, beta))
+    heads = v.shape[2]
+    q, k = (t.repeat_interleave(heads // t.shape[2], dim=2) for t in (q, k))
+    if use_qk_l2norm_in_kernel:
+        q = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+        k = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    q = q * q.shape[-1] ** -0.5
+    b, n, _, dk = k.shape
+    state = (torch.zeros(b, heads, dk, v.shape[-1], dtype=torch.float64, device=v.device) if initial_state is None
+             else initial_state.double())
+    outs = []
+    for t in range(n):
+        decay = g[:, t].exp()
+        state = state * (decay[..., None, None] if decay.dim() == 2 else decay[..., None])
+        delta = (v[:, t] - (state * k[:, t, ..., None]).sum(-2)) * beta[:, t, :, None]
+        state = state + k[:, t, ..., None] * delta[..., None, :]
+        outs.append((state * q[:, t, ..., None]).sum(-2))
+    return torch.stack(outs, 1).to(dtype), (state if output_final_state else None)
+
+
+def mamba2_scan(hidden_states, dt, A, B, C, chunk_size=256, D=None, dt_bias=None, initial_states=None,
+                dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+    """Mamba2's scan, one row at a time: ``h = exp(A·dt) h + dt x Bᵀ`` per head, ``y = h C + D x``."""
+    x, dt, A, B, C = (t.double() for t in (hidden_states, dt, A, B, C))
+    if dt_bias is not None:
+        dt = dt + dt_bias.double()
+    if dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    dt = dt.clamp(dt_limit[0], dt_limit[1])
+    b, n, heads, p = x.shape
+    B, C = (t.repeat_interleave(heads // t.shape[2], dim=2) for t in (B, C))
+    state = (torch.zeros(b, heads, p, B.shape[-1], dtype=torch.float64, device=x.device) if initial_states is None
+             else initial_states.double())
+    outs = []
+    for t in range(n):
+        state = state * (A * dt[:, t]).exp()[..., None, None] + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None]
+        outs.append((state * C[:, t, :, None]).sum(-1))
+    y = torch.stack(outs, 1)
+    if D is not None:
+        y = y + D.double()[:, None] * x
+    return (y, state) if return_final_states else y
+
+
+def selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                   return_last_state=False, **kwargs):
+    """Mamba's selective scan, one row at a time, over ``(B, D, L)``: ``h = exp(A·dt) h + dt B x``, ``y = C h + D x``,
+    gated by ``silu(z)``."""
+    dtype = hidden_states.dtype
+    x, dt, A, B, C = (t.double() for t in (hidden_states, dt, A, B, C))
+    if delta_bias is not None:
+        dt = dt + delta_bias.double()[..., None]
+    if delta_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    state = torch.zeros(x.shape[0], x.shape[1], A.shape[-1], dtype=torch.float64, device=x.device)
+    outs = []
+    for t in range(x.shape[-1]):
+        state = (A * dt[..., t, None]).exp() * state + dt[..., t, None] * B[:, None, :, t] * x[..., t, None]
+        outs.append((state * C[:, None, :, t]).sum(-1))
+    y = torch.stack(outs, -1)
+    if D is not None:
+        y = y + D.double()[:, None] * x
+    if z is not None:
+        y = y * torch.nn.functional.silu(z.double())
+    y = y.to(dtype)
+    return (y, state) if return_last_state else y

@@ -203,11 +203,17 @@ def build(model_type: str, attn: str = "eager", dtype: torch.dtype = torch.float
         return None, f"build: {type(err).__name__}: {str(err)[:160]}"
     if size > MAX_PARAMETERS:
         return None, f"still {size / 1e6:.0f}M parameters once shrunk"
-    torch.manual_seed(0)
+    # float64 experts run one by one: the grouped matmul has no float64 kernel
+    experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     try:
-        model = auto.from_config(cfg, attn_implementation=attn, dtype=dtype)
-    except Exception as err:  # noqa: BLE001
-        return None, f"build: {type(err).__name__}: {str(err)[:160]}"
+        torch.manual_seed(0)
+        model = auto.from_config(cfg, attn_implementation=attn, dtype=dtype, **experts)
+    except Exception:  # noqa: BLE001 -- a type that takes no experts setting is built as it comes
+        try:
+            torch.manual_seed(0)
+            model = auto.from_config(cfg, attn_implementation=attn, dtype=dtype)
+        except Exception as err:  # noqa: BLE001
+            return None, f"build: {type(err).__name__}: {str(err)[:160]}"
     return model.eval(), None
 
 
@@ -282,9 +288,19 @@ def eager_step(model_type: str, seed: int = 1, dtype: torch.dtype = torch.float6
     assert model is not None, why
     model.eval()  # gradients all the same; no stochastic routing (PhiMoE samples experts in training)
     batch = inputs(model_type, seed=seed)
-    out = model(**batch, labels=batch["input_ids"], use_cache=False)
-    out.loss.backward()
+    with _kernels(model, dtype):
+        out = model(**batch, labels=batch["input_ids"], use_cache=False)
+        out.loss.backward()
     return {"loss": out.loss.detach(), "grads": _grads(model)}
+
+
+def _kernels(model, dtype: torch.dtype):
+    """A float64 hybrid's scans in float64 (:func:`hybrid_models.float64_kernels`), else nothing changed."""
+    import contextlib
+
+    if dtype != torch.float64:
+        return contextlib.nullcontext()
+    return hybrid_models.float64_kernels(model.config.get_text_config(decoder=True).model_type)
 
 
 def sharded_step_case(model_type: str, seed: int = 1, dtype: torch.dtype = torch.float64,
@@ -304,8 +320,9 @@ def sharded_step_case(model_type: str, seed: int = 1, dtype: torch.dtype = torch
         batch = inputs(model_type, seed=seed)
         try:  # the documented loop: the guard on the model's call checks the model itself
             data = hf_ring.shard_batch({**batch, "labels": batch["input_ids"]})
-            out = model(**data)
-            out.loss.backward()
+            with _kernels(model, dtype):
+                out = model(**data)
+                out.loss.backward()
         except (NotImplementedError, ValueError, TypeError) as err:
             return {"refused": f"{type(err).__name__}: {err}", "built": model.config.model_type}
         hf_ring.sync_gradients(model)

@@ -416,6 +416,10 @@ class RingComm:
         """Every rank's ``tensor`` stacked by rank, ``(world_size, *tensor.shape)``."""
         return all_gather(tensor, self.group, what, timeout=self.timeout)
 
+    def all_reduce(self, tensor: Tensor, what: str) -> Tensor:
+        """``tensor`` summed over the group, in place; returns it."""
+        return all_reduce(tensor, self.group, what, timeout=self.timeout)
+
     def all_to_all(self, output: Tensor, tensor: Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
                    what: str) -> Tensor:
         """See :func:`all_to_all`: piece ``i`` of ``tensor`` to rank ``i``, piece ``i`` of ``output`` from it."""

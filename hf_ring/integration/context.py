@@ -20,6 +20,7 @@ from ..engine.agreement import agree_table, facts, global_length, unsharded_erro
 from ..engine.comm import RingComm
 from ..engine.documents import Documents, check_documents, chunk_ids, document_ids, starts_of_ids
 from ..engine.layout import local_positions, shard_sizes
+from ..engine.recurrence import Pieces
 from ..engine.spec import AttentionSpec
 from ..engine.ulysses import group_rows
 from .groups import SequenceParallel
@@ -88,6 +89,7 @@ class ShardedForward(ForwardContext):
     _agreed: Dict[Tuple, bool] = field(default_factory=dict, repr=False)
     _group_masks: List[Tuple[Tensor, Tensor]] = field(default_factory=list, repr=False)
     _rows: Dict[str, Tensor] = field(default_factory=dict, repr=False)
+    _pieces: Optional[Pieces] = field(default=None, repr=False)
     _mixers: int = field(default=0, repr=False)
     _open_calls: int = field(default=0, repr=False)
 
@@ -129,6 +131,14 @@ class ShardedForward(ForwardContext):
                 found = local_positions(self.seq_len, rank, self.world_size, self.layout, self.ulysses).to(device)
             self._rows[str(device)] = found
         return found
+
+    def pieces(self) -> Pieces:
+        """The runs of the sequence every rank of the group holds, for the layers that carry a state along it;
+        worked out once per forward."""
+        if self._pieces is None:
+            rank = 0 if self.comm is None else self.comm.rank
+            self._pieces = Pieces.of(self.seq_len, self.world_size, self.layout, self.ulysses, rank)
+        return self._pieces
 
     @property
     def world_size(self) -> int:

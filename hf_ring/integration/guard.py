@@ -27,7 +27,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..engine.agreement import UNSHARDED_RANKS
-from ..patches import check_supported, registry, rope, rotary_modules
+from ..patches import check_supported, recurrent, registry, rope, rotary_modules
 from .config import ATTN_IMPLEMENTATION, CONFIG_KEY, attn_implementations, parse, runs_ring, shape_conflict
 from .context import CONTEXT_KEY, ForwardContext, ShardedForward
 from .groups import tp_place
@@ -84,27 +84,31 @@ def refuse_other_sharding(model: Any, kwargs: Mapping[str, Any]) -> None:
         forward.fail(ValueError(message))
 
 
-_VERDICTS: "weakref.WeakKeyDictionary[Any, Tuple[Optional[ValueError], Tuple[type, ...]]]" = \
+_VERDICTS: "weakref.WeakKeyDictionary[Any, Tuple[Optional[ValueError], Tuple[type, ...], Any]]" = \
     weakref.WeakKeyDictionary()
-"""Per model object, what :func:`hf_ring.patches.check_supported` said of it and its rotary classes (its modules
-do not change between forwards; the check walks all of them)."""
+"""Per model object, what :func:`hf_ring.patches.check_supported` said of it, its rotary classes and its hybrid
+family (its modules do not change between forwards; the check walks all of them)."""
 
 
 def structure_error(model: Any) -> Optional[ValueError]:
     """Why ``model``'s sequence cannot be split (its modules and config, :func:`hf_ring.patches.check_supported`),
     or None; worked out once per model object. A model that can be split has its length-dependent RoPE made
-    global (:func:`hf_ring.patches.apply`; made again after ``clear_sequence_parallel`` undid it)."""
+    global and its recurrent layers hooked (:func:`hf_ring.patches.apply`; made again after
+    ``clear_sequence_parallel`` undid them)."""
     if model not in _VERDICTS:
         try:
             check_supported(model)
             error = None
         except ValueError as err:
             error = err
-        _VERDICTS[model] = (error, tuple(dict.fromkeys(type(m) for m in rotary_modules(model))))
-    error, rotary = _VERDICTS[model]
+        hybrid = recurrent.family(getattr(getattr(model, "config", None), "model_type", None))
+        _VERDICTS[model] = (error, tuple(dict.fromkeys(type(m) for m in rotary_modules(model))), hybrid)
+    error, rotary, hybrid = _VERDICTS[model]
     if error is None:
         for cls in rotary:
             rope.patch_rotary(cls)
+        if hybrid is not None:
+            recurrent.apply(hybrid)
     return error
 
 

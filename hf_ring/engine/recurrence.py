@@ -1,0 +1,148 @@
+"""Layers that carry a state along the sequence, computed over shards exactly: state passing and convolution halos.
+
+A recurrent layer (gated delta rule, KDA, Mamba, Mamba2) reads its rows in
+position order. A rank holds one or more runs of the sequence (:class:`Pieces`:
+two under ``zigzag``), and the state a run ends with is affine in the state it
+starts from::
+
+    S_end = M · S_in + S_ext
+
+``S_ext`` is what the run reaches from a zero state and ``M`` the run's
+transition: a ``d_k × d_k`` matrix per head for the delta rules, a decay per
+head (Mamba2) or per channel and state (Mamba) for the others. Every run is
+computed from a zero state at once; the ``(S_ext, M)`` of every run travel in
+one all-gather (:func:`gather`, part of autograd: its backward sums each
+run's gradients over the ranks that read them), every rank composes them in
+position order into the true starting state of each of its runs
+(:func:`carried`), and a run's outputs are corrected for that state by a term
+linear in it (the layer's own: see :mod:`hf_ring.patches.recurrent`). The end
+state of the whole sequence comes out of the same walk, on every rank.
+
+A short causal convolution (width ``k``) reads the ``k - 1`` rows before each
+row: every run's last ``k - 1`` rows travel in one all-gather, and each run
+is convolved after the rows before it (:func:`halo`). Rows before position 0
+are zeros, as the layer's own left padding.
+
+Everything here is pure index math or torch collectives: no model code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .comm import RingComm
+from .layout import Run, local_runs
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """The runs of the sequence every rank of a group holds (ascending per rank), and which rank this is."""
+
+    runs: Tuple[Tuple[Run, ...], ...]
+    rank: int
+
+    @classmethod
+    def of(cls, seq_len: int, world_size: int, layout: str, ulysses: int, rank: int) -> "Pieces":
+        return cls(tuple(tuple(local_runs(seq_len, r, world_size, layout, ulysses)) for r in range(world_size)), rank)
+
+    @property
+    def mine(self) -> Tuple[Run, ...]:
+        return self.runs[self.rank]
+
+    @property
+    def width(self) -> int:
+        """Runs per rank in an exchange: the most any rank holds (at least one, so every rank sends something)."""
+        return max(1, max(len(r) for r in self.runs))
+
+    def local(self) -> List[Tuple[int, int]]:
+        """``(offset, length)`` of each of this rank's runs within its rows."""
+        out, offset = [], 0
+        for a, b in self.mine:
+            out.append((offset, b - a))
+            offset += b - a
+        return out
+
+    def order(self) -> List[Tuple[int, int]]:
+        """``(rank, index)`` of every run, in position order."""
+        found = [(start, r, i) for r, runs in enumerate(self.runs) for i, (start, _) in enumerate(runs)]
+        return [(r, i) for _, r, i in sorted(found)]
+
+
+class _Gather(torch.autograd.Function):
+    """Every rank's tensor, stacked by rank; the gradient of this rank's tensor is the sum of what every rank's
+    reading of it received."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor, comm: RingComm, what: str) -> Tensor:
+        ctx.comm, ctx.what = comm, what
+        return comm.all_gather(tensor, what)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        summed = ctx.comm.all_reduce(grad.contiguous(), f"the gradients of {ctx.what}")
+        return summed[ctx.comm.rank], None, None
+
+
+def gather(comm: Optional[RingComm], tensor: Tensor, what: str) -> Tensor:
+    """``(world size, *tensor.shape)``: every rank's ``tensor``, differentiably (``comm`` None: this process's)."""
+    if comm is None or comm.world_size == 1:
+        return tensor[None]
+    return _Gather.apply(tensor, comm, what)
+
+
+def carried(pieces: Pieces, ends: Tensor, maps: Tensor, step: Callable[[Tensor, Tensor], Tensor],
+            initial: Optional[Tensor] = None) -> Tuple[List[Tensor], Tensor]:
+    """The state each of this rank's runs starts from, and the state the sequence ends with.
+
+    ``ends[r, i]`` / ``maps[r, i]``: run ``i`` of rank ``r`` ends in ``step(maps[r, i], S_in) + ends[r, i]`` from
+    ``S_in`` (its ``M`` and ``S_ext``; :func:`gather`'s output). The first run starts from ``initial`` (None:
+    zeros). Walked in position order; runs after this rank's last are composed only for the end state.
+    """
+    state = torch.zeros_like(ends[0, 0]) if initial is None else initial
+    starts = {}
+    for r, i in pieces.order():
+        if r == pieces.rank:
+            starts[i] = state
+        state = step(maps[r, i], state) + ends[r, i]
+    return [starts[i] for i in range(len(pieces.mine))], state
+
+
+def halo_sources(pieces: Pieces, width: int) -> List[List[Optional[Tuple[int, int, int]]]]:
+    """For each of this rank's runs, where each of the ``width`` rows before it lies in the exchanged tails:
+    ``(rank, run, row of that run's tail)``, or None before position 0. A tail holds a run's last ``width`` rows
+    (fewer for a shorter run, right-aligned)."""
+    ends = {}
+    for r, runs in enumerate(pieces.runs):
+        for i, (a, b) in enumerate(runs):
+            ends[r, i] = (a, b)
+    out = []
+    for start, _ in pieces.mine:
+        sources: List[Optional[Tuple[int, int, int]]] = []
+        for p in range(start - width, start):
+            if p < 0:
+                sources.append(None)
+                continue
+            (r, i), (a, b) = next(((key, ab) for key, ab in ends.items() if ab[0] <= p < ab[1]))
+            sources.append((r, i, width - (b - p)))  # a tail is right-aligned: its last row is the run's last
+        out.append(sources)
+    return out
+
+
+def halo(pieces: Pieces, comm: Optional[RingComm], x: Tensor, width: int) -> List[Tensor]:
+    """For each of this rank's runs, the ``width`` rows of ``x`` (``(..., rows)``, this rank's rows last) that come
+    before it in the sequence, ``(..., width)``, zeros before position 0; differentiable (one all-gather)."""
+    tails = x.new_zeros(x.shape[:-1] + (pieces.width, width))
+    for i, (offset, length) in enumerate(pieces.local()):
+        kept = min(length, width)
+        if kept:
+            tails[..., i, width - kept:] = x[..., offset + length - kept:offset + length]
+    every = gather(comm, tails, "the rows before each run (a convolution's halo)")
+    out = []
+    for sources in halo_sources(pieces, width):
+        rows = [x.new_zeros(x.shape[:-1]) if s is None else every[s[0]][..., s[1], s[2]] for s in sources]
+        out.append(torch.stack(rows, dim=-1) if rows else x.new_zeros(x.shape[:-1] + (0,)))
+    return out
