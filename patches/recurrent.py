@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from hf_ring.engine.recurrence import carried, gather, halo
+from hf_ring.engine.recurrence import carried, gather, halo, tied
 from hf_ring.integration.context import CONTEXT_KEY, ShardedForward
 
 from . import registry
@@ -187,12 +187,19 @@ def _bound(found: Recurrent, context: ShardedForward, calls: List[str]) -> Itera
     module = found.found()
     originals = {name: getattr(module, name) for name, _ in found.kernels}
     for name, kind in found.kernels:
-        setattr(module, name, functools.partial(_HOOKS[kind], originals[name], context, calls, name))
+        setattr(module, name, hooked(kind, originals[name], context, calls, name))
     try:
         yield
     finally:
         for name, fn in originals.items():
             setattr(module, name, fn)
+
+
+def hooked(kind: str, kernel: Callable, context: ShardedForward, calls: Optional[List[str]] = None,
+           name: Optional[str] = None) -> Callable:
+    """``kernel`` (a convolution, delta rule, Mamba2 or Mamba scan: ``kind``) computed over the shards of
+    ``context``, called as the kernel is; ``calls`` records each call by ``name``."""
+    return functools.partial(_HOOKS[kind], kernel, context, [] if calls is None else calls, name or kind)
 
 
 def _arguments(fn: Callable, args: tuple, kwargs: dict, leading: int) -> Tuple[List[Any], Dict[str, Any]]:
@@ -228,12 +235,12 @@ def _conv(original, context: ShardedForward, calls: List[str], name: str, *args,
         _refuse(context, f"{name} was given seq_idx or initial_states over sequence shards; packed rows and a "
                          "convolution state to start from are not supported there")
     width = weight.shape[-1] - 1
-    halos = halo(context.pieces(), context.comm, x, width)
+    halos, every = halo(context.pieces(), context.comm, x, width)
     if context.placeholder:
-        return original(x, **a)
+        return tied(original(x, **a), every)
     outs = [original(torch.cat([h, x[..., o:o + n]], dim=-1), **a)[..., width:]
             for (o, n), h in zip(_runs(context, x.shape[-1]), halos)]
-    return torch.cat(outs, dim=-1)
+    return tied(torch.cat(outs, dim=-1), every)
 
 
 def _padded(parts: List[Tensor], width: int, like: Tensor) -> Tensor:
@@ -243,7 +250,8 @@ def _padded(parts: List[Tensor], width: int, like: Tensor) -> Tensor:
 
 
 def _exchange(context: ShardedForward, ends: List[Tensor], maps: List[Tensor], anchor: Tensor, what: str):
-    """Every rank's runs' end states and transitions, by rank and run (one all-gather, in autograd).
+    """Every rank's runs' end states and transitions, by rank and run (one all-gather, in autograd), and the
+    gathered tensor itself, which the caller ties into what it returns (:func:`hf_ring.engine.recurrence.tied`).
 
     ``anchor`` (a kernel input) ties the exchange into every rank's graph alike, also on a rank whose runs sent
     nothing that needs a gradient (a placeholder row), so every rank joins the exchange's backward.
@@ -251,10 +259,10 @@ def _exchange(context: ShardedForward, ends: List[Tensor], maps: List[Tensor], a
     pieces = context.pieces()
     ends_t, maps_t = _padded(ends, pieces.width, ends[0]), _padded(maps, pieces.width, maps[0])
     flat = torch.cat([ends_t.flatten(1), maps_t.flatten(1)], dim=1)
-    flat = flat + 0 * anchor.sum().to(flat.dtype)
-    every = gather(context.comm, flat, what)
+    every = gather(context.comm, flat, what, anchor=anchor)
     split = ends_t[0].numel()
-    return (every[:, :, :split].reshape((-1,) + ends_t.shape), every[:, :, split:].reshape((-1,) + maps_t.shape))
+    return (every[:, :, :split].reshape((-1,) + ends_t.shape), every[:, :, split:].reshape((-1,) + maps_t.shape),
+            every)
 
 
 def _delta(original, context: ShardedForward, calls: List[str], name: str, *args, **kwargs):
@@ -284,12 +292,12 @@ def _delta(original, context: ShardedForward, calls: List[str], name: str, *args
         maps.append(state[..., dv:].float())
     if context.placeholder:
         outs, bases, ends, maps = outs, bases, [ends[0] * 0], [maps[0] * 0]
-    every_end, every_map = _exchange(context, ends, maps, v, f"the {name} states of each run")
+    every_end, every_map, every = _exchange(context, ends, maps, v, f"the {name} states of each run")
     starts, final = carried(context.pieces(), every_end, every_map, lambda m, s: m @ s)
     if not context.placeholder:
         outs = [(out.float() + torch.einsum("blhk,bhkv->blhv", basis.float(), s_in)).to(out.dtype)
                 for out, basis, s_in in zip(outs, bases, starts)]
-    return torch.cat(outs, dim=1), (final if want_final else None)
+    return tied(torch.cat(outs, dim=1), every), (final if want_final else None)
 
 
 def _mamba2(original, context: ShardedForward, calls: List[str], name: str, *args, **kwargs):
@@ -323,12 +331,12 @@ def _mamba2(original, context: ShardedForward, calls: List[str], name: str, *arg
         maps.append(cum[:, -1].exp())
     if context.placeholder:
         ends, maps = [ends[0] * 0], [maps[0] * 0]
-    every_end, every_map = _exchange(context, ends, maps, x, f"the {name} states of each run")
+    every_end, every_map, every = _exchange(context, ends, maps, x, f"the {name} states of each run")
     starts, final = carried(context.pieces(), every_end, every_map, lambda m, s: m[..., None, None] * s)
     if not context.placeholder:
         outs = [(out.float() + torch.einsum("blhn,bhpn->blhp", basis, s_in)).to(out.dtype)
                 for out, basis, s_in in zip(outs, bases, starts)]
-    out = torch.cat(outs, dim=1)
+    out = tied(torch.cat(outs, dim=1), every)
     return (out, final) if want_final else out
 
 
@@ -355,13 +363,13 @@ def _mamba(original, context: ShardedForward, calls: List[str], name: str, *args
         maps.append(cum[:, :, -1].exp())
     if context.placeholder:
         ends, maps = [ends[0] * 0], [maps[0] * 0]
-    every_end, every_map = _exchange(context, ends, maps, x, f"the {name} states of each run")
+    every_end, every_map, every = _exchange(context, ends, maps, x, f"the {name} states of each run")
     starts, final = carried(context.pieces(), every_end, every_map, lambda m, s: m * s)
     if not context.placeholder:
         runs = _runs(context, x.shape[-1])
         outs = [(out.float() + torch.einsum("bnt,bdtn,bdn->bdt", C[..., o:o + n].float(), cum.exp(), s_in)).to(out.dtype)
                 for out, cum, s_in, (o, n) in zip(outs, cums, starts, runs)]
-    out = torch.cat(outs, dim=-1)
+    out = tied(torch.cat(outs, dim=-1), every)
     if z is not None:
         out = out * F.silu(z)
     return (out, final) if want_final else out

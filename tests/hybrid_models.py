@@ -116,9 +116,14 @@ REFERENCE_KERNELS = {"delta rule": "delta_rule", "Mamba2 scan": "mamba2_scan", "
 
 @contextlib.contextmanager
 def float64_kernels(model_type: str) -> Iterator[None]:
-    """A hybrid's scan kernels replaced by the float64 recurrences of :mod:`reference` (transformers' torch paths
-    compute in float32 whatever the input dtype, so an ill-conditioned gradient would show float32 rounding, not
-    the state passing); nothing for another type. Used alike by a one-process reference and a sharded run."""
+    """A hybrid's scan kernels replaced by the float64 recurrences of :mod:`reference`; nothing for another type.
+    Used alike by a one-process reference and a sharded run.
+
+    transformers' torch paths compute in float32 whatever the input dtype, and the gradient of a delta rule's
+    decay parameters (``A_log``, ``dt_bias``) sums terms that cancel to a thousandth of their size: float32
+    rounding then differs between any two chunkings of the sequence (one process against shards) by up to 1e-3,
+    which would hide the state passing behind it. The hooks under the real kernels are checked against the same
+    recurrences at the kernel's level (``test_hybrids``)."""
     import importlib
 
     import reference

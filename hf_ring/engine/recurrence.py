@@ -87,8 +87,38 @@ class _Gather(torch.autograd.Function):
         return summed[ctx.comm.rank], None, None
 
 
-def gather(comm: Optional[RingComm], tensor: Tensor, what: str) -> Tensor:
-    """``(world size, *tensor.shape)``: every rank's ``tensor``, differentiably (``comm`` None: this process's)."""
+class _Tie(torch.autograd.Function):
+    """``tensor`` unchanged, with ``others`` among its inputs: their backward runs whenever the tensor's does."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor, *others: Tensor) -> Tensor:
+        ctx.shapes = [(o.shape, o.dtype, o.device) for o in others]
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return (grad,) + tuple(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.shapes)
+
+
+def tied(tensor: Tensor, *others: Tensor) -> Tensor:
+    """``tensor``, made to depend on ``others`` in autograd (without arithmetic, so no value of theirs can leak in).
+
+    A collective's backward is a collective too, and every rank must join it: a rank whose result happens not to
+    read what the exchange brought (the rank holding the sequence's first rows) ties it in anyway, and a rank whose
+    contribution needs no gradient (a placeholder row) ties it to an input that does.
+    """
+    others = tuple(o for o in others if o.requires_grad)
+    return _Tie.apply(tensor, *others) if others and torch.is_grad_enabled() else tensor
+
+
+def gather(comm: Optional[RingComm], tensor: Tensor, what: str, anchor: Optional[Tensor] = None) -> Tensor:
+    """``(world size, *tensor.shape)``: every rank's ``tensor``, differentiably (``comm`` None: this process's).
+
+    ``anchor``: an input of the caller's that needs a gradient on every rank alike (see :func:`tied`); the caller
+    ties the result into what it returns.
+    """
+    if anchor is not None:
+        tensor = tied(tensor, anchor)
     if comm is None or comm.world_size == 1:
         return tensor[None]
     return _Gather.apply(tensor, comm, what)
@@ -132,17 +162,18 @@ def halo_sources(pieces: Pieces, width: int) -> List[List[Optional[Tuple[int, in
     return out
 
 
-def halo(pieces: Pieces, comm: Optional[RingComm], x: Tensor, width: int) -> List[Tensor]:
+def halo(pieces: Pieces, comm: Optional[RingComm], x: Tensor, width: int) -> Tuple[List[Tensor], Tensor]:
     """For each of this rank's runs, the ``width`` rows of ``x`` (``(..., rows)``, this rank's rows last) that come
-    before it in the sequence, ``(..., width)``, zeros before position 0; differentiable (one all-gather)."""
+    before it in the sequence, ``(..., width)``, zeros before position 0; differentiable (one all-gather, whose
+    result is returned too, for the caller to tie into what it returns: see :func:`tied`)."""
     tails = x.new_zeros(x.shape[:-1] + (pieces.width, width))
     for i, (offset, length) in enumerate(pieces.local()):
         kept = min(length, width)
         if kept:
             tails[..., i, width - kept:] = x[..., offset + length - kept:offset + length]
-    every = gather(comm, tails, "the rows before each run (a convolution's halo)")
+    every = gather(comm, tails, "the rows before each run (a convolution's halo)", anchor=x)
     out = []
     for sources in halo_sources(pieces, width):
         rows = [x.new_zeros(x.shape[:-1]) if s is None else every[s[0]][..., s[1], s[2]] for s in sources]
         out.append(torch.stack(rows, dim=-1) if rows else x.new_zeros(x.shape[:-1] + (0,)))
-    return out
+    return out, every

@@ -102,6 +102,8 @@ def structure_error(model: Any) -> Optional[ValueError]:
         except ValueError as err:
             error = err
         hybrid = recurrent.family(getattr(getattr(model, "config", None), "model_type", None))
+        if hybrid is not None and not any(type(m).__name__ in hybrid.mixers for m in model.modules()):
+            hybrid = None  # a hybrid type configured with attention layers only
         _VERDICTS[model] = (error, tuple(dict.fromkeys(type(m) for m in rotary_modules(model))), hybrid)
     error, rotary, hybrid = _VERDICTS[model]
     if error is None:
@@ -117,6 +119,9 @@ def refuse_structure(model: Any, kwargs: Mapping[str, Any]) -> None:
     what hf_ring computes (a state-space scan, a convolution, positions it cannot count), before any layer runs."""
     forward = kwargs.get(CONTEXT_KEY)
     error = structure_error(model)
+    if error is None and isinstance(forward, ShardedForward) and forward.documents is not None \
+            and _VERDICTS[model][2] is not None:
+        error = ValueError(packed_recurrent_message(model))
     if error is None:
         return
     error = ValueError(str(error))
@@ -127,6 +132,12 @@ def refuse_structure(model: Any, kwargs: Mapping[str, Any]) -> None:
 
 def _name(model: Any) -> str:
     return f"{type(model).__name__} (model type {getattr(getattr(model, 'config', None), 'model_type', None)!r})"
+
+
+def packed_recurrent_message(model: Any) -> str:
+    return (f"{_name(model)} was given packed rows (several documents in one row), but its recurrent layers would "
+            "carry their state from one document into the next: transformers' torch path of them cannot reset it at "
+            "a document border (its convolution ignores seq_idx). Give one document per row, padded (attention_mask)")
 
 
 def unmixed_message(model: Any) -> str:

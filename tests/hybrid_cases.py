@@ -1,0 +1,188 @@
+"""Rank functions of the hybrid tests (module-level so they pickle)."""
+from __future__ import annotations
+
+import importlib
+from typing import Dict, Tuple
+
+import torch
+import torch.distributed as dist
+
+import hf_ring
+
+N = 61
+
+
+def kernel_inputs(kind: str, seed: int = 0) -> Tuple[tuple, dict]:
+    """Whole-sequence inputs of one kernel kind, in float64, and its keyword arguments."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+    def u(*shape):
+        return torch.rand(*shape, generator=g, dtype=torch.float64)
+
+    if kind == "gated delta rule":  # grouped heads: 2 query/key heads serve 4 value heads
+        return (r(2, N, 2, 16), r(2, N, 2, 16), r(2, N, 4, 8), -u(2, N, 4) * 2, u(2, N, 4)), \
+            {"use_qk_l2norm_in_kernel": True}
+    if kind == "KDA":  # a decay per key channel
+        return (r(2, N, 2, 8), r(2, N, 2, 8), r(2, N, 2, 8), -u(2, N, 2, 8) * 2, u(2, N, 2)), \
+            {"use_qk_l2norm_in_kernel": True}
+    if kind == "Mamba2 scan":  # 4 heads in 2 groups, chunks shorter than the runs
+        return (r(2, N, 4, 8), r(2, N, 4), -u(4) * 2 - 0.1, r(2, N, 2, 6), r(2, N, 2, 6)), \
+            {"chunk_size": 16, "D": r(4), "dt_bias": r(4), "dt_softplus": True, "dt_limit": (0.0, float("inf"))}
+    if kind == "Mamba scan":
+        return (r(2, 12, N), r(2, 12, N), -u(12, 5) * 2 - 0.1, r(2, 5, N), r(2, 5, N)), \
+            {"D": r(12), "z": r(2, 12, N), "delta_bias": r(12), "delta_softplus": True}
+    return (r(2, 10, N), r(10, 4)), {"bias": r(10), "activation": "silu"}  # a convolution of width 4
+
+
+KERNELS = {"gated delta rule": ("qwen3_5", "torch_chunk_gated_delta_rule", "delta rule", "delta_rule"),
+           "KDA": ("kimi_linear", "chunk_kimi_delta_attention", "delta rule", "delta_rule"),
+           "Mamba2 scan": ("nemotron_h", "mamba2_chunk_scan", "Mamba2 scan", "mamba2_scan"),
+           "Mamba scan": ("jamba", "mamba_selective_scan", "Mamba scan", "selective_scan"),
+           "convolution": ("qwen3_5", "causal_conv1d_fn", "convolution", None)}
+"""Per kernel: the modeling module whose torch path is hooked, its name there, the hook's kind, its float64
+reference in :mod:`reference` (None: the convolution itself runs in float64)."""
+
+SEQUENCE_AXIS = {"Mamba scan": -1, "convolution": -1}
+"""Where the sequence lies in a kernel's inputs (dim 1 elsewhere); 1-D and constant inputs are not split."""
+
+
+def _final_key(kind: str) -> Dict[str, bool]:
+    if kind == "convolution":
+        return {}
+    return {{"delta rule": "output_final_state", "Mamba2 scan": "return_final_states",
+             "Mamba scan": "return_last_state"}[KERNELS[kind][2]]: True}
+
+
+def _split(kind: str, t, rows):
+    axis = SEQUENCE_AXIS.get(kind, 1)
+    if not isinstance(t, torch.Tensor) or t.dim() < 3 or t.shape[axis] != N:
+        return t
+    return t.index_select(axis % t.dim(), rows)
+
+
+def whole_kernel(kind: str, real: bool):
+    """The kernel on the whole sequence: transformers' torch path (``real``) or the float64 reference."""
+    import reference
+
+    module, name, _, ref = KERNELS[kind]
+    if real or ref is None:
+        return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+    return getattr(reference, ref)
+
+
+def kernel_case(kind: str) -> dict:
+    """This rank's rows of the hooked real kernel's output, its end state (every rank's), and the gradients."""
+    from hf_ring.integration.context import CONTEXT_KEY
+    from hf_ring.patches.recurrent import hooked
+
+    hf_ring.setup_sequence_parallel(None)
+    try:
+        args, kwargs = kernel_inputs(kind)
+        context = hf_ring.shard_batch({"input_ids": torch.zeros(1, N, dtype=torch.long)})[CONTEXT_KEY]
+        rows = context.rows(torch.device("cpu"))
+        fn = hooked(KERNELS[kind][2], whole_kernel(kind, real=True), context)
+        leaves = [a.clone().requires_grad_() for a in args]
+        extra = {k: (v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+        got = fn(*[_split(kind, a, rows) for a in leaves], **{k: _split(kind, v, rows) for k, v in extra.items()},
+                 **_final_key(kind))
+        out, final = got if isinstance(got, tuple) else (got, None)
+        weight = output_weight(kind, out.dtype)
+        (out.double() * _split(kind, weight, rows)).sum().backward()
+        grads = [a.grad for a in leaves] + [v.grad for v in extra.values() if isinstance(v, torch.Tensor)]
+        for g in grads:
+            dist.all_reduce(g)  # each rank's share of every input's gradient
+        return {"rows": rows, "out": out.detach(), "final": None if final is None else final.detach(),
+                "grads": grads}
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+def output_weight(kind: str, dtype) -> torch.Tensor:
+    """A fixed random weighting of a kernel's whole output: the loss whose gradients are compared."""
+    args, kwargs = kernel_inputs(kind)
+    out = whole_kernel(kind, real=False)(*args, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    return torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+
+
+def reference_kernel(kind: str) -> dict:
+    """The float64 reference on the whole sequence: output, end state and gradients."""
+    args, kwargs = kernel_inputs(kind)
+    leaves = [a.clone().requires_grad_() for a in args]
+    extra = {k: (v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    got = whole_kernel(kind, real=False)(*leaves, **extra, **_final_key(kind))
+    out, final = got if isinstance(got, tuple) else (got, None)
+    (out.double() * output_weight(kind, out.dtype)).sum().backward()
+    grads = [a.grad for a in leaves] + [v.grad for v in extra.values() if isinstance(v, torch.Tensor)]
+    return {"out": out.detach(), "final": None if final is None else final.detach(), "grads": grads}
+
+
+FAMILIES = ("qwen3_5_text", "qwen3_next", "kimi_linear", "nemotron_h", "granitemoehybrid", "lfm2", "jamba", "bamba",
+            "falcon_h1")
+"""The hybrid families checked whole on 2 and 4 ranks (every hybrid type is on 2 ranks in the sweep)."""
+
+
+def padded_batch(seed: int = 4, n: int = N) -> Dict[str, torch.Tensor]:
+    """Two rows: the first padded on the left, the second on the right (labels -100 there); ``n`` below 13: no
+    padding."""
+    import sweep
+
+    ids = sweep.inputs("", batch=2, seed=seed, n=n)["input_ids"]
+    mask = torch.ones_like(ids)
+    if n >= 13:
+        mask[0, :7], mask[1, -5:] = 0, 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _step(model, data):
+    import hybrid_models
+
+    with hybrid_models.float64_kernels(model.config.model_type):
+        out = model(**data)
+        out.loss.backward()
+    return out.loss.detach()
+
+
+def family_reference(model_type: str, n: int = N) -> dict:
+    """One process, ``sdpa``, float64: the loss and every gradient of the padded batch (``eager`` fills a padded
+    query row that sees no key with NaN, which the recurrent layers' masking, a product by 0, carries on)."""
+    import sweep
+
+    model, why = sweep.build(model_type, "sdpa", torch.float64, "hybrid")
+    assert model is not None, why
+    loss = _step(model, padded_batch(n=n))
+    return {"loss": loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+
+
+def family_case(model_type: str, ulysses: int = 1, n: int = N) -> dict:
+    """The same step with the rows split over the pool's ranks (``ulysses``: head-parallel groups of that size)."""
+    import sweep
+
+    sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses)
+    try:
+        model, why = sweep.build(model_type, "ring_dilated", torch.float64, "hybrid")
+        loss = _step(model, hf_ring.shard_batch(padded_batch(n=n)))
+        hf_ring.sync_gradients(model)
+        dist.all_reduce(loss, group=sp.sp_group)
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        return {"loss": loss, "grads": grads if dist.get_rank() == 0 else None}
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+def packed_case(model_type: str) -> tuple:
+    """A packed row (position ids restarting, no mask) given to a hybrid: what each rank raised."""
+    import sweep
+    from helpers import raises_on_rank
+
+    hf_ring.setup_sequence_parallel(None)
+    try:
+        model, _ = sweep.build(model_type, "ring_dilated", torch.float32, "hybrid")
+        ids = sweep.inputs(model_type)["input_ids"]
+        positions = torch.cat([torch.arange(30), torch.arange(N - 30)])[None]
+        return raises_on_rank(lambda: model(**hf_ring.shard_batch({"input_ids": ids, "position_ids": positions})))
+    finally:
+        hf_ring.clear_sequence_parallel()

@@ -1,0 +1,64 @@
+"""Hybrid models (linear attention, Mamba, convolutions beside attention) with their sequence split: exact.
+
+The hooks on transformers' own kernels are checked twice: at the kernel's level, the real torch path under the
+hooks on 2 ranks against a float64 recurrence on the whole sequence (tests/reference.py); and whole models of
+every hybrid family on 2 and 4 ranks, padded, with head parallelism, against one process, the scans of both runs
+replaced by the float64 recurrences (hybrid_models.float64_kernels says why).
+"""
+import pytest
+import torch
+
+import hybrid_cases
+from helpers import close, rel_err
+
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("kind", list(hybrid_cases.KERNELS))
+def test_a_hooked_kernel_over_two_ranks_equals_the_float64_recurrence(pools, kind):
+    want = hybrid_cases.reference_kernel(kind)
+    got = pools(2).run(hybrid_cases.kernel_case, kind)
+    out = torch.zeros_like(want["out"])
+    for res in got:
+        index = [slice(None)] * out.dim()
+        index[hybrid_cases.SEQUENCE_AXIS.get(kind, 1)] = res["rows"]
+        out[tuple(index)] = res["out"].double()
+    errs = {"out": rel_err(out, want["out"])}
+    errs.update({f"grad {i}": rel_err(g, w) for i, (g, w) in enumerate(zip(got[0]["grads"], want["grads"]))})
+    if want["final"] is not None:  # every rank ends with the whole sequence's state
+        errs.update({f"final on rank {r}": rel_err(res["final"], want["final"]) for r, res in enumerate(got)})
+    worst = max(errs, key=errs.get)
+    assert close(errs[worst], TOL), (worst, errs[worst])
+
+
+def check_family(got, want):
+    errs = {"loss": rel_err(got["loss"], want["loss"]),
+            **{name: rel_err(got["grads"][name], g) for name, g in want["grads"].items()}}
+    assert set(got["grads"]) == set(want["grads"])
+    worst = max(errs, key=errs.get)
+    assert close(errs[worst], TOL), (worst, errs[worst])
+
+
+@pytest.mark.parametrize("world, ulysses", [(2, 1), (4, 2)], ids=["2-ranks", "4-ranks-heads2"])
+@pytest.mark.parametrize("model_type", hybrid_cases.FAMILIES)
+def test_a_hybrid_family_step_with_padded_rows_equals_one_process(pools, model_type, world, ulysses):
+    """Three recurrent layers then one attention layer; a left- and a right-padded row; on 4 ranks the attention
+    runs head-parallel in groups of 2 with the ring across them, the recurrent layers pass their state over all 4."""
+    want = hybrid_cases.family_reference(model_type)
+    check_family(pools(world).run(hybrid_cases.family_case, model_type, ulysses)[0], want)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "jamba"])
+def test_a_sequence_shorter_than_the_ranks_equals_one_process(pools, model_type):
+    """3 tokens on 4 ranks: one rank holds no row and runs a placeholder row; it still joins every exchange."""
+    want = hybrid_cases.family_reference(model_type, n=3)
+    check_family(pools(4).run(hybrid_cases.family_case, model_type, 1, 3)[0], want)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
+def test_packed_rows_of_a_hybrid_are_refused_on_every_rank(pools, model_type):
+    errors = pools(2).run(hybrid_cases.packed_case, model_type)
+    for err in errors:
+        assert err is not None and err[0] == "ValueError" and f"(model type {model_type!r})" in err[1], err
+        assert "packed rows" in err[1] and "one document per row" in err[1], err
+    assert errors[0] == errors[1]
