@@ -93,6 +93,8 @@ MULTIMODAL: Dict[str, Multimodal] = {m.model_type: m for m in (
     Multimodal("mistral3", ("mistral",), "pixel_values, image_sizes"),
     Multimodal("qwen2_5_vl", ("qwen2_5_vl_text",), "pixel_values(_videos), image/video_grid_thw, mm_token_type_ids"),
     Multimodal("qwen3_vl", ("qwen3_vl_text",), "pixel_values(_videos), image/video_grid_thw, mm_token_type_ids"),
+    Multimodal("qwen3_5", ("qwen3_5_text",), "pixel_values(_videos), image/video_grid_thw, mm_token_type_ids; a "
+               "hybrid language model (linear attention beside attention)"),
     Multimodal("gemma3", ("gemma3_text",), "pixel_values, token_type_ids"),
     Multimodal("paligemma", ("gemma", "gemma2"), "pixel_values, token_type_ids (0: the prefix, which attends both ways)"),
     Multimodal("idefics3", ("llama",), "pixel_values (batch, images, ...), pixel_attention_mask"),

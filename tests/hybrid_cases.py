@@ -186,3 +186,21 @@ def packed_case(model_type: str) -> tuple:
         return raises_on_rank(lambda: model(**hf_ring.shard_batch({"input_ids": ids, "position_ids": positions})))
     finally:
         hf_ring.clear_sequence_parallel()
+
+
+def trainer_case(model_type: str, path: str, sp_size=None, **options) -> dict:
+    """transformers.Trainer on the saved hybrid (trainer_cases.trainer_case), its scans float64 in every process."""
+    import hybrid_models
+    import trainer_cases
+
+    with hybrid_models.float64_kernels(model_type):
+        return trainer_cases.trainer_case(path, sp_size, **options)
+
+
+def sft_case(model_type: str, path: str, sp_size=None, **options) -> dict:
+    """TRL's SFTTrainer on the saved hybrid (trainer_cases.sft_case), its scans float64 in every process."""
+    import hybrid_models
+    import trainer_cases
+
+    with hybrid_models.float64_kernels(model_type):
+        return trainer_cases.sft_case(path, sp_size, **options)

@@ -179,7 +179,8 @@ def image_text_types() -> List[str]:
 
 
 def build(model_type: str, attn: str = "eager", dtype: torch.dtype = torch.float32,
-          pattern: Optional[str] = None, head: Optional[str] = None) -> Tuple[Any, Optional[str]]:
+          pattern: Optional[str] = None, head: Optional[str] = None,
+          vocab_size: Optional[int] = None) -> Tuple[Any, Optional[str]]:
     """``(model, None)``, or ``(None, why it cannot be built tiny)``; ``pattern``: a hybrid's layers
     (:mod:`hybrid_models`), else one layer of each kind its default config mixes; ``head``: :data:`IMAGE_TEXT`
     for the image-text-to-text model of a multimodal type (else its causal LM)."""
@@ -194,6 +195,10 @@ def build(model_type: str, attn: str = "eager", dtype: torch.dtype = torch.float
         cfg = shrink(AutoConfig.for_model(model_type, **chosen), keep_layers=bool(chosen))
         for name, value in hybrid_models.SIZE_FIXES.get(model_type, {}).items():
             _set(cfg, name, value)
+        if vocab_size is not None:  # a given tokenizer's: its special ids (pad 0, eos 1) inside it
+            for name, value in (("vocab_size", vocab_size), ("pad_token_id", 0), ("eos_token_id", 1),
+                                ("bos_token_id", None)):
+                _set(cfg, name, value)
     except Exception as err:  # noqa: BLE001 -- the reason is the row
         return None, f"config: {type(err).__name__}: {str(err)[:160]}"
     try:

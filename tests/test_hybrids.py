@@ -62,3 +62,47 @@ def test_packed_rows_of_a_hybrid_are_refused_on_every_rank(pools, model_type):
         assert err is not None and err[0] == "ValueError" and f"(model type {model_type!r})" in err[1], err
         assert "packed rows" in err[1] and "one document per row" in err[1], err
     assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
+def test_trainer_with_prepare_trainer_equals_one_process(pools, model_type):
+    """Two optimizer steps of transformers.Trainer on 2 ranks: every logged loss and every step's gradients."""
+    from test_trainer import check_steps
+
+    import hybrid_models
+
+    path = hybrid_models.saved(model_type)
+    res = pools(2).run(hybrid_cases.trainer_case, model_type, path, 2, predict_rows=0)[0]
+    check_steps(res, hybrid_cases.trainer_case(model_type, path, predict_rows=0))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "lfm2"])
+def test_sft_trainer_with_prepare_trainer_equals_one_process(pools, model_type):
+    pytest.importorskip("trl")
+    import os
+    import sys
+
+    from test_trainer import ROOT, check_steps
+
+    import hybrid_models
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import sft
+
+    path = hybrid_models.saved(model_type, vocab_size=len(sft.char_tokenizer()))
+    res = pools(2).run(hybrid_cases.sft_case, model_type, path, 2)[0]
+    check_steps(res, hybrid_cases.sft_case(model_type, path))
+
+
+@pytest.mark.parametrize("world, ulysses", [(2, 1), (4, 2)], ids=["2-ranks", "4-ranks-heads2"])
+def test_qwen3_5_with_images_splits_its_hybrid_language_model(pools, world, ulysses):
+    """Qwen3.5 as an image-text-to-text model: the towers see whole images, the hybrid language model is split
+    after they merge; the loss and every gradient (tower and projector included) equal one process's."""
+    from vlm import HYBRIDS
+    from vlm_cases import step, worst
+
+    path = HYBRIDS["qwen3_5"].build()
+    want = step("qwen3_5", path)
+    for rank, result in enumerate(pools(world).run(step, "qwen3_5", path, ulysses=ulysses)):
+        key, err, _ = worst(result, want)
+        assert close(err, TOL), (rank, key, err)

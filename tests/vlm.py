@@ -204,6 +204,29 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in (
 """The supported multimodal families, by name."""
 
 
+def _qwen3_5() -> dict:
+    """Qwen3.5: a linear-attention layer, then a full-attention layer (the language model of a hybrid)."""
+    text = dict(_qwen_rope(TEXT), layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+    text["rope_parameters"] = dict(text["rope_parameters"], partial_rotary_factor=1.0)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+    return dict(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=IMAGE - 1,
+                vision_start_token_id=IMAGE - 2, vision_end_token_id=IMAGE - 3)
+
+
+HYBRIDS: Dict[str, Family] = {f.name: f for f in (
+    Family("qwen3_5", "qwen3_5", _qwen3_5, 4, lambda counts, g: _qwen_pixels(counts, g, 4, 4),
+           around=(IMAGE - 2, IMAGE - 3), mm_types=True),
+)}
+"""Multimodal families whose language model is a hybrid (tests/test_hybrids.py)."""
+
+
+def family(name: str) -> Family:
+    """A family of :data:`FAMILIES` or :data:`HYBRIDS` by name."""
+    return FAMILIES[name] if name in FAMILIES else HYBRIDS[name]
+
+
 def _aya_vision() -> dict:
     text = dict(TEXT, model_type="cohere2", layer_types=["full_attention"] * 2)
     vision = dict(VISION, model_type="siglip_vision_model", image_size=16, patch_size=4)

@@ -8,7 +8,9 @@ import torch.distributed as dist
 
 import hf_ring
 from helpers import gradient_errors, rel_err
-from vlm import FAMILIES, packed
+import hybrid_models
+from vlm import family as family_of
+from vlm import packed
 
 TOL = 1e-5
 
@@ -24,12 +26,13 @@ def step(name: str, path: str, n: int = 64, where: Sequence[Sequence[int]] = ((1
     """One training step of family ``name`` (its model saved at ``path``): ``attn`` in one process (no process group), or ``ring_dilated`` with
     the sequence split over every rank through ``shard_batch``; the loss and every parameter gradient (vision
     tower and projector included). ``pack``: the rows go to the ring packed into one (:func:`vlm.packed`)."""
-    family = FAMILIES[name]
+    family = family_of(name)
     batch = family.batch(0, n, where, pad)
     if not dist.is_initialized():
         model = family.load(attn, dtype, path).train()
-        out = model(**batch)
-        out.loss.backward()
+        with _kernels(model):
+            out = model(**batch)
+            out.loss.backward()
         return _result(model, out.loss.detach())
     kw = {} if layout is None else {"layout": layout}
     sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses, **kw)
@@ -37,14 +40,20 @@ def step(name: str, path: str, n: int = 64, where: Sequence[Sequence[int]] = ((1
         model = family.load("ring_dilated", dtype, path).train()
         if pack:
             batch = packed(batch, mrope_positions(model, batch))
-        out = model(**hf_ring.shard_batch(batch))
-        out.loss.backward()
+        with _kernels(model):
+            out = model(**hf_ring.shard_batch(batch))
+            out.loss.backward()
         hf_ring.sync_gradients(model)
         loss = out.loss.detach().clone()
         dist.all_reduce(loss, group=sp.sp_group)
         return _result(model, loss)
     finally:
         hf_ring.clear_sequence_parallel()
+
+
+def _kernels(model):
+    """A hybrid language model's scans as float64 recurrences (both runs alike; nothing for the others)."""
+    return hybrid_models.float64_kernels(model.config.get_text_config(decoder=True).model_type)
 
 
 def mrope_positions(model, batch: Dict[str, Any]) -> Optional[torch.Tensor]:
@@ -66,7 +75,7 @@ def generate(name: str, path: str, new: int = 4, n: int = 64, where: Sequence[Se
              pad: Sequence[int] = (), dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Greedy tokens for the family's batch (images included): ``model.generate`` with ``sdpa`` in one process, or
     ``hf_ring.generate`` with the prompt split over every rank."""
-    family = FAMILIES[name]
+    family = family_of(name)
     inputs = {k: v for k, v in family.batch(0, n, where, pad).items() if k != "labels"}
     ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask")
     settings = dict(max_new_tokens=new, do_sample=False, pad_token_id=0)
@@ -113,7 +122,7 @@ def trainer(name: str, path: str, sp_size: Optional[int] = None, steps: int = 2,
 
     trainer_env()
     AcceleratorState._reset_state()
-    family = FAMILIES[name]
+    family = family_of(name)
     rows = [family.batch(seed, 64, where=((14 + seed, 45 - seed),)) for seed in range(steps * accum)]
     model = family.load("eager" if sp_size is None else "ring_dilated", dtype, path).train()
     args = TrainingArguments(
