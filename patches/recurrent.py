@@ -131,6 +131,18 @@ def family(model_type: Optional[str]) -> Optional[Recurrent]:
 
 
 
+def recurrent_layers(model: torch.nn.Module) -> List[int]:
+    """The layer indices (as the cache counts them) of ``model``'s recurrent and convolution layers that hf_ring
+    computes over shards (none for a model that is not a hybrid hf_ring hooks)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if config is not None else None
+    found = family(getattr(text, "model_type", None))
+    if found is None:
+        return []
+    return sorted({int(m.layer_idx) for m in model.modules() if type(m).__name__ in found.mixers
+                   and isinstance(getattr(m, "layer_idx", None), int)})
+
+
 WHY = ("binds the family's kernels (convolution, delta rule, Mamba scans) to hooks that compute them exactly over "
        "the sequence shards while one of its decoder layers runs a forward over shards (other calls untouched)")
 

@@ -204,3 +204,25 @@ def sft_case(model_type: str, path: str, sp_size=None, **options) -> dict:
 
     with hybrid_models.float64_kernels(model_type):
         return trainer_cases.sft_case(path, sp_size, **options)
+
+
+def generate_case(model_type: str, path: str, n: int = N, new: int = 5) -> torch.Tensor:
+    """Greedy tokens of the hybrid saved at ``path``, its prompt's first row left-padded: ``model.generate``
+    (``sdpa``) in one process, ``hf_ring.generate`` over the pool's ranks; the scans float64 in both."""
+    import hybrid_models
+    from transformers import AutoModelForCausalLM
+
+    ids = padded_batch(n=n)["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    settings = dict(max_new_tokens=new, do_sample=False, pad_token_id=0)
+    attn = "ring_dilated" if dist.is_initialized() else "sdpa"
+    with hybrid_models.float64_kernels(model_type):
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=torch.float32).eval()
+        if not dist.is_initialized():
+            return model.generate(ids, attention_mask=mask, **settings)
+        hf_ring.setup_sequence_parallel(None)
+        try:
+            return hf_ring.generate(model, ids, mask, **settings)
+        finally:
+            hf_ring.clear_sequence_parallel()

@@ -106,3 +106,16 @@ def test_qwen3_5_with_images_splits_its_hybrid_language_model(pools, world, ulys
     for rank, result in enumerate(pools(world).run(step, "qwen3_5", path, ulysses=ulysses)):
         key, err, _ = worst(result, want)
         assert close(err, TOL), (rank, key, err)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h", "jamba", "lfm2"])
+def test_generate_gives_model_generate_tokens(pools, model_type, world):
+    """The prefill split over the ranks, each recurrent layer's end state (its convolution's last rows, its scan's
+    state) on every rank, the attention's cache sharded; then every rank decodes the same tokens."""
+    import hybrid_models
+
+    path = hybrid_models.saved(model_type)
+    want = hybrid_cases.generate_case(model_type, path)
+    for got in pools(world).run(hybrid_cases.generate_case, model_type, path):
+        assert torch.equal(got, want), (got, want)

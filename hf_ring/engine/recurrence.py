@@ -162,16 +162,33 @@ def halo_sources(pieces: Pieces, width: int) -> List[List[Optional[Tuple[int, in
     return out
 
 
-def halo(pieces: Pieces, comm: Optional[RingComm], x: Tensor, width: int) -> Tuple[List[Tensor], Tensor]:
-    """For each of this rank's runs, the ``width`` rows of ``x`` (``(..., rows)``, this rank's rows last) that come
-    before it in the sequence, ``(..., width)``, zeros before position 0; differentiable (one all-gather, whose
-    result is returned too, for the caller to tie into what it returns: see :func:`tied`)."""
+def sequence_tail(pieces: Pieces, comm: Optional[RingComm], x: Tensor, width: int) -> Tensor:
+    """The last ``width`` rows of the whole sequence of ``x`` (``(..., rows)``, this rank's rows last), on every
+    rank, zeros before position 0 (a short sequence): what a convolution keeps as its state after a prefill."""
+    end = max(b for runs in pieces.runs for _, b in runs) if any(pieces.runs) else 0
+    beyond = Pieces(pieces.runs + (((end, end + 1),),), len(pieces.runs))  # a run that starts where the rows end
+    every = _tails(pieces, x, width)
+    every = gather(comm, every, "the last rows of the sequence (a convolution's state)")
+    rows = [x.new_zeros(x.shape[:-1]) if s is None else every[s[0]][..., s[1], s[2]]
+            for s in halo_sources(beyond, width)[0]]
+    return torch.stack(rows, dim=-1) if rows else x.new_zeros(x.shape[:-1] + (0,))
+
+
+def _tails(pieces: Pieces, x: Tensor, width: int) -> Tensor:
+    """Each of this rank's runs' last ``width`` rows of ``x``, right-aligned, ``(..., runs, width)``."""
     tails = x.new_zeros(x.shape[:-1] + (pieces.width, width))
     for i, (offset, length) in enumerate(pieces.local()):
         kept = min(length, width)
         if kept:
             tails[..., i, width - kept:] = x[..., offset + length - kept:offset + length]
-    every = gather(comm, tails, "the rows before each run (a convolution's halo)", anchor=x)
+    return tails
+
+
+def halo(pieces: Pieces, comm: Optional[RingComm], x: Tensor, width: int) -> Tuple[List[Tensor], Tensor]:
+    """For each of this rank's runs, the ``width`` rows of ``x`` (``(..., rows)``, this rank's rows last) that come
+    before it in the sequence, ``(..., width)``, zeros before position 0; differentiable (one all-gather, whose
+    result is returned too, for the caller to tie into what it returns: see :func:`tied`)."""
+    every = gather(comm, _tails(pieces, x, width), "the rows before each run (a convolution's halo)", anchor=x)
     out = []
     for sources in halo_sources(pieces, width):
         rows = [x.new_zeros(x.shape[:-1]) if s is None else every[s[0]][..., s[1], s[2]] for s in sources]

@@ -25,10 +25,11 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
 from ..engine.comm import RingComm
 from ..engine.layout import check_layout, check_ulysses, local_positions
+from ..engine.recurrence import Pieces, sequence_tail
 from .retention import KEEP_ALL, Retention
 from .slots import SlotTable, growth_rows
 
@@ -41,7 +42,10 @@ def cache_nbytes(cache: Cache) -> int:
         if hasattr(layer, "nbytes"):
             total += layer.nbytes()
             continue
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+        states = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+        if isinstance(layer, LinearAttentionLayer):  # a recurrent layer's states, the same on every rank
+            states += list(layer.conv_states.values()) + list(layer.recurrent_states.values())
+        for t in states:
             if t is not None:
                 total += t.numel() * t.element_size()
     return total
@@ -193,6 +197,11 @@ class ShardedCache(Cache):
     (``return_dict_in_generate=True``) back as ``past_key_values`` to continue
     the same sequences on the same ranks. ``evict=False`` keeps every row,
     including those no later query reads (for comparison; the output is the same).
+
+    A hybrid's recurrent layers (:meth:`set_recurrent`) keep transformers' own
+    states instead (a convolution's last rows, a scan's state), the same on every
+    rank: the prefill's hooks leave every rank the state of the whole prompt, and
+    every decode step then runs the same token on every rank.
     """
 
     def __init__(self, rank: int = 0, world_size: int = 1, layout: str = "zigzag", evict: bool = True,
@@ -225,6 +234,30 @@ class ShardedCache(Cache):
                 "pattern or head counts differ, or it was made with another evict setting); continue a cache only "
                 "with the model and settings that filled it"
             )
+
+    def set_recurrent(self, layers: Sequence[int]) -> None:
+        """Make layers ``layers`` (a hybrid's recurrent ones) keep transformers' conv and recurrent states, the same on
+        every rank, instead of sharded K/V rows."""
+        layers = set(layers)
+        if not layers:
+            return
+        kinds = [isinstance(layer, LinearAttentionLayer) for layer in self.layers]
+        if self.seq_len and kinds[:max(layers) + 1] != [i in layers for i in range(len(kinds))][:max(layers) + 1]:
+            raise ValueError("past_key_values held another model's layers (recurrent and attention layers at other "
+                             "places); continue a cache only with the model that filled it")
+        while len(self.layers) <= max(layers):
+            self.layers.append(LinearAttentionLayer() if len(self.layers) in layers else ShardedLayer())
+
+    def update_conv_state(self, conv_states: Tensor, layer_idx: int, *args, **kwargs) -> Tensor:
+        """Keep a recurrent layer's convolution state. In a sharded prefill each rank holds some of the prompt's rows:
+        the state kept is the whole prompt's last rows (one small all-gather), and the rows given are returned as
+        they are, for the layer to convolve (the hooks give each run the rows before it)."""
+        if not self._prefill or self.world_size == 1:
+            return super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
+        width = kwargs.get("conv_kernel_size") or conv_states.shape[-1]
+        pieces = Pieces.of(self.seq_len, self.world_size, self.layout, self.ulysses, self.rank)
+        super().update_conv_state(sequence_tail(pieces, self.comm, conv_states, width), layer_idx, *args, **kwargs)
+        return conv_states
 
     def rule_of(self, layer_idx: int) -> Retention:
         """The rule of layer ``layer_idx``: which of its rows are kept."""

@@ -40,6 +40,7 @@ from ..integration.guard import other_attention_message
 from ..integration.media import MediaForward, has_media
 from ..integration.seams import CACHE_KEYWORD, cache_argument
 from ..patches import apply as apply_patches
+from ..patches.recurrent import recurrent_layers
 from .cache import ShardedCache
 from .retention import layer_rules
 from .step import DecodeStep
@@ -290,6 +291,7 @@ def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], all
     if cache is None:
         cache = ShardedCache(rank, world, layout, ulysses=ulysses)
         cache.set_rules(layer_rules(config, cache.evict))
+        cache.set_recurrent(recurrent_layers(model))
         return model, cache
     if not isinstance(cache, ShardedCache):
         raise TypeError(
@@ -302,4 +304,5 @@ def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], all
             f"{ulysses}); continue a cache only on the ranks and layout that made it"
         )
     cache.set_rules(layer_rules(config, cache.evict))
+    cache.set_recurrent(recurrent_layers(model))
     return model, cache
