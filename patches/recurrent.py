@@ -293,8 +293,16 @@ def _delta(original, context: ShardedForward, calls: List[str], name: str, *args
     eye = torch.eye(dk, dtype=torch.float32, device=v.device).expand(b, heads, dk, dk)
     start = torch.cat([torch.zeros(b, heads, dk, dv, dtype=torch.float32, device=v.device), eye], dim=-1)
     outs, bases, ends, maps = [], [], [], []
-    for o, n in _runs(context, rows):
+    firsts = [False] if context.placeholder else [a_ == 0 for a_, _ in context.pieces().mine]
+    for (o, n), first in zip(_runs(context, rows), firsts):
         s = slice(o, o + n)
+        if first:  # the sequence's first rows start from zero: no correction, and nothing reads their transition
+            out, state = original(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], output_final_state=True, **a)
+            outs.append(out)
+            bases.append(None)
+            ends.append(state.float())
+            maps.append(torch.zeros(b, heads, dk, dk, dtype=torch.float32, device=v.device))
+            continue
         extended = torch.cat([v[:, s], v.new_zeros(b, n, heads, dk)], dim=-1)
         out, state = original(q[:, s], k[:, s], extended, g[:, s], beta[:, s], initial_state=start,
                               output_final_state=True, **a)
@@ -303,11 +311,12 @@ def _delta(original, context: ShardedForward, calls: List[str], name: str, *args
         ends.append(state[..., :dv].float())
         maps.append(state[..., dv:].float())
     if context.placeholder:
-        outs, bases, ends, maps = outs, bases, [ends[0] * 0], [maps[0] * 0]
+        ends, maps = [ends[0] * 0], [maps[0] * 0]
     every_end, every_map, every = _exchange(context, ends, maps, v, f"the {name} states of each run")
     starts, final = carried(context.pieces(), every_end, every_map, lambda m, s: m @ s)
     if not context.placeholder:
-        outs = [(out.float() + torch.einsum("blhk,bhkv->blhv", basis.float(), s_in)).to(out.dtype)
+        outs = [out if basis is None else
+                (out.float() + torch.einsum("blhk,bhkv->blhv", basis.float(), s_in)).to(out.dtype)
                 for out, basis, s_in in zip(outs, bases, starts)]
     return tied(torch.cat(outs, dim=1), every), (final if want_final else None)
 

@@ -119,3 +119,13 @@ def test_generate_gives_model_generate_tokens(pools, model_type, world):
     want = hybrid_cases.generate_case(model_type, path)
     for got in pools(world).run(hybrid_cases.generate_case, model_type, path):
         assert torch.equal(got, want), (got, want)
+
+
+def test_qwen3_5_with_images_generates_model_generate_tokens(pools):
+    from vlm import HYBRIDS
+    from vlm_cases import generate
+
+    path = HYBRIDS["qwen3_5"].build()
+    want = generate("qwen3_5", path)
+    for got in pools(2).run(generate, "qwen3_5", path):
+        assert torch.equal(got, want), (got, want)

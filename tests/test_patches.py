@@ -54,35 +54,52 @@ def test_apply_and_revert_are_exact_and_leave_unsharded_runs_alone(kind):
     assert torch.equal(before, patched)
 
 
-HYBRIDS = {  # model type: (config overrides, words the refusal must contain)
-    "lfm2": (dict(layer_types=["conv", "full_attention"]), "'conv': convolution"),
-    "qwen3_next": (dict(layer_types=["linear_attention", "full_attention"]), "'linear_attention': recurrent"),
-    "jamba": (dict(attn_layer_period=2, attn_layer_offset=1), "'linear_attention': recurrent"),
-    "falcon_h1": ({}, "'hybrid'"),
+REFUSED = {  # model type: (config overrides, words the refusal must contain)
+    "mamba": ({}, "'linear_attention': recurrent"),
+    "recurrent_gemma": ({}, "'linear_attention': recurrent"),
     "zamba": (dict(num_hidden_layers=4), "recurrent"),
     "minimax": (dict(layer_types=["linear_attention", "full_attention"]), "'linear_attention'"),
 }
+"""Models whose recurrent layers hf_ring does not compute over shards (a state-space model, RG-LRU, lightning
+attention, Zamba's shared attention)."""
+
+HOOKED = {
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
+    "falcon_h1": {},
+}
+"""Hybrids whose recurrent layers hf_ring computes over shards (patches/recurrent.py): their configs pass."""
 
 
-@pytest.mark.parametrize("model_type", sorted(HYBRIDS))
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
 def test_models_mixing_the_sequence_outside_attention_are_refused_from_the_config(model_type):
     from transformers import AutoConfig
 
-    overrides, words = HYBRIDS[model_type]
+    overrides, words = REFUSED[model_type]
     config = AutoConfig.for_model(model_type, **dict(TINY, **overrides))
     with pytest.raises(ValueError, match=f"model type '{model_type}' cannot run with its sequence split") as err:
         patches.check_supported(config)
     assert words in str(err.value)
 
 
+@pytest.mark.parametrize("model_type", sorted(HOOKED))
+def test_hybrids_whose_recurrent_layers_are_hooked_pass_the_config_check(model_type):
+    from transformers import AutoConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # not among the attention families: a warning, not a refusal
+        assert patches.check_supported(AutoConfig.for_model(model_type, **dict(TINY, **HOOKED[model_type])))
+
+
 def test_convolutions_and_mixers_are_found_in_the_modules_and_other_refusals():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("lfm2", **TINY, layer_types=["conv", "full_attention"])
+    config = AutoConfig.for_model("recurrent_gemma", **TINY)
     model = AutoModelForCausalLM.from_config(config)
-    model.config.layer_types = ["full_attention", "full_attention"]  # the modules alone still give it away
-    with pytest.raises(ValueError, match=r"convolutions mix neighbouring tokens: model.layers.0.conv.conv \(Conv1d\); "
-                                         r"non-attention sequence mixers: Lfm2ShortConv"):
+    model.config.block_types = ["attention"]  # the modules alone still give it away
+    with pytest.raises(ValueError, match=r"convolutions mix neighbouring tokens: model.layers.0.temporal_block.conv_1d "
+                                         r"\(Conv1d\), .*non-attention sequence mixers: RecurrentGemma"):
         patches.check_supported(model)
     with pytest.raises(ValueError, match="BloomForCausalLM does not declare that its attention goes through"):
         patches.check_supported(AutoConfig.for_model("bloom", n_layer=2, hidden_size=64, n_head=4))
@@ -111,7 +128,7 @@ def _unsupported_model_sharded():
 
     hf_ring.setup_sequence_parallel(None, 2)
     try:
-        cfg = AutoConfig.for_model("lfm2", **TINY, layer_types=["conv", "full_attention"])
+        cfg = AutoConfig.for_model("recurrent_gemma", **TINY)
         model = AutoModelForCausalLM.from_config(cfg).eval()
         model.set_attn_implementation("ring_dilated")
         data = hf_ring.shard_batch({"input_ids": torch.zeros(1, 10, dtype=torch.long)})
@@ -142,7 +159,7 @@ def _layout_mismatch(path, how):
 
 def test_sharded_run_of_unsupported_model_is_refused(pools):
     for res in pools(2).run(_unsupported_model_sharded):
-        assert res[0] == "ValueError" and "'lfm2'" in res[1] and "'conv': convolution" in res[1]
+        assert res[0] == "ValueError" and "'recurrent_gemma'" in res[1] and "'linear_attention': recurrent" in res[1]
 
 
 def test_sp_size_must_divide_world(pools):

@@ -81,11 +81,13 @@ def generate(name: str, path: str, new: int = 4, n: int = 64, where: Sequence[Se
     settings = dict(max_new_tokens=new, do_sample=False, pad_token_id=0)
     if not dist.is_initialized():
         model = family.load("sdpa", dtype, path).eval()
-        return model.generate(ids, attention_mask=mask, **inputs, **settings)
+        with _kernels(model):
+            return model.generate(ids, attention_mask=mask, **inputs, **settings)
     hf_ring.setup_sequence_parallel(None)
     try:
         model = family.load("ring_dilated", dtype, path).eval()
-        return hf_ring.generate(model, ids, mask, **inputs, **settings)
+        with _kernels(model):
+            return hf_ring.generate(model, ids, mask, **inputs, **settings)
     finally:
         hf_ring.clear_sequence_parallel()
 

@@ -133,8 +133,13 @@ def _pre_forward(state: Generation):
         cache, world = state.cache, state.cache.world_size
         b, m = ids.shape
         if cache.seq_len == 0 and min(shard_sizes(m, world, cache.layout, cache.ulysses)) > 0:
-            pos = cache.begin_prefill(m).to(ids.device)
             mask = kwargs.get("attention_mask")
+            if mask is not None and not isinstance(mask, torch.Tensor):
+                raise NotImplementedError(
+                    f"this transformers release's generate hands {type(module).__name__} masks it made for the whole "
+                    f"prompt ({type(mask).__name__}), which hf_ring cannot split over the ranks; generate it with "
+                    "transformers 5.24 (tested), or in one process")
+            pos = cache.begin_prefill(m).to(ids.device)
             # The ranks already agreed on the prompt (_agree), so the batch fingerprint is not needed here.
             prefill = ShardedForward.over(state.sp if state.comm is not None else None, m, cache.layout,
                                           padded=mask is not None and not bool(mask.all()),

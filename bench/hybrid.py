@@ -1,0 +1,169 @@
+"""``python -m bench hybrid``: a training step of a Qwen3.5-like hybrid with its sequence split over 2 ranks.
+
+The model has the tiny-benchmark width of ``bench scale`` (hidden 256, 8 heads,
+4 K/V heads, vocabulary 32000, fp32) and Qwen3.5's layer pattern: three gated
+delta rule layers (4 key heads and 8 value heads of 32 channels, a short
+convolution of width 4), then one full-attention layer. ``sdpa`` in one
+process is the baseline; ``ring_dilated`` on 2 ranks splits every layer's rows,
+the attention through the ring, the recurrent layers by state passing. Each
+configuration runs in fresh one-thread processes, ``--repeats`` timed steps
+after a warm-up, in each of ``--rounds`` interleaved sweeps; a step is timed
+at its slowest rank, and the table gives the median and spread of all of them.
+The peak resident memory is the busiest rank's above the same process after a
+512-token warm-up. "recurrent share" is the part of a step spent in the
+recurrent layers (their forward and backward, timed by module hooks),
+"exchange share" the part spent in their all-gathers (state passing and
+convolution halos) and the gradients' all-reduces.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Dict, List
+
+import torch
+
+from .common import command_line, format_table, peak_rss_mb, rss_mb, run_ranks, save
+from .scale import MODEL
+
+TABLES = {
+    "hybrid": (("n", "n"), ("attn", "attention"), ("ranks", "ranks"), ("step_s", "step s (median)"),
+               ("step_spread", "spread"), ("over_one_process", "/ one process"), ("peak_mb", "peak MiB per rank"),
+               ("peak_over_one_process", "peak / one process"), ("recurrent_share", "recurrent share"),
+               ("exchange_share", "exchange share")),
+}
+"""The columns of this benchmark's tables in the docs: (JSON key, header), in order (see :mod:`bench.tables`)."""
+
+HYBRID = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=4,
+              linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+              head_dim=32)
+"""What makes ``bench scale``'s model a Qwen3.5-like hybrid: its layer pattern and linear-attention sizes."""
+MIXER = "Qwen3_5GatedDeltaNet"
+
+
+def _model(attn: str):
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(**{k: v for k, v in MODEL.items() if k != "max_position_embeddings"}, **HYBRID,
+                               max_position_embeddings=1 << 20)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32).train()
+
+
+def _timers(model, spent: Dict[str, float]) -> None:
+    """Add the seconds each recurrent layer spends in its forward and its backward to ``spent["recurrent"]``."""
+    started: Dict[int, float] = {}
+
+    def begin(module, *_):
+        started[id(module)] = time.perf_counter()
+
+    def end(module, *_):
+        spent["recurrent"] += time.perf_counter() - started.pop(id(module))
+
+    for module in model.modules():
+        if type(module).__name__ == MIXER:
+            module.register_forward_pre_hook(begin)
+            module.register_forward_hook(end)
+            module.register_full_backward_pre_hook(begin)
+            module.register_full_backward_hook(end)
+
+
+def measure(attn: str, n: int, repeats: int) -> Dict:
+    """One rank's step times, peak memory and the seconds per step in the recurrent layers and their exchanges
+    (fn of :func:`run_ranks`)."""
+    import torch.distributed as dist
+
+    import hf_ring
+    from hf_ring.engine.comm import RingComm
+
+    from .common import clock
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        hf_ring.setup_sequence_parallel(None)
+    try:
+        model = _model(attn)
+        split = hf_ring.shard_batch if attn == "ring_dilated" else dict
+
+        def batch(length: int) -> Dict[str, torch.Tensor]:
+            ids = torch.randint(0, MODEL["vocab_size"], (1, length), generator=torch.Generator().manual_seed(length))
+            return {"input_ids": ids, "labels": ids}
+
+        def step(data) -> None:
+            model(**split(data)).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        step(batch(512))  # kernels, threads and the allocator warmed
+        base = rss_mb()
+        data = batch(n)
+        step(data)  # the untimed warm-up at this size, as every benchmark's
+        spent = {"recurrent": 0.0, "exchange": 0.0}
+        _timers(model, spent)
+        clock(RingComm, "all_gather", "exchange", spent)
+        clock(RingComm, "all_reduce", "exchange", spent)
+        times, shares = [], []
+        for _ in range(repeats):
+            if world > 1:
+                dist.barrier()
+            spent.update(recurrent=0.0, exchange=0.0)
+            t0 = time.perf_counter()
+            step(data)
+            times.append(time.perf_counter() - t0)
+            shares.append(dict(spent))
+        return {"steps": times, "shares": shares, "peak_mb": peak_rss_mb() - base}
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+CONFIGS = (("sdpa", 1), ("ring_dilated", 2))
+
+
+def rows_for(sizes: List[int], repeats: int, rounds: int) -> List[Dict]:
+    rows = []
+    for n in sizes:
+        found: Dict = {cfg: [] for cfg in CONFIGS}
+        for _ in range(rounds):  # interleaved, so drift of the machine falls on every configuration alike
+            for attn, world in CONFIGS:
+                found[attn, world].append(run_ranks(world, measure, attn, n, repeats))
+        stats = {}
+        for cfg, runs in found.items():
+            steps, recurrent, exchange, peaks = [], [], [], []
+            for ranks in runs:
+                for i, times in enumerate(zip(*(r["steps"] for r in ranks))):
+                    slowest = max(range(len(times)), key=lambda r: times[r])
+                    steps.append(times[slowest])
+                    share = ranks[slowest]["shares"][i]
+                    recurrent.append(share["recurrent"] / times[slowest])
+                    exchange.append(share["exchange"] / times[slowest])
+                peaks.append(max(r["peak_mb"] for r in ranks))
+            stats[cfg] = {"steps": steps, "recurrent": recurrent, "exchange": exchange, "peak": max(peaks)}
+        one = stats[CONFIGS[0]]
+        for (attn, world), s in stats.items():
+            step = statistics.median(s["steps"])
+            row = {"n": n, "attn": attn, "ranks": world, "step_s": round(step, 3),
+                   "step_spread": f"{min(s['steps']):.3g}-{max(s['steps']):.3g}",
+                   "over_one_process": round(step / statistics.median(one["steps"]), 3),
+                   "over_one_process_spread": (f"{min(s['steps']) / max(one['steps']):.3f}-"
+                                               f"{max(s['steps']) / min(one['steps']):.3f}"),
+                   "peak_mb": round(s["peak"], 1), "peak_over_one_process": round(s["peak"] / one["peak"], 3),
+                   "recurrent_share": round(statistics.median(s["recurrent"]), 3),
+                   "exchange_share": round(statistics.median(s["exchange"]), 3), "repeats": len(s["steps"])}
+            rows.append(row)
+            print(format_table([row], list(row)), flush=True)
+    return rows
+
+
+def main(argv: List[str]) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench hybrid", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--repeats", type=int, default=2, help="timed steps per configuration and round, after a warm-up")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved sweeps over the configurations")
+    ap.add_argument("--out", default="bench_results")
+    args = ap.parse_args(argv)
+    rows = rows_for(args.sizes, args.repeats, args.rounds)
+    print("\n" + format_table(rows, [k for k, _ in TABLES["hybrid"]]))
+    save(args.out, "hybrid", {"config": dict(vars(args), model=dict(MODEL, **HYBRID)), "rows": rows},
+         command=command_line("hybrid", argv))
