@@ -6,9 +6,14 @@ from . import BENCHES
 
 
 def main() -> None:
+    names = ", ".join(sorted(BENCHES))
+    usage = f"usage: python -m bench {{{names}}} [options]  (each takes --help)"
+    if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help"):
+        print(usage)
+        return
     if len(sys.argv) < 2 or sys.argv[1] not in BENCHES:
-        names = ", ".join(sorted(BENCHES))
-        sys.exit(f"usage: python -m bench {{{names}}} [options]  (each takes --help)")
+        print(usage, file=sys.stderr)
+        sys.exit(2)  # a usage error, as argparse exits
     name = sys.argv[1]
     importlib.import_module(BENCHES[name]).main(sys.argv[2:])
 

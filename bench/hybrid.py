@@ -52,22 +52,50 @@ def _model(attn: str):
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32).train()
 
 
+class _Mark(torch.autograd.Function):
+    """An identity whose backward calls ``note()``: where the gradient reaches a module's output or leaves its input."""
+
+    @staticmethod
+    def forward(ctx, x, note):
+        ctx.note = note
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.note()
+        return grad, None
+
+
 def _timers(model, spent: Dict[str, float]) -> None:
-    """Add the seconds each recurrent layer spends in its forward and its backward to ``spent["recurrent"]``."""
+    """Add the seconds each recurrent layer spends in its forward and in its backward to ``spent["recurrent"]``.
+
+    The layers take their input by keyword, which module backward hooks do not see; marks on the input and the
+    output time the backward instead: from the gradient reaching the output to its leaving the input.
+    """
     started: Dict[int, float] = {}
 
-    def begin(module, *_):
-        started[id(module)] = time.perf_counter()
+    def begin(key):
+        started[key] = time.perf_counter()
 
-    def end(module, *_):
-        spent["recurrent"] += time.perf_counter() - started.pop(id(module))
+    def end(key):
+        spent["recurrent"] += time.perf_counter() - started.pop(key)
+
+    def pre(module, args, kwargs):
+        begin(id(module))
+        if torch.is_grad_enabled() and kwargs.get("hidden_states") is not None:
+            kwargs = dict(kwargs, hidden_states=_Mark.apply(kwargs["hidden_states"], lambda: end(-id(module))))
+        return args, kwargs
+
+    def post(module, args, kwargs, out):
+        end(id(module))
+        if torch.is_grad_enabled() and out.requires_grad:
+            return _Mark.apply(out, lambda: begin(-id(module)))
+        return out
 
     for module in model.modules():
         if type(module).__name__ == MIXER:
-            module.register_forward_pre_hook(begin)
-            module.register_forward_hook(end)
-            module.register_full_backward_pre_hook(begin)
-            module.register_full_backward_hook(end)
+            module.register_forward_pre_hook(pre, with_kwargs=True)
+            module.register_forward_hook(post, with_kwargs=True)
 
 
 def measure(attn: str, n: int, repeats: int) -> Dict:

@@ -12,6 +12,8 @@ model's token accuracy on the completions of held-out words (chance is 1 in 29):
 above 0.9 in the default 300 steps (under a minute on 2 CPU processes). An existing
 SFTTrainer script needs one more line, ``hf_ring.prepare_trainer(trainer, sp_size)``,
 after the trainer is built (``--no-trl`` runs the same with transformers' Trainer).
+
+Needs ``pip install -e ".[examples]"`` (datasets, TRL on Python 3.11 or newer, PEFT, Pillow).
 """
 from __future__ import annotations
 

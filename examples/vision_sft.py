@@ -15,6 +15,8 @@ frames on every rank; the language model's sequence is split after the frames
 are merged into it. It prints the held-out token accuracy of the answers
 (chance: one colour in four), and ``--losses`` writes every step's loss, which
 a one-process run reproduces step by step.
+
+Needs ``pip install -e ".[examples]"`` (datasets, TRL on Python 3.11 or newer, PEFT, Pillow).
 """
 from __future__ import annotations
 
