@@ -156,17 +156,6 @@ def apply(found: Recurrent) -> None:
         registry.replace(getattr(module, name), "forward", lambda original: _layer_forward(original, found), WHY)
 
 
-def is_applied(found: Recurrent) -> bool:
-    module = found.found()
-    return module is not None and all(registry.is_replaced(getattr(module, n), "forward") for n in found.layers)
-
-
-def apply_all() -> None:
-    """Hook every hybrid family this release has (before any model exists)."""
-    for found in dict.fromkeys(RECURRENT.values()):
-        apply(found)
-
-
 def _layer_forward(original: Callable, found: Recurrent) -> Callable:
     def forward(self, *args, **kwargs):
         context = kwargs.get(CONTEXT_KEY)
