@@ -1,10 +1,15 @@
 """Generation with and without eviction on every rank of a pool (module-level so it pickles)."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
 import hf_ring
+
+UNREAD = "leaves positions unread"
+"""hf_ring's warning for a dilated pattern whose rates exceed the query heads (some positions no head reads)."""
 
 
 def _generate(model, ids, mask, cache, continue_with, kwargs):
@@ -37,7 +42,8 @@ def evict_case(path, ids, mask=None, *, pattern=None, layout="zigzag", continue_
     """``hf_ring.generate`` with the sharded cache evicting and keeping every row, on this rank.
 
     Runs in one process too (no process group: one rank). Returns both runs'
-    sequences and step logits, and the rows each layer's row sets held after every forward.
+    sequences and step logits, and the rows each layer's row sets held after every forward; ``"unread"``: whether
+    hf_ring warned that the pattern leaves positions unread.
     """
     from models import load
 
@@ -46,12 +52,18 @@ def evict_case(path, ids, mask=None, *, pattern=None, layout="zigzag", continue_
     if sp:
         hf_ring.setup_sequence_parallel(None, layout=layout)
     try:
-        model = load(path, "ring_dilated")
-        hf_ring.configure(model, pattern=pattern, layout=layout)
-        kwargs = dict(kwargs, return_dict_in_generate=True, output_logits=True)
-        return {evict: _generate(model, ids, mask, hf_ring.ShardedCache(rank, world, layout, evict=evict),
-                                 continue_with, kwargs)
-                for evict in (True, False)}
+        with warnings.catch_warnings(record=True) as caught:  # what the pattern leaves unread, kept for the test
+            model = load(path, "ring_dilated")
+            hf_ring.configure(model, pattern=pattern, layout=layout)
+            kwargs = dict(kwargs, return_dict_in_generate=True, output_logits=True)
+            found = {evict: _generate(model, ids, mask, hf_ring.ShardedCache(rank, world, layout, evict=evict),
+                                      continue_with, kwargs)
+                     for evict in (True, False)}
+        for w in caught:
+            if UNREAD not in str(w.message):
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        found["unread"] = any(UNREAD in str(w.message) for w in caught)
+        return found
     finally:
         if sp:
             hf_ring.clear_sequence_parallel()

@@ -85,7 +85,7 @@ def _alone_with(model, feats, mask_for=None):
         count = ids.shape[1] - 1
         if count:
             (out.loss * count / items).backward()
-            total += float(out.loss) * count / items
+            total += float(out.loss.detach()) * count / items
         logits.append(out.logits.detach()[0])
     return total, torch.cat(logits), {k: p.grad.clone() for k, p in model.named_parameters()}
 
