@@ -1,6 +1,7 @@
 """Shared plumbing for the benchmarks: fresh processes, timing, peak memory, output files."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -13,7 +14,7 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.multiprocessing as mp
@@ -72,6 +73,23 @@ def timed(fn: Callable[[], None], repeats: int, barrier: Optional[Callable[[], N
         fn()
         times.append(time.perf_counter() - t0)
     return times
+
+
+@contextlib.contextmanager
+def split_for(attn: str) -> Iterator[Tuple[int, Callable]]:
+    """In a benchmark's rank: the world size, and how a batch reaches a model on ``attn``: through
+    ``hf_ring.shard_batch`` for ``ring_dilated`` (the sequence split over every rank), as it is otherwise."""
+    import torch.distributed as dist
+
+    import hf_ring
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        hf_ring.setup_sequence_parallel(None)
+    try:
+        yield world, (hf_ring.shard_batch if attn == "ring_dilated" else dict)
+    finally:
+        hf_ring.clear_sequence_parallel()
 
 
 def clock(owner, name: str, label: str, spent: Dict[str, float]) -> None:

@@ -24,7 +24,7 @@ from typing import Dict, List
 
 import torch
 
-from .common import command_line, format_table, peak_rss_mb, rss_mb, run_ranks, save
+from .common import clock, command_line, format_table, peak_rss_mb, rss_mb, run_ranks, save, split_for
 from .scale import MODEL
 
 TABLES = {
@@ -103,17 +103,10 @@ def measure(attn: str, n: int, repeats: int) -> Dict:
     (fn of :func:`run_ranks`)."""
     import torch.distributed as dist
 
-    import hf_ring
     from hf_ring.engine.comm import RingComm
 
-    from .common import clock
-
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        hf_ring.setup_sequence_parallel(None)
-    try:
+    with split_for(attn) as (world, split):
         model = _model(attn)
-        split = hf_ring.shard_batch if attn == "ring_dilated" else dict
 
         def batch(length: int) -> Dict[str, torch.Tensor]:
             ids = torch.randint(0, MODEL["vocab_size"], (1, length), generator=torch.Generator().manual_seed(length))
@@ -141,8 +134,6 @@ def measure(attn: str, n: int, repeats: int) -> Dict:
             times.append(time.perf_counter() - t0)
             shares.append(dict(spent))
         return {"steps": times, "shares": shares, "peak_mb": peak_rss_mb() - base}
-    finally:
-        hf_ring.clear_sequence_parallel()
 
 
 CONFIGS = (("sdpa", 1), ("ring_dilated", 2))

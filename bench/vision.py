@@ -28,7 +28,7 @@ from typing import Dict, List
 
 import torch
 
-from .common import command_line, format_table, peak_rss_mb, rss_mb, run_ranks, save, timed
+from .common import command_line, format_table, peak_rss_mb, rss_mb, run_ranks, save, split_for, timed
 from .quality import launch
 
 EXAMPLE = os.path.join("examples", "vision_sft.py")
@@ -80,14 +80,8 @@ def measure(attn: str, n: int, repeats: int) -> Dict:
     """One rank's step times, peak memory and tower times (fn of :func:`run_ranks`)."""
     import torch.distributed as dist
 
-    import hf_ring
-
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        hf_ring.setup_sequence_parallel(None)
-    try:
+    with split_for(attn) as (world, split):
         model = _model(attn)
-        split = hf_ring.shard_batch if attn == "ring_dilated" else dict
         small = _sample(512)
         model(**split(small)).loss.backward()  # kernels, threads and the allocator warmed
         model.zero_grad(set_to_none=True)
@@ -105,8 +99,6 @@ def measure(attn: str, n: int, repeats: int) -> Dict:
         share = pixels[: max(1, len(pixels) // world)]
         return {"steps": steps, "peak_mb": peak, "tower": tower, "tower_split": _tower_s(model, share, repeats),
                 "frames": len(pixels)}
-    finally:
-        hf_ring.clear_sequence_parallel()
 
 
 def _spread(runs: List[float]) -> str:

@@ -266,17 +266,25 @@ def _exchange(context: ShardedForward, ends: List[Tensor], maps: List[Tensor], a
             every)
 
 
+def _scan_arguments(original, context: ShardedForward, name: str, args: tuple, kwargs: dict, state: str, final: str,
+                    packed: str) -> Tuple[List[Tensor], bool, Dict[str, Any]]:
+    """A scan's five leading inputs, whether its end state was asked for (``final``), and its other arguments; a
+    state to start from (``state``) or packed rows (``packed``) are refused on every rank."""
+    leading, a = _arguments(original, args, kwargs, 5)
+    want_final = bool(a.pop(final, False))
+    if a.pop(state, None) is not None or a.pop(packed, None) is not None:
+        _refuse(context, f"{name} was given a state to start from or packed rows ({packed}) over sequence shards: "
+                         "not supported there")
+    return leading, want_final, a
+
+
 def _delta(original, context: ShardedForward, calls: List[str], name: str, *args, **kwargs):
     """A delta rule (gated delta rule, KDA) over ``(B, rows, H, d)`` inputs: each run from a zero state, with ``d_k``
     extra value channels started at the identity, whose outputs and end state give the correction's basis and the
     run's transition."""
     calls.append(name)
-    (q, k, v, g, beta), a = _arguments(original, args, kwargs, 5)
-    want_final = bool(a.pop("output_final_state", False))
-    if a.pop("initial_state", None) is not None or a.get("cu_seqlens") is not None:
-        _refuse(context, f"{name} was given a state to start from or packed rows (cu_seqlens) over sequence shards: "
-                         "not supported there")
-    a.pop("cu_seqlens", None)
+    (q, k, v, g, beta), want_final, a = _scan_arguments(original, context, name, args, kwargs, "initial_state",
+                                                        "output_final_state", "cu_seqlens")
     b, rows, heads, dv = v.shape
     dk = k.shape[-1]
     eye = torch.eye(dk, dtype=torch.float32, device=v.device).expand(b, heads, dk, dk)
@@ -314,12 +322,8 @@ def _mamba2(original, context: ShardedForward, calls: List[str], name: str, *arg
     """Mamba2's chunked scan over ``(B, rows, H, P)``: each run from a zero state; its decay per head and row, from
     the layer's own ``dt``, gives the correction and the run's transition."""
     calls.append(name)
-    (x, dt, A, B, C), a = _arguments(original, args, kwargs, 5)
-    want_final = bool(a.pop("return_final_states", False))
-    if a.pop("initial_states", None) is not None or a.get("seq_idx") is not None:
-        _refuse(context, f"{name} was given a state to start from or packed rows (seq_idx) over sequence shards: "
-                         "not supported there")
-    a.pop("seq_idx", None)
+    (x, dt, A, B, C), want_final, a = _scan_arguments(original, context, name, args, kwargs, "initial_states",
+                                                      "return_final_states", "seq_idx")
     heads = x.shape[2]
     step = dt.float()
     if a.get("dt_bias") is not None:
@@ -354,9 +358,9 @@ def _mamba(original, context: ShardedForward, calls: List[str], name: str, *args
     """Mamba's selective scan over ``(B, D, rows)``: each run from a zero state and ungated; its decay per channel,
     state and row, from the layer's own ``dt``, gives the correction and the run's transition; then the gate."""
     calls.append(name)
-    (x, dt, A, B, C), a = _arguments(original, args, kwargs, 5)
+    (x, dt, A, B, C), want_final, a = _scan_arguments(original, context, name, args, kwargs, "initial_states",
+                                                      "return_last_state", "seq_idx")
     z = a.pop("z", None)
-    want_final = bool(a.pop("return_last_state", False))
     step = dt.float()
     if a.get("delta_bias") is not None:
         step = step + a["delta_bias"].float()[..., None]
