@@ -58,9 +58,9 @@ def _model_type(model_or_config: Any) -> str:
 
 def tested() -> Tuple[str, ...]:
     """Every model type tested under sequence parallelism: the decoder families, the multimodal ones and their
-    language models."""
+    language models, the hybrids whose recurrent layers hf_ring computes over shards."""
     decoders = {t for m in MULTIMODAL.values() for t in m.decoders}
-    return tuple(sorted(set(FAMILIES) | set(MULTIMODAL) | decoders))
+    return tuple(sorted(set(FAMILIES) | set(MULTIMODAL) | decoders | set(recurrent.RECURRENT)))
 
 
 def _decoder(model_or_config: Any) -> Any:
@@ -93,7 +93,7 @@ def check_supported(model_or_config: Any) -> str:
                          + "; ".join(found))
     if model_type not in tested():
         warnings.warn(f"model type {model_type!r} passes hf_ring's structural checks but is not among the tested "
-                      f"families ({', '.join(supported())}); compare a sharded run with an unsharded one before "
+                      f"families ({', '.join(tested())}); compare a sharded run with an unsharded one before "
                       "relying on it", stacklevel=2)
     return model_type
 

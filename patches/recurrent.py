@@ -159,8 +159,8 @@ def apply(found: Recurrent) -> None:
 def _layer_forward(original: Callable, found: Recurrent) -> Callable:
     def forward(self, *args, **kwargs):
         context = kwargs.get(CONTEXT_KEY)
-        if not isinstance(context, ShardedForward) or not found.recurrent(self):
-            return original(self, *args, **kwargs)
+        if not isinstance(context, ShardedForward) or context.world_size == 1 or not found.recurrent(self):
+            return original(self, *args, **kwargs)  # one process holds the whole sequence: the layer as it is
         return _over_shards(original, found, context, self, args, kwargs)
 
     forward.__wrapped__ = original

@@ -90,11 +90,12 @@ _VERDICTS: "weakref.WeakKeyDictionary[Any, Tuple[Optional[ValueError], Tuple[typ
 family (its modules do not change between forwards; the check walks all of them)."""
 
 
-def structure_error(model: Any) -> Optional[ValueError]:
+def structure_error(model: Any, split: bool = True) -> Optional[ValueError]:
     """Why ``model``'s sequence cannot be split (its modules and config, :func:`hf_ring.patches.check_supported`),
-    or None; worked out once per model object. A model that can be split has its length-dependent RoPE made
-    global and its recurrent layers hooked (:func:`hf_ring.patches.apply`; made again after
-    ``clear_sequence_parallel`` undid them)."""
+    or None; worked out once per model object. ``split``: the sequence is split over several ranks, so a model that
+    can be split has its length-dependent RoPE made global and its recurrent layers hooked
+    (:func:`hf_ring.patches.apply`; made again after ``clear_sequence_parallel`` undid them); one process needs
+    neither."""
     if model not in _VERDICTS:
         try:
             check_supported(model)
@@ -106,7 +107,7 @@ def structure_error(model: Any) -> Optional[ValueError]:
             hybrid = None  # a hybrid type configured with attention layers only
         _VERDICTS[model] = (error, tuple(dict.fromkeys(type(m) for m in rotary_modules(model))), hybrid)
     error, rotary, hybrid = _VERDICTS[model]
-    if error is None:
+    if error is None and split:
         for cls in rotary:
             rope.patch_rotary(cls)
         if hybrid is not None:
@@ -118,7 +119,8 @@ def refuse_structure(model: Any, kwargs: Mapping[str, Any]) -> None:
     """Raise ValueError on every rank when sharded inputs reach a model that mixes the sequence other than through
     what hf_ring computes (a state-space scan, a convolution, positions it cannot count), before any layer runs."""
     forward = kwargs.get(CONTEXT_KEY)
-    error = structure_error(model)
+    comm = getattr(forward, "comm", None)
+    error = structure_error(model, comm is not None and comm.world_size > 1)
     if error is None and isinstance(forward, ShardedForward) and forward.documents is not None \
             and _VERDICTS[model][2] is not None:
         error = ValueError(packed_recurrent_message(model))
@@ -168,7 +170,9 @@ def _sharded_call(original, model: Any, forward: ShardedForward, args, kwargs):
         raise
     finally:
         forward.leave_call()
-    if outermost and forward.mixers == 0:  # every rank ran the same model, so every rank raises here
+    # One process computes every layer over the whole sequence; over several, every rank ran the same model and
+    # raises here alike.
+    if outermost and forward.world_size > 1 and forward.mixers == 0:
         raise ValueError(unmixed_message(model))
     return out
 
