@@ -148,8 +148,7 @@ def apply(model_or_type: Any) -> None:
         check_supported(model_or_type)
     for cls in _rotary_classes(model_or_type):
         rope.patch_rotary(cls)
-    hybrid = recurrent.family(_model_type(_decoder(model_or_type) if _model_type(model_or_type) in MULTIMODAL
-                                          and not isinstance(model_or_type, str) else model_or_type))
+    hybrid = recurrent.family(_model_type(model_or_type))  # the table names a multimodal type beside its text one
     if hybrid is not None:
         recurrent.apply(hybrid)
 

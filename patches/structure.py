@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import re
-import weakref
 from typing import Any, List, Optional
 
 import torch
@@ -111,8 +110,8 @@ def module_problems(model: torch.nn.Module) -> List[str]:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     problems = _backend_problems(type(model), model_type)
     hybrid = family(model_type)
-    mixers = () if hybrid is None else hybrid.mixers  # computed over shards (recurrent.py), convolution included
-    inside = {id(m) for mixer in model.modules() if type(mixer).__name__ in mixers for m in mixer.modules()}
+    hooked = () if hybrid is None else hybrid.mixers  # computed over shards (recurrent.py), convolution included
+    inside = {id(m) for mixer in model.modules() if type(mixer).__name__ in hooked for m in mixer.modules()}
     convs = [f"{name} ({type(m).__name__})" for name, m in model.named_modules()
              if isinstance(m, SEQUENCE_CONVS) and id(m) not in inside]
     if convs:
@@ -123,9 +122,9 @@ def module_problems(model: torch.nn.Module) -> List[str]:
     if mixers:
         problems.append(f"non-attention sequence mixers: {_listed(mixers)}")
     counting = counting_embeddings(model)
-    known = set() if counting is None else {id(m) for m in counting.modules()}
+    counted = set() if counting is None else {id(m) for m in counting.modules()}
     numbered = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding)
-                and "position" in name and m.padding_idx is not None and id(m) not in known]
+                and "position" in name and m.padding_idx is not None and id(m) not in counted]
     if numbered:
         problems.append(f"learned positions counted from the padding of its own input ids ({_listed(numbered)}), "
                         "which no shard holds whole, by code hf_ring does not know")
@@ -141,18 +140,6 @@ def counting_embeddings(model: torch.nn.Module) -> Optional[torch.nn.Module]:
     sharded call hands it the positions it would count on the whole row
     (:mod:`hf_ring.integration.positions`).
     """
-    if model in _COUNTING:
-        return _COUNTING[model]()
-    found = _counting(model)
-    _COUNTING[model] = (lambda: None) if found is None else weakref.ref(found)
-    return found
-
-
-_COUNTING: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
-"""Per model, what :func:`counting_embeddings` found (each sharded call asks; the modules do not change)."""
-
-
-def _counting(model: torch.nn.Module) -> Optional[torch.nn.Module]:
     for m in model.modules():
         if callable(getattr(m, "create_position_ids_from_input_ids", None)) and \
                 isinstance(getattr(m, "padding_idx", None), int) and \

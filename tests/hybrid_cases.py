@@ -141,7 +141,7 @@ def padded_batch(seed: int = 4, n: int = N) -> Dict[str, torch.Tensor]:
 def _step(model, data):
     import hybrid_models
 
-    with hybrid_models.float64_kernels(model.config.model_type):
+    with hybrid_models.model_in_float64(model):
         out = model(**data)
         out.loss.backward()
     return out.loss.detach()

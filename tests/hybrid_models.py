@@ -114,6 +114,11 @@ REFERENCE_KERNELS = {"delta rule": "delta_rule", "Mamba2 scan": "mamba2_scan", "
 """The float64 recurrence of :mod:`reference` that stands in for each kind of kernel hf_ring hooks."""
 
 
+def model_in_float64(model) -> contextlib.AbstractContextManager:
+    """:func:`float64_kernels` for a built model (a multimodal one by its language model's type)."""
+    return float64_kernels(model.config.get_text_config(decoder=True).model_type)
+
+
 @contextlib.contextmanager
 def float64_kernels(model_type: str) -> Iterator[None]:
     """A hybrid's scan kernels replaced by the float64 recurrences of :mod:`reference`; nothing for another type.

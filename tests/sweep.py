@@ -293,16 +293,10 @@ def eager_step(model_type: str, seed: int = 1, dtype: torch.dtype = torch.float6
     assert model is not None, why
     model.eval()  # gradients all the same; no stochastic routing (PhiMoE samples experts in training)
     batch = inputs(model_type, seed=seed)
-    with _kernels(model):
+    with hybrid_models.model_in_float64(model):
         out = model(**batch, labels=batch["input_ids"], use_cache=False)
         out.loss.backward()
     return {"loss": out.loss.detach(), "grads": _grads(model)}
-
-
-def _kernels(model):
-    """A hybrid's scans as float64 recurrences in both runs (:func:`hybrid_models.float64_kernels`); nothing changed
-    for another type."""
-    return hybrid_models.float64_kernels(model.config.get_text_config(decoder=True).model_type)
 
 
 def sharded_step_case(model_type: str, seed: int = 1, dtype: torch.dtype = torch.float64,
@@ -322,7 +316,7 @@ def sharded_step_case(model_type: str, seed: int = 1, dtype: torch.dtype = torch
         batch = inputs(model_type, seed=seed)
         try:  # the documented loop: the guard on the model's call checks the model itself
             data = hf_ring.shard_batch({**batch, "labels": batch["input_ids"]})
-            with _kernels(model):
+            with hybrid_models.model_in_float64(model):
                 out = model(**data)
                 out.loss.backward()
         except (NotImplementedError, ValueError, TypeError) as err:

@@ -30,7 +30,7 @@ def step(name: str, path: str, n: int = 64, where: Sequence[Sequence[int]] = ((1
     batch = family.batch(0, n, where, pad)
     if not dist.is_initialized():
         model = family.load(attn, dtype, path).train()
-        with _kernels(model):
+        with hybrid_models.model_in_float64(model):
             out = model(**batch)
             out.loss.backward()
         return _result(model, out.loss.detach())
@@ -40,7 +40,7 @@ def step(name: str, path: str, n: int = 64, where: Sequence[Sequence[int]] = ((1
         model = family.load("ring_dilated", dtype, path).train()
         if pack:
             batch = packed(batch, mrope_positions(model, batch))
-        with _kernels(model):
+        with hybrid_models.model_in_float64(model):
             out = model(**hf_ring.shard_batch(batch))
             out.loss.backward()
         hf_ring.sync_gradients(model)
@@ -49,11 +49,6 @@ def step(name: str, path: str, n: int = 64, where: Sequence[Sequence[int]] = ((1
         return _result(model, loss)
     finally:
         hf_ring.clear_sequence_parallel()
-
-
-def _kernels(model):
-    """A hybrid language model's scans as float64 recurrences (both runs alike; nothing for the others)."""
-    return hybrid_models.float64_kernels(model.config.get_text_config(decoder=True).model_type)
 
 
 def mrope_positions(model, batch: Dict[str, Any]) -> Optional[torch.Tensor]:
@@ -81,12 +76,12 @@ def generate(name: str, path: str, new: int = 4, n: int = 64, where: Sequence[Se
     settings = dict(max_new_tokens=new, do_sample=False, pad_token_id=0)
     if not dist.is_initialized():
         model = family.load("sdpa", dtype, path).eval()
-        with _kernels(model):
+        with hybrid_models.model_in_float64(model):
             return model.generate(ids, attention_mask=mask, **inputs, **settings)
     hf_ring.setup_sequence_parallel(None)
     try:
         model = family.load("ring_dilated", dtype, path).eval()
-        with _kernels(model):
+        with hybrid_models.model_in_float64(model):
             return hf_ring.generate(model, ids, mask, **inputs, **settings)
     finally:
         hf_ring.clear_sequence_parallel()

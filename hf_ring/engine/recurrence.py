@@ -33,7 +33,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from .comm import RingComm
-from .layout import Run, local_runs
+from .layout import Run, local_runs, runs_to_local
 
 Tensor = torch.Tensor
 
@@ -60,11 +60,7 @@ class Pieces:
 
     def local(self) -> List[Tuple[int, int]]:
         """``(offset, length)`` of each of this rank's runs within its rows."""
-        out, offset = [], 0
-        for a, b in self.mine:
-            out.append((offset, b - a))
-            offset += b - a
-        return out
+        return [(offset, length) for offset, _, length in runs_to_local(self.mine)]
 
     def order(self) -> List[Tuple[int, int]]:
         """``(rank, index)`` of every run, in position order."""

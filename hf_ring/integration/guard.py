@@ -21,13 +21,14 @@ and is checked like any sharded call.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 from transformers import PreTrainedModel
 
 from ..engine.agreement import UNSHARDED_RANKS
 from ..patches import check_supported, recurrent, registry, rope, rotary_modules
+from ..patches.structure import counting_embeddings
 from .config import ATTN_IMPLEMENTATION, CONFIG_KEY, attn_implementations, parse, runs_ring, shape_conflict
 from .context import CONTEXT_KEY, ForwardContext, ShardedForward
 from .groups import tp_place
@@ -84,18 +85,22 @@ def refuse_other_sharding(model: Any, kwargs: Mapping[str, Any]) -> None:
         forward.fail(ValueError(message))
 
 
-_VERDICTS: "weakref.WeakKeyDictionary[Any, Tuple[Optional[ValueError], Tuple[type, ...], Any]]" = \
-    weakref.WeakKeyDictionary()
-"""Per model object, what :func:`hf_ring.patches.check_supported` said of it, its rotary classes and its hybrid
-family (its modules do not change between forwards; the check walks all of them)."""
+class _Verdict(NamedTuple):
+    """What the guard learns of a model object once: why its sequence cannot be split (None: it can), its rotary
+    classes, its hybrid family (None: no recurrent layer hf_ring hooks) and the embeddings that count its positions."""
+
+    error: Optional[ValueError]
+    rotary: Tuple[type, ...]
+    hybrid: Any
+    counting: Optional[torch.nn.Module]
 
 
-def structure_error(model: Any, split: bool = True) -> Optional[ValueError]:
-    """Why ``model``'s sequence cannot be split (its modules and config, :func:`hf_ring.patches.check_supported`),
-    or None; worked out once per model object. ``split``: the sequence is split over several ranks, so a model that
-    can be split has its length-dependent RoPE made global and its recurrent layers hooked
-    (:func:`hf_ring.patches.apply`; made again after ``clear_sequence_parallel`` undid them); one process needs
-    neither."""
+_VERDICTS: "weakref.WeakKeyDictionary[Any, _Verdict]" = weakref.WeakKeyDictionary()
+"""Per model object, its :class:`_Verdict` (its modules do not change between forwards; the check walks all of
+them)."""
+
+
+def _verdict(model: Any) -> _Verdict:
     if model not in _VERDICTS:
         try:
             check_supported(model)
@@ -105,14 +110,24 @@ def structure_error(model: Any, split: bool = True) -> Optional[ValueError]:
         hybrid = recurrent.family(getattr(getattr(model, "config", None), "model_type", None))
         if hybrid is not None and not any(type(m).__name__ in hybrid.mixers for m in model.modules()):
             hybrid = None  # a hybrid type configured with attention layers only
-        _VERDICTS[model] = (error, tuple(dict.fromkeys(type(m) for m in rotary_modules(model))), hybrid)
-    error, rotary, hybrid = _VERDICTS[model]
-    if error is None and split:
-        for cls in rotary:
+        _VERDICTS[model] = _Verdict(error, tuple(dict.fromkeys(type(m) for m in rotary_modules(model))), hybrid,
+                                    counting_embeddings(model))
+    return _VERDICTS[model]
+
+
+def structure_error(model: Any, split: bool = True) -> Optional[ValueError]:
+    """Why ``model``'s sequence cannot be split (its modules and config, :func:`hf_ring.patches.check_supported`),
+    or None; worked out once per model object. ``split``: the sequence is split over several ranks, so a model that
+    can be split has its length-dependent RoPE made global and its recurrent layers hooked
+    (:func:`hf_ring.patches.apply`; made again after ``clear_sequence_parallel`` undid them); one process needs
+    neither."""
+    verdict = _verdict(model)
+    if verdict.error is None and split:
+        for cls in verdict.rotary:
             rope.patch_rotary(cls)
-        if hybrid is not None:
-            recurrent.apply(hybrid)
-    return error
+        if verdict.hybrid is not None:
+            recurrent.apply(verdict.hybrid)
+    return verdict.error
 
 
 def refuse_structure(model: Any, kwargs: Mapping[str, Any]) -> None:
@@ -122,7 +137,7 @@ def refuse_structure(model: Any, kwargs: Mapping[str, Any]) -> None:
     comm = getattr(forward, "comm", None)
     error = structure_error(model, comm is not None and comm.world_size > 1)
     if error is None and isinstance(forward, ShardedForward) and forward.documents is not None \
-            and _VERDICTS[model][2] is not None:
+            and _verdict(model).hybrid is not None:
         error = ValueError(packed_recurrent_message(model))
     if error is None:
         return
@@ -161,7 +176,7 @@ def _sharded_call(original, model: Any, forward: ShardedForward, args, kwargs):
     outermost = forward.enter_call()
     try:
         if outermost:
-            kwargs = counted_positions(model, forward, kwargs)
+            kwargs = counted_positions(_verdict(model).counting, forward, kwargs)
         out = original(model, *args, **kwargs)
     except ValueError as err:
         # The backend saw no sharded inputs on this rank, though they arrived here: the model dropped them.

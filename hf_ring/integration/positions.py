@@ -12,22 +12,22 @@ The model's own ``create_position_ids_from_input_ids`` does the counting.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
-from ..engine.layout import local_runs, totals_before
-from ..patches.structure import counting_embeddings
+from ..engine.layout import totals_before
 from .context import ShardedForward
 
 Tensor = torch.Tensor
 
 
-def counted_positions(model: torch.nn.Module, forward: ShardedForward, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """``kwargs`` with the position ids ``model`` would count on the whole rows, where it counts its own and the
-    batch gave none; ``kwargs`` unchanged otherwise. Called once per forward, for the outermost model given the
-    sharded batch (inner models get what it passes on), on every rank of the group (it may exchange counts)."""
-    embeddings = counting_embeddings(model)
+def counted_positions(embeddings: Optional[torch.nn.Module], forward: ShardedForward,
+                      kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """``kwargs`` with the position ids a model would count on the whole rows, where it counts its own (``embeddings``:
+    the module that counts, :func:`hf_ring.patches.structure.counting_embeddings`; None: it does not) and the batch
+    gave none; ``kwargs`` unchanged otherwise. Called once per forward, for the outermost model given the sharded
+    batch (inner models get what it passes on), on every rank of the group (it may exchange counts)."""
     if embeddings is None or forward.positions_given or kwargs.get("position_ids") is None:
         return kwargs
     pad = embeddings.padding_idx
@@ -37,22 +37,16 @@ def counted_positions(model: torch.nn.Module, forward: ShardedForward, kwargs: D
             return kwargs
         # from embeddings the model counts every row, from padding_idx + 1 (its inputs_embeds rule)
         return {**kwargs, "position_ids": kwargs["position_ids"] + pad + 1}
-    rank, world = (0, 1) if forward.comm is None else (forward.comm.rank, forward.world_size)
-    runs = [local_runs(forward.seq_len, r, world, forward.layout, forward.ulysses) for r in range(world)]
-    mine = [] if forward.placeholder else runs[rank]
-    starts = [0]
-    for a, b in mine:
-        starts.append(starts[-1] + b - a)
+    pieces = forward.pieces()
+    runs = pieces.local()  # none on a rank holding a placeholder row
     kept = ids.ne(pad)
-    width = max(len(r) for r in runs)
-    totals = torch.zeros(ids.shape[0], width, dtype=torch.long, device=ids.device)
-    for i in range(len(mine)):
-        totals[:, i] = kept[:, starts[i]:starts[i + 1]].sum(1)
+    totals = torch.zeros(ids.shape[0], pieces.width, dtype=torch.long, device=ids.device)
+    for i, (offset, length) in enumerate(runs):
+        totals[:, i] = kept[:, offset:offset + length].sum(1)
     every = totals[None] if forward.comm is None else forward.comm.all_gather(totals, "the count of positions")
-    if not mine:  # a placeholder row: nothing reads its position
+    if not runs:  # a placeholder row: nothing reads its position
         return kwargs
-    before = totals_before(runs, every, rank)
-    pieces = [embeddings.create_position_ids_from_input_ids(ids[:, starts[i]:starts[i + 1]], pad, before[:, i:i + 1])
-              for i in range(len(mine))]
-    return {**kwargs, "position_ids": torch.cat(pieces, dim=1)}
-
+    before = totals_before(pieces.runs, every, pieces.rank)
+    counted = [embeddings.create_position_ids_from_input_ids(ids[:, offset:offset + length], pad, before[:, i:i + 1])
+               for i, (offset, length) in enumerate(runs)]
+    return {**kwargs, "position_ids": torch.cat(counted, dim=1)}
