@@ -32,7 +32,7 @@ from .rowfile import RECORDED, RowFile, add_replace_unrecorded
 
 TESTS = ("tests/test_trainer.py", "tests/test_deepspeed.py", "tests/test_tensor_parallel.py",
          "tests/test_packed_attention.py", "tests/test_packed_models.py", "tests/test_tiling.py",
-         "tests/test_model_zoo.py")
+         "tests/test_model_zoo.py", "tests/test_post_training.py")
 """The test files whose measured errors the docs give."""
 
 TABLES = {

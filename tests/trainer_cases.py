@@ -221,3 +221,101 @@ def sft_example_case(argv):
     trainer_env()
     AcceleratorState._reset_state()
     return sft.main(argv)
+
+
+def _trainer_args(config_cls, per_device, accum, steps, **kw):
+    import tempfile
+
+    return config_cls(
+        output_dir=tempfile.mkdtemp(prefix="hf_ring_post_"), per_device_train_batch_size=per_device,
+        per_device_eval_batch_size=2, gradient_accumulation_steps=accum, max_steps=steps, optim="sgd",
+        lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, use_cpu=True,
+        train_sampling_strategy="sequential", disable_tqdm=True, save_strategy="no", bf16=False,
+        **{CHECKPOINTING_ARGUMENT: False}, **kw)
+
+
+def _post_result(trainer, recorder, metrics):
+    """Logged losses, every step's gradients, the final parameters and the trainer's own metrics (rank 0)."""
+    history = trainer.state.log_history
+    losses = [h["loss"] for h in history if "loss" in h]
+    logged = {k: v for h in history if "loss" in h for k, v in h.items() if k.startswith(("rewards/", "logps/"))}
+    result = {"losses": losses, "grads": recorder.steps, "logged": logged, "metrics": metrics,
+              "params": {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}}
+    return result if not dist.is_initialized() or dist.get_rank() == 0 else {"losses": losses}
+
+
+def dpo_case(path, sp_size=None, *, reference="model", steps=2, per_device=2, accum=1, length=40, lr=0.5):
+    """Train with TRL's DPOTrainer on examples/dpo.py's long-prompt pairs, then evaluate.
+
+    ``reference``: "model" (a reference model DPOTrainer loads) or "lora" (LoRA adapters; the reference is the model
+    with them off).
+    """
+    import os
+    import sys
+
+    from accelerate.state import AcceleratorState
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import dpo
+
+    trainer_env()
+    AcceleratorState._reset_state()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rows = per_device * accum * steps * (world // (sp_size or 1))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)  # rounding would hide an error
+    peft_config = None
+    if reference == "lora":
+        from peft import LoraConfig
+
+        torch.manual_seed(0)
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                                 lora_dropout=0.0)
+    args = _trainer_args(DPOConfig, per_device, accum, steps, learning_rate=lr, beta=0.5, max_length=None)
+    recorder = GradRecorder()
+    trainer = DPOTrainer(model=model, args=args, processing_class=dpo.char_tokenizer(), peft_config=peft_config,
+                         train_dataset=Dataset.from_list(dpo.key_pairs(rows, 0, length)),
+                         eval_dataset=Dataset.from_list(dpo.key_pairs(3, 1, length)), callbacks=[recorder.callback])
+    if sp_size is not None:
+        hf_ring.prepare_trainer(trainer, sp_size)
+    try:
+        trainer.train()
+        return _post_result(trainer, recorder, trainer.evaluate())
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+def reward_case(path, sp_size=None, *, steps=2, per_device=2, accum=1, length=40, lr=0.05):
+    """Train a reward model (a sequence classifier's score) with TRL's RewardTrainer on examples/dpo.py's pairs."""
+    import os
+    import sys
+
+    from accelerate.state import AcceleratorState
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification
+    from trl import RewardConfig, RewardTrainer
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import dpo
+
+    trainer_env()
+    AcceleratorState._reset_state()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rows = per_device * accum * steps * (world // (sp_size or 1))
+    torch.manual_seed(0)  # the score head is new: the same initial values in every process
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float64)
+    args = _trainer_args(RewardConfig, per_device, accum, steps, learning_rate=lr, max_length=None,
+                         center_rewards_coefficient=0.01)
+    recorder = GradRecorder()
+    trainer = RewardTrainer(model=model, args=args, processing_class=dpo.char_tokenizer(),
+                            train_dataset=Dataset.from_list(dpo.key_pairs(rows, 0, length)),
+                            eval_dataset=Dataset.from_list(dpo.key_pairs(3, 1, length)), callbacks=[recorder.callback])
+    if sp_size is not None:
+        hf_ring.prepare_trainer(trainer, sp_size)
+    try:
+        trainer.train()
+        return _post_result(trainer, recorder, trainer.evaluate())
+    finally:
+        hf_ring.clear_sequence_parallel()

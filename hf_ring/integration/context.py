@@ -69,7 +69,9 @@ class ShardedForward(ForwardContext):
     and ``positions`` the global ``(B, n)`` position ids (None: ``0..n-1``):
     where chunked attention (Llama 4) starts its chunks; ``positions_given``:
     the batch brought its own position ids (else :func:`hf_ring.shard_batch`
-    counted them, and a model that counts its own is given what it would count).
+    counted them, and a model that counts its own is given what it would count);
+    ``shift_given``: the batch brought its own ``shift_labels`` (per-token
+    outputs then keep the last row, as one process's do).
     """
 
     seq_len: int
@@ -85,6 +87,7 @@ class ShardedForward(ForwardContext):
     left_padding: Optional[Tuple[int, ...]] = None
     positions: Optional[Tensor] = None
     positions_given: bool = False
+    shift_given: bool = False
     _chunks: Dict[Tuple[int, bool], Optional[Documents]] = field(default_factory=dict, repr=False)
     _agreed: Dict[Tuple, bool] = field(default_factory=dict, repr=False)
     _group_masks: List[Tuple[Tensor, Tensor]] = field(default_factory=list, repr=False)

@@ -25,6 +25,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 from transformers import PreTrainedModel
+from transformers.modeling_layers import GenericForSequenceClassification
 
 from ..engine.agreement import UNSHARDED_RANKS
 from ..patches import check_supported, recurrent, registry, rope, rotary_modules
@@ -34,6 +35,7 @@ from .context import CONTEXT_KEY, ForwardContext, ShardedForward
 from .groups import tp_place
 from .media import MediaForward, enter
 from .positions import counted_positions
+from .readout import head_problem, last_real_rows, pooled_scores, scores_head
 from .tp import sharding_error
 
 def other_attention_message(model: Any) -> str:
@@ -104,7 +106,7 @@ def _verdict(model: Any) -> _Verdict:
     if model not in _VERDICTS:
         try:
             check_supported(model)
-            error = None
+            error = head_error(model)
         except ValueError as err:
             error = err
         hybrid = recurrent.family(getattr(getattr(model, "config", None), "model_type", None))
@@ -113,6 +115,12 @@ def _verdict(model: Any) -> _Verdict:
         _VERDICTS[model] = _Verdict(error, tuple(dict.fromkeys(type(m) for m in rotary_modules(model))), hybrid,
                                     counting_embeddings(model))
     return _VERDICTS[model]
+
+
+def head_error(model: Any) -> Optional[ValueError]:
+    """Why ``model``'s head cannot read a split sequence (:func:`hf_ring.integration.readout.head_problem`), or None."""
+    problem = head_problem(model, isinstance(model, GenericForSequenceClassification))
+    return None if problem is None else ValueError(problem)
 
 
 def structure_error(model: Any, split: bool = True) -> Optional[ValueError]:
@@ -170,13 +178,34 @@ def dropped_context_message(model: Any) -> str:
             "model cannot run with its sequence split; run it in one process (hf_ring.clear_sequence_parallel())")
 
 
+def pool_over_shards(model: Any, forward: ShardedForward, kwargs: Mapping[str, Any]):
+    """For a sequence classifier called with ``kwargs`` (sharded), a hook on its head for this call that hands every
+    row the score of its last real token, wherever that token lies
+    (:func:`hf_ring.integration.readout.pooled_scores`; the caller removes it after the call); None for other
+    models. A collective: every rank of the group calls it for the same model."""
+    head = scores_head(model)
+    if head is None:
+        return None
+    if not isinstance(forward, ShardedForward):
+        forward.fail(ValueError(f"{_name(model)} pools a multimodal sequence, which hf_ring does not split; run it in "
+                                "one process (hf_ring.clear_sequence_parallel())"))
+    ids = kwargs.get("input_ids")
+    embeds = kwargs.get("inputs_embeds")
+    batch = (ids if ids is not None else embeds).shape[0]
+    pad = getattr(model.config.get_text_config(), "pad_token_id", None)
+    last = last_real_rows(forward, ids, pad, batch)
+    return head.register_forward_hook(lambda module, args, scores: pooled_scores(scores, forward, last))
+
+
 def _sharded_call(original, model: Any, forward: ShardedForward, args, kwargs):
     """The model's call with a forward over shards: positions it counts itself made global, and refused on every rank
     when the forward lost its context on the way to the attention or ended with no layer hf_ring computed."""
     outermost = forward.enter_call()
+    pooling = None
     try:
         if outermost:
             kwargs = counted_positions(_verdict(model).counting, forward, kwargs)
+            pooling = pool_over_shards(model, forward, kwargs)
         out = original(model, *args, **kwargs)
     except ValueError as err:
         # The backend saw no sharded inputs on this rank, though they arrived here: the model dropped them.
@@ -185,6 +214,8 @@ def _sharded_call(original, model: Any, forward: ShardedForward, args, kwargs):
         raise
     finally:
         forward.leave_call()
+        if pooling is not None:
+            pooling.remove()
     # One process computes every layer over the whole sequence; over several, every rank ran the same model and
     # raises here alike.
     if outermost and forward.world_size > 1 and forward.mixers == 0:

@@ -115,6 +115,14 @@ PACKED_MROPE = ("position_ids of three axes restart inside a row: packed rows of
                 "document per row, padded (attention_mask)")
 
 
+def row_labels(labels: Any, b: int, n: int) -> bool:
+    """Whether ``labels`` hold one label per row (a sequence classifier's: ``(batch,)``, or floating
+    ``(batch, num_labels)`` for several labels per row) rather than one next-token target per token."""
+    if not isinstance(labels, torch.Tensor) or labels.shape[:1] != (b,):
+        return False
+    return labels.dim() == 1 or (labels.dim() == 2 and labels.is_floating_point())
+
+
 def _text_positions(positions: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The (batch, seq_len) positions documents are read from: 2-D position ids, or the text positions that lead
     mRoPE's four-axis form (a multimodal batch's three-axis form holds no document borders)."""
@@ -133,6 +141,8 @@ def _check_batch(batch: Any) -> None:
     media = has_media(batch)
     for key in PER_TOKEN[2:] + ("mm_token_type_ids",):
         t = batch.get(key)
+        if key == "labels" and row_labels(t, b, n):
+            continue
         if key == "position_ids" and media and isinstance(t, torch.Tensor) and t.dim() == 3:
             shape = (t.shape[0], b, n)  # mRoPE's axes first
         else:
@@ -196,7 +206,10 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
     it) and whose output is zero; :func:`gather_sequence` drops it. Packed rows (``position_ids`` restarting inside a row and no
     ``attention_mask``, or ``cu_seq_lens_q``, as ``DataCollatorWithFlattening``
     makes them) keep their documents apart: attention never crosses a
-    document border, and neither do the shifted labels.
+    document border, and neither do the shifted labels. ``labels`` of one per row
+    (a sequence classifier's: ``(batch,)``, or floating ``(batch, num_labels)``)
+    are given to every rank whole and not shifted; the classifier's score of
+    each row's last real token reaches every rank (:mod:`hf_ring.integration.readout`).
 
     A multimodal batch (``pixel_values`` or ``pixel_values_videos``, from a
     vision-language processor) is handed to the model whole but for its loss
@@ -207,6 +220,7 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
     """
     group = _sp(sp)
     documents = shifted = None
+    by_row = False
     tp_mismatch = _tp_mismatch(group, batch)
     # One small exchange after the checks, so a bad batch on one rank fails every rank of the group.
     with fail_together(None if group is None else group.comm, "the batch check of shard_batch"):
@@ -215,10 +229,13 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
             raise tp_mismatch
         b, n = batch_shape(batch)
         documents = _documents(batch, _text_positions(batch.get("position_ids")), b, n)
-        if batch.get("labels") is not None:
+        by_row = row_labels(batch.get("labels"), b, n)
+        if batch.get("labels") is not None and not by_row:
             shifted = _shifted_labels(batch, batch["labels"], documents)
         elif batch.get("shift_labels") is not None:
-            raise ValueError("shift_labels without labels: pass labels (shard_batch shifts them on the global rows)")
+            raise ValueError("shift_labels without labels: pass labels (shard_batch shifts them on the global rows)"
+                             if not by_row else "shift_labels beside one label per row: a sequence classifier's "
+                             "labels are not next-token targets; drop shift_labels")
     ids = batch.get("input_ids")
     tokens = ids if ids is not None else batch["inputs_embeds"]
     b, n = tokens.shape[:2]
@@ -245,6 +262,8 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
         if positions is None:
             positions = torch.arange(n, device=tokens.device).expand(b, n)
         out["position_ids"] = positions[:, pos]
+    if by_row:  # read by a loss over the whole batch, which every rank computes (see integration.readout)
+        out["labels"] = batch["labels"]
     if shifted is not None:
         out["labels"] = batch["labels"][:, pos]
         out["shift_labels"] = shifted[:, pos]
@@ -255,6 +274,7 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
     forward = ShardedForward.over(
         group, n, layout, padded=mask is not None and not bool(mask.all()), left_padding=left_padding(mask),
         positions=_text_positions(positions), positions_given=batch.get("position_ids") is not None,
+        shift_given=batch.get("shift_labels") is not None,
         contents=0 if group is None else (
             fingerprint(tokens, documents)),
         documents=documents,

@@ -26,7 +26,7 @@ and a launch with ``accelerate launch`` or ``torchrun``. What the call arranges:
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,12 +39,14 @@ from ..engine.layout import check_ulysses_size
 from ..integration import config as ring_config
 from ..integration.context import CONTEXT_KEY
 from ..integration.groups import SequenceParallel, current
+from ..integration.guard import head_error, pool_over_shards
 from ..integration.parallel import check_tp_size, setup_sequence_parallel
 from ..integration.seams import TRAINER_DIVIDES_TOKEN_COUNT, cache_argument
 from ..integration.tp import check_heads, check_trainer_model, loaded_tp_size
 from ..patches import multimodal_problem, registry
 from . import zero
 from .data import batch_shape, gather_sequence, model_rows, shard_batch
+from .trainers import SEQUENCES, attach_sequence_outputs, loss_kind, refuse_trainer
 
 _HOOK_ATTR = "_hf_ring_shard_hook"
 _PREPARED_ATTR = "_hf_ring_prepared"
@@ -75,7 +77,21 @@ def _shard_hook(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]):
             f"under sequence parallelism {type(module).__name__} must be called with keyword arguments "
             "(input_ids=..., labels=...), so the batch can be sharded; got positional arguments"
         )
-    return args, shard_model_inputs(kwargs)
+    if CONTEXT_KEY in kwargs:  # sharded by the caller: the guard saw the call as such
+        return None
+    kwargs = shard_model_inputs(kwargs)
+    # The guard saw this call unsharded, so the head of a sequence classifier is hooked here, for this call only.
+    pooling = pool_over_shards(module, kwargs[CONTEXT_KEY], kwargs)
+    if pooling is not None:
+        done = []
+
+        def remove(*_):
+            pooling.remove()
+            for handle in done:
+                handle.remove()
+
+        done.append(module.register_forward_hook(remove, always_call=True))
+    return args, kwargs
 
 
 def attach_shard_hook(model: torch.nn.Module) -> None:
@@ -192,12 +208,15 @@ class SequenceParallelTrainerMixin:
         out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         if num_items_in_batch is None and self.model.training:
             # The model normalised by the batch's global count (shard_batch), and DDP averages over dp x sp.
-            out = (out[0] * sp.sp_size, out[1]) if return_outputs else out * sp.sp_size
-        if tokens is not None and self.model.training:
-            # TRL's SFTTrainer adds up the tokens of every rank's batch; the ranks of an sp group share one.
-            self._total_train_tokens = tokens + (self._total_train_tokens - tokens) // sp.sp_size
-            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+            out = _scaled(out, sp.sp_size, return_outputs)
+        self._count_tokens_once(tokens, sp)
         return out
+
+    def _count_tokens_once(self, before: Optional[int], sp: SequenceParallel) -> None:
+        if before is not None and self.model.training:
+            # TRL's trainers add up the tokens of every rank's batch; the ranks of an sp group share one.
+            self._total_train_tokens = before + (self._total_train_tokens - before) // sp.sp_size
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         sp = current()
@@ -256,19 +275,49 @@ class SequenceParallelTrainerMixin:
             self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // sp.sp_size
 
 
-_CLASSES: Dict[type, type] = {}
+class SequenceLossTrainerMixin(SequenceParallelTrainerMixin):
+    """:class:`SequenceParallelTrainerMixin` for a trainer whose loss is per sequence (TRL's ``DPOTrainer`` and
+    ``RewardTrainer``, a sequence classifier's): every rank is handed the whole batch's per-sequence values and
+    computes the whole batch's loss (:mod:`hf_ring.integration.readout`), whose gradients add up over the sp group
+    as a shard loss's do; the loss it reports is that loss, once."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        sp = current()
+        if sp is None:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        attach_shard_hook(self.model)
+        tokens = getattr(self, "_total_train_tokens", None)
+        out = super(SequenceParallelTrainerMixin, self).compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if self.model.training:  # DDP and DeepSpeed average over dp x sp, where the sp group's gradients add up
+            out = _scaled(out, sp.sp_size, return_outputs)
+        self._count_tokens_once(tokens, sp)
+        return out
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        sp = current()
+        return loss if sp is None else loss / sp.sp_size  # every rank computed the whole loss, scaled for backward
+
+
+def _scaled(out: Any, scale: int, return_outputs: bool) -> Any:
+    return (out[0] * scale, out[1]) if return_outputs else out * scale
+
+
+_CLASSES: Dict[Tuple[type, type], type] = {}
 
 
 _TRAINER_WHY = ("its class gains SequenceParallelTrainerMixin (sharded batches, one sequence's loss over the group, "
                 "sp-aware data loaders and checkpoints); undone by clear_sequence_parallel")
 
 
-def _sequence_parallel_class(cls: type) -> type:
+def _sequence_parallel_class(cls: type, mixin: type = SequenceParallelTrainerMixin) -> type:
     if issubclass(cls, SequenceParallelTrainerMixin):
         return cls
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"SequenceParallel{cls.__name__}", (SequenceParallelTrainerMixin, cls), {})
-    return _CLASSES[cls]
+    if (cls, mixin) not in _CLASSES:
+        _CLASSES[cls, mixin] = type(f"SequenceParallel{cls.__name__}", (mixin, cls), {})
+    return _CLASSES[cls, mixin]
 
 
 def _use_ring_attention(model: torch.nn.Module) -> None:
@@ -336,6 +385,7 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: Optiona
 
     if not isinstance(trainer, Trainer):
         raise TypeError(f"trainer must be a transformers.Trainer (or subclass), got {type(trainer).__name__}")
+    refuse_trainer(trainer)
     _refuse_misuse(trainer, sp_size, layout, ulysses_size)
     if getattr(trainer, "model_init", None) is not None:
         raise ValueError("prepare_trainer needs a trainer built with model=..., not model_init")
@@ -346,6 +396,9 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: Optiona
     if pc is not None and (pc.cp_enabled or pc.sp_enabled or (pc.tp_enabled and pc.tp_size != tp_size)):
         raise ValueError("prepare_trainer splits sequences itself; remove cp_size/sp_size/tp_size from parallelism_config")
     base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model  # PEFT
+    kind = loss_kind(trainer, base)
+    if head_error(base) is not None:  # the model's own call is seen unsharded by the guard: refused here instead
+        raise head_error(base)
     problem = multimodal_problem(base, given_media=False)
     if problem is not None:
         raise ValueError(problem)
@@ -367,8 +420,14 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: Optiona
                                  tp_size=tp_size)
     if ds_config is not None:
         zero.count_sequences_once(ds_config, sp.sp_size, sp.dp_size)
-    _use_ring_attention(trainer.model)
-    registry.replace(trainer, "__class__", _sequence_parallel_class, _TRAINER_WHY)
-    attach_shard_hook(trainer.model)
+    mixin = SequenceLossTrainerMixin if kind == SEQUENCES else SequenceParallelTrainerMixin
+    registry.replace(trainer, "__class__", lambda cls: _sequence_parallel_class(cls, mixin), _TRAINER_WHY)
+    reference = getattr(trainer, "ref_model", None)  # DPO's reference model reads the same sharded sequences
+    for model in (trainer.model, None if reference is None else trainer.accelerator.unwrap_model(reference)):
+        if model is not None:
+            _use_ring_attention(model)
+            attach_shard_hook(model)
+            if kind == SEQUENCES:
+                attach_sequence_outputs(model)
     setattr(trainer, _PREPARED_ATTR, _describe(sp.sp_size, sp.layout, sp.ulysses_size))
     return trainer

@@ -1,0 +1,91 @@
+"""Which trainer classes :func:`hf_ring.prepare_trainer` takes, and what each loss reads.
+
+Two kinds of loss run under sequence parallelism:
+
+- **per token** (``transformers.Trainer`` on a causal LM, TRL's ``SFTTrainer``):
+  each rank's loss is its shard's share of the batch's token-averaged loss;
+- **per sequence** (TRL's ``DPOTrainer`` and ``RewardTrainer``, and any trainer
+  given a sequence classifier): the loss is a function of whole sequences (a
+  sum of log-probabilities, the score of a row's last token), so every rank is
+  handed those values for the whole batch and computes the whole batch's loss
+  (:mod:`hf_ring.integration.readout`).
+
+TRL's other trainers are refused by name, with the reason, before anything is
+set up; a trainer class of the user's own (not TRL's) is taken as its base.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..integration.context import CONTEXT_KEY, ShardedForward
+from ..integration.media import MediaForward
+from ..integration.readout import fused_output, is_fused_output, scores_head
+
+TOKENS = "tokens"
+SEQUENCES = "sequences"
+
+TRL_TAKEN: Dict[str, str] = {"SFTTrainer": TOKENS, "DPOTrainer": SEQUENCES, "RewardTrainer": SEQUENCES}
+"""TRL trainers prepare_trainer takes, by class name, and the kind of their loss."""
+
+TRL_REFUSED: Dict[str, str] = {
+    "GRPOTrainer": "it samples completions on every rank and groups their rewards by process, so the ranks that share "
+                   "one sequence would sample different completions and be counted as different prompts",
+    "RLOOTrainer": "it samples completions on every rank and groups their rewards by process, so the ranks that share "
+                   "one sequence would sample different completions and be counted as different prompts",
+}
+"""TRL trainers refused with a reason of their own; any other TRL trainer is refused as not checked."""
+
+
+def _trl_class(trainer: Any) -> Optional[type]:
+    """The first of the trainer's classes that TRL defines (None: a transformers Trainer or the user's own)."""
+    for cls in type(trainer).__mro__:
+        if cls.__module__.split(".")[0] == "trl":
+            return cls
+    return None
+
+
+def refuse_trainer(trainer: Any) -> None:
+    """``ValueError`` naming the class and the reason when ``trainer`` is one of TRL's that prepare_trainer does not
+    take (see :data:`TRL_TAKEN`); nothing for the others."""
+    trl = _trl_class(trainer)
+    if trl is None or trl.__name__ in TRL_TAKEN:
+        return
+    why = TRL_REFUSED.get(trl.__name__, "its loss has not been checked against one process with the sequence split")
+    taken = ", ".join(sorted(TRL_TAKEN))
+    raise ValueError(f"prepare_trainer does not take TRL's {trl.__name__} ({type(trainer).__name__}): {why}. "
+                     f"Trainers it takes: transformers.Trainer and TRL's {taken}; train with {trl.__name__} without "
+                     "prepare_trainer, one sequence per process")
+
+
+def loss_kind(trainer: Any, model: torch.nn.Module) -> str:
+    """:data:`TOKENS` or :data:`SEQUENCES`: how a trainer :func:`refuse_trainer` lets through computes its loss.
+    ``model``: the trainer's model with any PEFT wrapper taken off."""
+    trl = _trl_class(trainer)
+    if trl is not None:
+        return TRL_TAKEN[trl.__name__]
+    return SEQUENCES if scores_head(model) is not None else TOKENS
+
+
+def _whole_sequences(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any], output: Any) -> Any:
+    forward = kwargs.get(CONTEXT_KEY)
+    if isinstance(forward, MediaForward):
+        forward = forward.sharded
+    if not isinstance(forward, ShardedForward) or not is_fused_output(output):
+        return None
+    if getattr(output, "aux_loss", None) is not None:
+        forward.fail(ValueError(
+            "a mixture-of-experts load-balancing loss (output_router_logits) is computed per shard, not over the "
+            "whole sequence; set output_router_logits=False in the model config to train with the sequence split"))
+    return fused_output(output, forward, kwargs.get("num_items_in_batch"))
+
+
+_OUTPUT_HOOK_ATTR = "_hf_ring_sequence_outputs"
+
+
+def attach_sequence_outputs(model: torch.nn.Module) -> None:
+    """Make a fused LM head's per-token outputs (TRL's ``fused_lm_head=True`` calls) of ``model`` come back over the
+    whole sequence, in one process's shape, when its batch was sharded (idempotent)."""
+    if getattr(model, _OUTPUT_HOOK_ATTR, None) is None:
+        setattr(model, _OUTPUT_HOOK_ATTR, model.register_forward_hook(_whole_sequences, with_kwargs=True))

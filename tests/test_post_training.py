@@ -1,0 +1,142 @@
+"""Post-training under sequence parallelism: TRL's DPOTrainer and RewardTrainer through prepare_trainer, and a
+sequence classifier through shard_batch, equal one process on 2 and 4 gloo ranks; the trainers hf_ring does not
+take are refused by name."""
+import os
+import sys
+
+import pytest
+import torch
+
+import hf_ring
+from helpers import close, rel_err, scalar_rel_err
+from helpers import worst_rel_err as worst
+from models import saved_model_dir
+from trainer_cases import dpo_case, reward_case
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = 1e-5
+METRICS = ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies", "eval_logps/chosen",
+           "eval_logps/rejected", "eval_min_reward", "eval_mean_reward", "eval_max_reward", "eval_accuracy",
+           "eval_entropy", "eval_num_tokens")
+MARGINS = {"eval_rewards/margins": ("eval_rewards/chosen", "eval_rewards/rejected"),
+           "eval_margin": ("eval_min_reward", "eval_max_reward")}
+"""Differences of two rewards, held to TOL of the rewards' size (their own relative error grows as they cancel)."""
+
+
+@pytest.fixture(scope="module")
+def char_model(tmp_path_factory):
+    pytest.importorskip("trl")
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import sft
+
+    return sft.default_model(str(tmp_path_factory.mktemp("post")), len(sft.char_tokenizer()), 0)
+
+
+def check_run(got, ref):
+    """Every logged loss, every step's gradient of every trainable parameter, the final parameters and the trainer's
+    own evaluation metrics within TOL (relative, per tensor) of one process."""
+    assert len(got["losses"]) == len(ref["losses"]) == 2
+    for g, r in zip(got["losses"], ref["losses"]):
+        assert close(scalar_rel_err(g, r), TOL), (got["losses"], ref["losses"])
+    assert len(got["grads"]) == len(ref["grads"]) == 2
+    for g, r in zip(got["grads"], ref["grads"]):
+        assert set(g) == set(r)
+        assert close(worst(g, r), TOL)
+    assert close(worst(got["params"], ref["params"]), TOL)
+    checked = [k for k in METRICS if k in ref["metrics"]]
+    assert len(checked) >= 4
+    for key in checked:
+        assert close(scalar_rel_err(got["metrics"][key], ref["metrics"][key]), TOL), key
+    for key, (a, b) in MARGINS.items():
+        if key in ref["metrics"]:
+            size = max(abs(ref["metrics"][a]), abs(ref["metrics"][b]))
+            assert abs(got["metrics"][key] - ref["metrics"][key]) <= TOL * size, key
+
+
+# TRL's fused LM head computes in float32 whatever the model's dtype: a lower learning rate keeps its rounding in the
+# first step from moving the second step's gradients by more than TOL.
+@pytest.mark.parametrize("world, reference", [(2, "model"), (4, "lora")])
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft reads it
+def test_dpo_trainer_equals_one_process(pools, char_model, world, reference):
+    got = pools(world).run(dpo_case, char_model, world, reference=reference, lr=0.05)[0]
+    ref = dpo_case(char_model, reference=reference, lr=0.05)
+    check_run(got, ref)
+    assert ref["metrics"]["eval_rewards/margins"] != 0  # the two steps moved the policy away from its reference
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reward_trainer_equals_one_process(pools, char_model, world):
+    got = pools(world).run(reward_case, char_model, world)[0]
+    ref = reward_case(char_model)
+    check_run(got, ref)
+
+
+def classifier_case(path, labels_kind):
+    """One step of a sequence classifier on left- and right-padded rows through shard_batch and sync_gradients (one
+    process when no group is set up): its pooled logits, loss and gradients."""
+    import torch.distributed as dist
+    from transformers import AutoModelForSequenceClassification
+
+    split = dist.is_initialized()
+    torch.manual_seed(0)  # the new score head's initial values, the same in every process
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1 if labels_kind == "regression" else 3, dtype=torch.float64,
+        attn_implementation="ring_dilated" if split else "sdpa")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 30, (3, 23), generator=g)
+    ids[0, 17:] = 0  # right padding: its last real token is on another rank than the row's last one
+    ids[1, :5] = 0  # left padding
+    labels = torch.tensor([0.3, -1.0, 2.0], dtype=torch.float64) if labels_kind == "regression" else \
+        torch.tensor([2, 0, 1])
+    batch = {"input_ids": ids, "attention_mask": ids.ne(0).long(), "labels": labels}
+    if split:
+        hf_ring.setup_sequence_parallel(None, dist.get_world_size())
+        batch = hf_ring.shard_batch(batch)
+    try:
+        out = model(**batch)
+        out.loss.backward()
+        hf_ring.sync_gradients(model)
+    finally:
+        hf_ring.clear_sequence_parallel()
+    return {"logits": out.logits.detach(), "loss": out.loss.item(),
+            "grads": {k: p.grad.clone() for k, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("labels_kind", ["regression", "classes"])
+def test_sequence_classifier_through_shard_batch(pools, labels_kind):
+    path = saved_model_dir("llama", pad_token_id=0)
+    ref = classifier_case(path, labels_kind)
+    for got in pools(2).run(classifier_case, path, labels_kind):
+        assert rel_err(got["logits"], ref["logits"]) < TOL
+        assert close(scalar_rel_err(got["loss"], ref["loss"]), TOL)
+        assert close(worst(got["grads"], ref["grads"]), TOL)
+
+
+def token_classifier_case(path):
+    import torch.distributed as dist
+    from transformers import AutoModelForTokenClassification
+
+    model = AutoModelForTokenClassification.from_pretrained(path, num_labels=3, attn_implementation="ring_dilated")
+    hf_ring.setup_sequence_parallel(None, dist.get_world_size())
+    try:
+        ids = torch.randint(3, 30, (2, 15))
+        model(**hf_ring.shard_batch({"input_ids": ids}))
+    except ValueError as err:
+        return str(err)
+    finally:
+        hf_ring.clear_sequence_parallel()
+    return "ran"
+
+
+def test_token_classifier_refused_on_every_rank(pools):
+    errors = pools(2).run(token_classifier_case, saved_model_dir("llama", pad_token_id=0))
+    assert len(set(errors)) == 1 and "LlamaForTokenClassification" in errors[0] and "one process" in errors[0], errors
+
+
+@pytest.mark.parametrize("name", ["GRPOTrainer", "RLOOTrainer", "KTOTrainer", "DistillationTrainer"])
+def test_trainers_not_taken_are_refused_by_name(name):
+    trl = pytest.importorskip("trl")
+    trainer = object.__new__(getattr(trl, name))  # refused before prepare_trainer reads anything of it
+    with pytest.raises(ValueError, match=f"does not take TRL's {name}") as err:
+        hf_ring.prepare_trainer(trainer, sp_size=2)
+    assert "DPOTrainer, RewardTrainer, SFTTrainer" in str(err.value)
