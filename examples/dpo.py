@@ -5,11 +5,11 @@
     python examples/dpo.py                                          # one process, no split
 
 Runs offline, like examples/sft.py (its character tokenizer and small Llama,
-built here). Each prompt opens with a key of three letters, runs on for
-``--length`` characters of filler, and asks for the key back (``key: qdz
-<filler> key ->``); the chosen answer is the key, the rejected one three other
-letters. The answer can only be found at the start of the prompt, so the
-preference is a long-context one. The model evaluates held-out prompts (keys
+built here). Each prompt opens with a colour, runs on for ``--length``
+characters of random filler, and asks for the colour back (``colour: red
+<filler> colour ->``); the chosen answer is that colour, the rejected one the
+other (red or blue). The answer can only be found at the start of the prompt,
+so the preference is a long-context one. The model evaluates held-out prompts (keys
 and filler it never trained on) before and after training, and prints DPO's
 reward margin (chosen minus rejected, in units of beta) and the share of pairs
 it ranks right (chance 0.5): both rise. An existing DPOTrainer script needs one
@@ -36,26 +36,28 @@ import hf_ring
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sft import char_tokenizer, default_model  # noqa: E402  (the same tokenizer and model builder)
 
+from hf_ring.integration.seams import CHECKPOINTING_ARGUMENT  # noqa: E402
+
 
 def _letters(rng: random.Random, k: int) -> str:
     return "".join(rng.choices(string.ascii_lowercase, k=k))
 
 
+KEYS = ("red", "blue")
+
+
 def key_pairs(count: int, seed: int, length: int) -> List[dict]:
-    """Preference rows: a key of three letters, ``length`` characters of filler words, a question; the key chosen
-    over three other letters."""
+    """Preference rows: a colour, ``length`` characters of filler words, a question; the colour named at the start
+    chosen over the other one."""
     rng = random.Random(seed)
     rows = []
     for _ in range(count):
-        key = _letters(rng, 3)
-        wrong = key
-        while wrong == key:
-            wrong = _letters(rng, 3)
+        key = rng.choice(KEYS)
         words = []
         while sum(len(w) + 1 for w in words) < length:
             words.append(_letters(rng, rng.randint(2, 7)))
-        rows.append({"prompt": f"key: {key} {' '.join(words)[:length]} key ->", "chosen": f" {key}",
-                     "rejected": f" {wrong}"})
+        rows.append({"prompt": f"colour: {key} {' '.join(words)[:length]} colour ->", "chosen": f" {key}",
+                     "rejected": f" {KEYS[1 - KEYS.index(key)]}"})
     return rows
 
 
@@ -67,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=60, help="optimizer steps (default: %(default)s)")
     ap.add_argument("--batch-size", type=int, default=8,
                     help="preference pairs per step and data-parallel replica (default: %(default)s)")
-    ap.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: %(default)s)")
+    ap.add_argument("--lr", type=float, default=5e-3, help="learning rate (default: %(default)s)")
     ap.add_argument("--beta", type=float, default=0.1, help="DPO's beta (default: %(default)s)")
     ap.add_argument("--eval-rows", type=int, default=32, help="held-out pairs evaluated (default: %(default)s)")
     ap.add_argument("--lora", action="store_true",
@@ -91,6 +93,7 @@ def build_trainer(args: argparse.Namespace, tokenizer, model_path: str):
         per_device_eval_batch_size=args.batch_size, learning_rate=args.lr, lr_scheduler_type="constant",
         beta=args.beta, max_length=None, logging_steps=5, save_strategy="no", report_to=[], seed=args.seed,
         use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(), disable_tqdm=True,
+        **{CHECKPOINTING_ARGUMENT: False},  # activation_checkpointing from transformers 5.23, gradient_checkpointing before
     )
     peft_config = None
     if args.lora:

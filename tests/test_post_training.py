@@ -11,7 +11,10 @@ import hf_ring
 from helpers import close, rel_err, scalar_rel_err
 from helpers import worst_rel_err as worst
 from models import saved_model_dir
-from trainer_cases import dpo_case, reward_case
+from trainer_cases import dpo_case, dpo_example_case, reward_case
+
+# peft and TRL read transformers' deprecated is_gradient_checkpointing (not hf_ring)
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
@@ -56,7 +59,6 @@ def check_run(got, ref):
 # TRL's fused LM head computes in float32 whatever the model's dtype: a lower learning rate keeps its rounding in the
 # first step from moving the second step's gradients by more than TOL.
 @pytest.mark.parametrize("world, reference", [(2, "model"), (4, "lora")])
-@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft reads it
 def test_dpo_trainer_equals_one_process(pools, char_model, world, reference):
     got = pools(world).run(dpo_case, char_model, world, reference=reference, lr=0.05)[0]
     ref = dpo_case(char_model, reference=reference, lr=0.05)
@@ -140,3 +142,15 @@ def test_trainers_not_taken_are_refused_by_name(name):
     with pytest.raises(ValueError, match=f"does not take TRL's {name}") as err:
         hf_ring.prepare_trainer(trainer, sp_size=2)
     assert "DPOTrainer, RewardTrainer, SFTTrainer" in str(err.value)
+
+
+def test_dpo_example_sp2_equals_one_process(pools, char_model, tmp_path):
+    argv = ["--steps", "2", "--batch-size", "2", "--eval-rows", "4", "--length", "60", "--model", char_model]
+    got = pools(2).run(dpo_example_case, argv + ["--sp-size", "2", "--output", str(tmp_path / "sp")])
+    ref = dpo_example_case(argv + ["--output", str(tmp_path / "one")])
+    assert all(g["world"] == 2 and g["sp_size"] == 2 for g in got) and ref["world"] == 1
+    for g in got:  # (its margins, differences of two rewards, are held to the rewards' size in the trainer test)
+        for key in ("train_loss", "eval_loss_before", "eval_loss_after"):
+            assert close(scalar_rel_err(g[key], ref[key]), TOL), key
+        assert g["accuracy_after"] == ref["accuracy_after"]
+    assert os.path.isfile(tmp_path / "sp" / "summary.json")

@@ -223,6 +223,26 @@ def sft_example_case(argv):
     return sft.main(argv)
 
 
+def recall_pairs(count, seed, length):
+    """Preference rows for the trainer tests: a key of three letters, ``length`` characters of filler, a question; the
+    key chosen over three other letters. (examples/dpo.py's two-colour pairs differ in one token, so their loss
+    rests on a difference of two nearly equal sums, where the float64 references' own disagreement, transformers'
+    ``eager`` against its ``sdpa`` 1e-7 apart, grows past 1e-5 in some gradients.)"""
+    import random
+    import string
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        key, wrong = rng.sample([("".join(rng.choices(string.ascii_lowercase, k=3))) for _ in range(4)], 2)
+        words = []
+        while sum(len(w) + 1 for w in words) < length:
+            words.append("".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 7))))
+        rows.append({"prompt": f"key: {key} {' '.join(words)[:length]} key ->", "chosen": f" {key}",
+                     "rejected": f" {wrong}"})
+    return rows
+
+
 def _trainer_args(config_cls, per_device, accum, steps, **kw):
     import tempfile
 
@@ -276,8 +296,8 @@ def dpo_case(path, sp_size=None, *, reference="model", steps=2, per_device=2, ac
     args = _trainer_args(DPOConfig, per_device, accum, steps, learning_rate=lr, beta=0.5, max_length=None)
     recorder = GradRecorder()
     trainer = DPOTrainer(model=model, args=args, processing_class=dpo.char_tokenizer(), peft_config=peft_config,
-                         train_dataset=Dataset.from_list(dpo.key_pairs(rows, 0, length)),
-                         eval_dataset=Dataset.from_list(dpo.key_pairs(3, 1, length)), callbacks=[recorder.callback])
+                         train_dataset=Dataset.from_list(recall_pairs(rows, 0, length)),
+                         eval_dataset=Dataset.from_list(recall_pairs(3, 1, length)), callbacks=[recorder.callback])
     if sp_size is not None:
         hf_ring.prepare_trainer(trainer, sp_size)
     try:
@@ -310,8 +330,8 @@ def reward_case(path, sp_size=None, *, steps=2, per_device=2, accum=1, length=40
                          center_rewards_coefficient=0.01)
     recorder = GradRecorder()
     trainer = RewardTrainer(model=model, args=args, processing_class=dpo.char_tokenizer(),
-                            train_dataset=Dataset.from_list(dpo.key_pairs(rows, 0, length)),
-                            eval_dataset=Dataset.from_list(dpo.key_pairs(3, 1, length)), callbacks=[recorder.callback])
+                            train_dataset=Dataset.from_list(recall_pairs(rows, 0, length)),
+                            eval_dataset=Dataset.from_list(recall_pairs(3, 1, length)), callbacks=[recorder.callback])
     if sp_size is not None:
         hf_ring.prepare_trainer(trainer, sp_size)
     try:
@@ -319,3 +339,18 @@ def reward_case(path, sp_size=None, *, steps=2, per_device=2, accum=1, length=40
         return _post_result(trainer, recorder, trainer.evaluate())
     finally:
         hf_ring.clear_sequence_parallel()
+
+
+def dpo_example_case(argv):
+    """examples/dpo.py's main on every rank (as under torchrun)."""
+    import os
+    import sys
+
+    from accelerate.state import AcceleratorState
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import dpo
+
+    trainer_env()
+    AcceleratorState._reset_state()
+    return dpo.main(argv)
