@@ -34,7 +34,7 @@ import torch
 import hf_ring
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sft import char_tokenizer, default_model  # noqa: E402  (the same tokenizer and model builder)
+from sft import char_tokenizer, lora_config, model_dir  # noqa: E402  (the same tokenizer, model and adapters)
 
 from hf_ring.integration.seams import CHECKPOINTING_ARGUMENT  # noqa: E402
 
@@ -95,14 +95,9 @@ def build_trainer(args: argparse.Namespace, tokenizer, model_path: str):
         use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(), disable_tqdm=True,
         **{CHECKPOINTING_ARGUMENT: False},  # activation_checkpointing from transformers 5.23, gradient_checkpointing before
     )
-    peft_config = None
-    if args.lora:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     train = key_pairs(args.steps * args.batch_size * replicas, args.seed, args.length)
     evals = key_pairs(args.eval_rows, args.seed + 1, args.length)
-    return DPOTrainer(model=model, args=config, processing_class=tokenizer, peft_config=peft_config,
+    return DPOTrainer(model=model, args=config, processing_class=tokenizer, peft_config=lora_config(args),
                       train_dataset=Dataset.from_list(train), eval_dataset=Dataset.from_list(evals))
 
 
@@ -113,14 +108,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     set_seed(args.seed)
     tokenizer = char_tokenizer()
     os.makedirs(args.output, exist_ok=True)
-    model_path = args.model
-    if model_path is None:
-        from accelerate import PartialState
-
-        state = PartialState(cpu=not torch.cuda.is_available())
-        with state.main_process_first():  # rank 0 builds and saves the model, the others load it
-            model_path = default_model(args.output, len(tokenizer), args.seed)
-    trainer = build_trainer(args, tokenizer, model_path)
+    trainer = build_trainer(args, tokenizer, model_dir(args, tokenizer))
     hf_ring.prepare_trainer(trainer, sp_size=args.sp_size)  # the one line sequence parallelism needs
     before = trainer.evaluate()
     result = trainer.train()

@@ -100,6 +100,26 @@ def default_model(out_dir: str, vocab_size: int, seed: int) -> str:
     return path
 
 
+def model_dir(args: argparse.Namespace, tokenizer) -> str:
+    """``--model``, or the default model: rank 0 builds and saves it under ``--output``, the others load it."""
+    if args.model is not None:
+        return args.model
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    with state.main_process_first():
+        return default_model(args.output, len(tokenizer), args.seed)
+
+
+def lora_config(args: argparse.Namespace):
+    """LoRA adapters on the attention projections with ``--lora`` (needs peft), else None."""
+    if not args.lora:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sp-size", type=int, default=None, help="ranks per sequence (default: all)")
@@ -151,11 +171,7 @@ def build_trainer(args: argparse.Namespace, tokenizer, model_path: str):
         # activation_checkpointing from transformers 5.23, gradient_checkpointing before
         **{CHECKPOINTING_ARGUMENT: args.gradient_checkpointing},
     )
-    peft_config = None
-    if args.lora:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    peft_config = lora_config(args)
     train, evals = data(args)
     if args.no_trl:
         from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
@@ -184,14 +200,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     set_seed(args.seed)
     tokenizer = char_tokenizer()
     os.makedirs(args.output, exist_ok=True)
-    model_path = args.model
-    if model_path is None:
-        from accelerate import PartialState
-
-        state = PartialState(cpu=not torch.cuda.is_available())
-        with state.main_process_first():  # rank 0 builds and saves the model, the others load it
-            model_path = default_model(args.output, len(tokenizer), args.seed)
-    trainer = build_trainer(args, tokenizer, model_path)
+    trainer = build_trainer(args, tokenizer, model_dir(args, tokenizer))
     hf_ring.prepare_trainer(trainer, sp_size=args.sp_size)  # the one line sequence parallelism needs
     resume = args.resume and any(d.startswith("checkpoint-") for d in os.listdir(args.output))
     result = trainer.train(resume_from_checkpoint=True if resume else None)

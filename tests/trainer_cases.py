@@ -264,27 +264,46 @@ def _post_result(trainer, recorder, metrics):
     return result if not dist.is_initialized() or dist.get_rank() == 0 else {"losses": losses}
 
 
-def dpo_case(path, sp_size=None, *, reference="model", steps=2, per_device=2, accum=1, length=40, lr=0.5):
-    """Train with TRL's DPOTrainer on examples/dpo.py's long-prompt pairs, then evaluate.
-
-    ``reference``: "model" (a reference model DPOTrainer loads) or "lora" (LoRA adapters; the reference is the model
-    with them off).
-    """
+def _preference_run(trainer_cls, config_cls, model, sp_size, *, steps, per_device, accum, length, config,
+                    **trainer_kw):
+    """Train ``model`` with a TRL trainer on :func:`recall_pairs` (sequence parallel when ``sp_size`` is given), then
+    evaluate; returns :func:`_post_result`."""
     import os
     import sys
 
     from accelerate.state import AcceleratorState
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM
-    from trl import DPOConfig, DPOTrainer
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    import dpo
+    import sft
 
     trainer_env()
     AcceleratorState._reset_state()
     world = dist.get_world_size() if dist.is_initialized() else 1
     rows = per_device * accum * steps * (world // (sp_size or 1))
+    recorder = GradRecorder()
+    trainer = trainer_cls(model=model, args=_trainer_args(config_cls, per_device, accum, steps, **config),
+                          processing_class=sft.char_tokenizer(), callbacks=[recorder.callback],
+                          train_dataset=Dataset.from_list(recall_pairs(rows, 0, length)),
+                          eval_dataset=Dataset.from_list(recall_pairs(3, 1, length)), **trainer_kw)
+    if sp_size is not None:
+        hf_ring.prepare_trainer(trainer, sp_size)
+    try:
+        trainer.train()
+        return _post_result(trainer, recorder, trainer.evaluate())
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+def dpo_case(path, sp_size=None, *, reference="model", steps=2, per_device=2, accum=1, length=40, lr=0.5):
+    """Train with TRL's DPOTrainer on long-prompt pairs, then evaluate.
+
+    ``reference``: "model" (a reference model DPOTrainer loads) or "lora" (LoRA adapters; the reference is the model
+    with them off).
+    """
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)  # rounding would hide an error
     peft_config = None
     if reference == "lora":
@@ -293,52 +312,21 @@ def dpo_case(path, sp_size=None, *, reference="model", steps=2, per_device=2, ac
         torch.manual_seed(0)
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
                                  lora_dropout=0.0)
-    args = _trainer_args(DPOConfig, per_device, accum, steps, learning_rate=lr, beta=0.5, max_length=None)
-    recorder = GradRecorder()
-    trainer = DPOTrainer(model=model, args=args, processing_class=dpo.char_tokenizer(), peft_config=peft_config,
-                         train_dataset=Dataset.from_list(recall_pairs(rows, 0, length)),
-                         eval_dataset=Dataset.from_list(recall_pairs(3, 1, length)), callbacks=[recorder.callback])
-    if sp_size is not None:
-        hf_ring.prepare_trainer(trainer, sp_size)
-    try:
-        trainer.train()
-        return _post_result(trainer, recorder, trainer.evaluate())
-    finally:
-        hf_ring.clear_sequence_parallel()
+    return _preference_run(DPOTrainer, DPOConfig, model, sp_size, steps=steps, per_device=per_device, accum=accum,
+                           length=length, config=dict(learning_rate=lr, beta=0.5, max_length=None),
+                           peft_config=peft_config)
 
 
 def reward_case(path, sp_size=None, *, steps=2, per_device=2, accum=1, length=40, lr=0.05):
-    """Train a reward model (a sequence classifier's score) with TRL's RewardTrainer on examples/dpo.py's pairs."""
-    import os
-    import sys
-
-    from accelerate.state import AcceleratorState
-    from datasets import Dataset
+    """Train a reward model (a sequence classifier's score) with TRL's RewardTrainer on long-prompt pairs."""
     from transformers import AutoModelForSequenceClassification
     from trl import RewardConfig, RewardTrainer
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    import dpo
-
-    trainer_env()
-    AcceleratorState._reset_state()
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rows = per_device * accum * steps * (world // (sp_size or 1))
     torch.manual_seed(0)  # the score head is new: the same initial values in every process
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float64)
-    args = _trainer_args(RewardConfig, per_device, accum, steps, learning_rate=lr, max_length=None,
-                         center_rewards_coefficient=0.01)
-    recorder = GradRecorder()
-    trainer = RewardTrainer(model=model, args=args, processing_class=dpo.char_tokenizer(),
-                            train_dataset=Dataset.from_list(recall_pairs(rows, 0, length)),
-                            eval_dataset=Dataset.from_list(recall_pairs(3, 1, length)), callbacks=[recorder.callback])
-    if sp_size is not None:
-        hf_ring.prepare_trainer(trainer, sp_size)
-    try:
-        trainer.train()
-        return _post_result(trainer, recorder, trainer.evaluate())
-    finally:
-        hf_ring.clear_sequence_parallel()
+    return _preference_run(RewardTrainer, RewardConfig, model, sp_size, steps=steps, per_device=per_device,
+                           accum=accum, length=length,
+                           config=dict(learning_rate=lr, max_length=None, center_rewards_coefficient=0.01))
 
 
 def dpo_example_case(argv):

@@ -155,6 +155,17 @@ def local_positions(
     return torch.cat([torch.arange(a, b, dtype=torch.long) for a, b in runs])
 
 
+def in_global_order(parts: torch.Tensor, seq_len: int, world_size: int, layout: str = "zigzag",
+                    ulysses: int = 1) -> torch.Tensor:
+    """``(seq_len, ...)`` from ``parts`` ``(world_size, longest, ...)``: each rank's rows, padded to the longest
+    shard as an all-gather stacks them, put at their global positions."""
+    out = parts.new_empty((seq_len,) + tuple(parts.shape[2:]))
+    for r in range(world_size):
+        rows = local_positions(seq_len, r, world_size, layout, ulysses).to(parts.device)
+        out[rows] = parts[r, : len(rows)]
+    return out
+
+
 def runs_to_local(runs: Sequence[Run]) -> List[Tuple[int, int, int]]:
     """For each run, ``(local_offset, global_start, length)`` within a rank's rows."""
     out, offset = [], 0

@@ -19,14 +19,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..engine.layout import local_positions
+from ..engine.layout import in_global_order, shard_sizes
 from .context import ShardedForward
 
 Tensor = torch.Tensor
-
-
-def _rows_of(forward: ShardedForward, rank: int, device: torch.device) -> Tensor:
-    return local_positions(forward.seq_len, rank, forward.world_size, forward.layout, forward.ulysses).to(device)
 
 
 class _Rows(torch.autograd.Function):
@@ -35,19 +31,15 @@ class _Rows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor: Tensor, forward: ShardedForward, what: str) -> Tensor:
-        n, world, rank = forward.seq_len, forward.world_size, forward.comm.rank
+        shape = (forward.seq_len, forward.world_size, forward.layout, forward.ulysses)
         mine = forward.rows(tensor.device)
         ctx.rows, ctx.held = mine, tensor.shape[1]
-        sizes = [len(_rows_of(forward, r, tensor.device)) for r in range(world)]
-        own = tensor[:, : len(mine)]  # a placeholder row is nobody's
-        padded = own.new_zeros((own.shape[0], max(sizes)) + own.shape[2:])
-        padded[:, : own.shape[1]] = own
+        own = tensor[:, : len(mine)].movedim(1, 0)  # a placeholder row is nobody's
+        padded = own.new_zeros((max(shard_sizes(*shape)),) + own.shape[1:])
+        padded[: len(own)] = own
         flag = padded.dtype == torch.bool  # gloo gathers no booleans
         every = forward.comm.all_gather(padded.to(torch.uint8) if flag else padded, what)
-        out = own.new_empty((own.shape[0], n) + own.shape[2:])
-        for r in range(world):
-            out[:, _rows_of(forward, r, tensor.device)] = every[r][:, : sizes[r]].to(out.dtype)
-        return out
+        return in_global_order(every, *shape).to(tensor.dtype).movedim(0, 1)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

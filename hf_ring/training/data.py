@@ -14,7 +14,7 @@ import torch
 from ..engine.comm import all_gather, device_for
 from ..engine.documents import Documents, check_documents, document_starts, left_padding
 from ..engine.fingerprint import fingerprint
-from ..engine.layout import local_positions, shard_sizes
+from ..engine.layout import in_global_order, local_positions, shard_sizes
 from ..engine.relay import fail_together
 from ..integration.context import CONTEXT_KEY, ShardedForward
 from ..integration.groups import SequenceParallel, current
@@ -311,11 +311,7 @@ def gather_sequence(tensor: torch.Tensor, seq_len: int, dim: int = 1,
         raise ValueError(
             f"this rank holds {moved.shape[0]} rows along dim {dim}, but seq_len={seq_len} gives it {sizes[group.sp_rank]}"
         )
-    longest = max(sizes)
-    padded = moved.new_zeros((longest,) + moved.shape[1:])
+    padded = moved.new_zeros((max(sizes),) + moved.shape[1:])
     padded[: moved.shape[0]] = moved
     parts = all_gather(padded, group.sp_group, "the sequence gather")
-    full = moved.new_empty((seq_len,) + moved.shape[1:])
-    for r, part in enumerate(parts):
-        full[local_positions(seq_len, r, group.sp_size, group.layout, group.ulysses_size).to(full.device)] = part[: sizes[r]]
-    return full.movedim(0, dim)
+    return in_global_order(parts, seq_len, group.sp_size, group.layout, group.ulysses_size).movedim(0, dim)

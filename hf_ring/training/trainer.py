@@ -83,14 +83,11 @@ def _shard_hook(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]):
     # The guard saw this call unsharded, so the head of a sequence classifier is hooked here, for this call only.
     pooling = pool_over_shards(module, kwargs[CONTEXT_KEY], kwargs)
     if pooling is not None:
-        done = []
-
         def remove(*_):
             pooling.remove()
-            for handle in done:
-                handle.remove()
+            handle.remove()
 
-        done.append(module.register_forward_hook(remove, always_call=True))
+        handle = module.register_forward_hook(remove, always_call=True)
     return args, kwargs
 
 
@@ -397,8 +394,9 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: Optiona
         raise ValueError("prepare_trainer splits sequences itself; remove cp_size/sp_size/tp_size from parallelism_config")
     base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model  # PEFT
     kind = loss_kind(trainer, base)
-    if head_error(base) is not None:  # the model's own call is seen unsharded by the guard: refused here instead
-        raise head_error(base)
+    unsplit_head = head_error(base)
+    if unsplit_head is not None:  # the model's own call is seen unsharded by the guard: refused here instead
+        raise unsplit_head
     problem = multimodal_problem(base, given_media=False)
     if problem is not None:
         raise ValueError(problem)

@@ -29,12 +29,9 @@ SEQUENCES = "sequences"
 TRL_TAKEN: Dict[str, str] = {"SFTTrainer": TOKENS, "DPOTrainer": SEQUENCES, "RewardTrainer": SEQUENCES}
 """TRL trainers prepare_trainer takes, by class name, and the kind of their loss."""
 
-TRL_REFUSED: Dict[str, str] = {
-    "GRPOTrainer": "it samples completions on every rank and groups their rewards by process, so the ranks that share "
-                   "one sequence would sample different completions and be counted as different prompts",
-    "RLOOTrainer": "it samples completions on every rank and groups their rewards by process, so the ranks that share "
-                   "one sequence would sample different completions and be counted as different prompts",
-}
+_SAMPLES_PER_RANK = ("it samples completions on every rank and groups their rewards by process, so the ranks that "
+                     "share one sequence would sample different completions and be counted as different prompts")
+TRL_REFUSED: Dict[str, str] = {"GRPOTrainer": _SAMPLES_PER_RANK, "RLOOTrainer": _SAMPLES_PER_RANK}
 """TRL trainers refused with a reason of their own; any other TRL trainer is refused as not checked."""
 
 
