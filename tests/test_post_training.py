@@ -13,8 +13,11 @@ from helpers import worst_rel_err as worst
 from models import saved_model_dir
 from trainer_cases import dpo_case, dpo_example_case, reward_case
 
-# peft and TRL read transformers' deprecated is_gradient_checkpointing (not hf_ring)
-pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+pytestmark = [
+    pytest.mark.compat,  # TRL's fused head and transformers' classifier pooling are what this reads: every release
+    # peft and TRL read transformers' deprecated is_gradient_checkpointing (not hf_ring)
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
@@ -66,14 +69,14 @@ def test_dpo_trainer_equals_one_process(pools, char_model, world, reference):
     assert ref["metrics"]["eval_rewards/margins"] != 0  # the two steps moved the policy away from its reference
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_reward_trainer_equals_one_process(pools, char_model, world):
-    got = pools(world).run(reward_case, char_model, world)[0]
+@pytest.mark.parametrize("world, ulysses_size", [(2, 1), (4, 2)])
+def test_reward_trainer_equals_one_process(pools, char_model, world, ulysses_size):
+    got = pools(world).run(reward_case, char_model, world, ulysses_size=ulysses_size)[0]
     ref = reward_case(char_model)
     check_run(got, ref)
 
 
-def classifier_case(path, labels_kind):
+def classifier_case(path, labels_kind, n=23):
     """One step of a sequence classifier on left- and right-padded rows through shard_batch and sync_gradients (one
     process when no group is set up): its pooled logits, loss and gradients."""
     import torch.distributed as dist
@@ -85,9 +88,9 @@ def classifier_case(path, labels_kind):
         path, num_labels=1 if labels_kind == "regression" else 3, dtype=torch.float64,
         attn_implementation="ring_dilated" if split else "sdpa")
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 30, (3, 23), generator=g)
-    ids[0, 17:] = 0  # right padding: its last real token is on another rank than the row's last one
-    ids[1, :5] = 0  # left padding
+    ids = torch.randint(3, 30, (3, n), generator=g)
+    ids[0, n - n // 4:] = 0  # right padding: its last real token is on another rank than the row's last one
+    ids[1, : n // 5] = 0  # left padding
     labels = torch.tensor([0.3, -1.0, 2.0], dtype=torch.float64) if labels_kind == "regression" else \
         torch.tensor([2, 0, 1])
     batch = {"input_ids": ids, "attention_mask": ids.ne(0).long(), "labels": labels}
@@ -104,11 +107,12 @@ def classifier_case(path, labels_kind):
             "grads": {k: p.grad.clone() for k, p in model.named_parameters()}}
 
 
-@pytest.mark.parametrize("labels_kind", ["regression", "classes"])
-def test_sequence_classifier_through_shard_batch(pools, labels_kind):
+@pytest.mark.parametrize("labels_kind, world, n", [("regression", 2, 23), ("classes", 2, 23), ("classes", 4, 3)])
+def test_sequence_classifier_through_shard_batch(pools, labels_kind, world, n):
+    """Left- and right-padded rows; 3 tokens on 4 ranks leave one rank a placeholder row."""
     path = saved_model_dir("llama", pad_token_id=0)
-    ref = classifier_case(path, labels_kind)
-    for got in pools(2).run(classifier_case, path, labels_kind):
+    ref = classifier_case(path, labels_kind, n)
+    for got in pools(world).run(classifier_case, path, labels_kind, n):
         assert rel_err(got["logits"], ref["logits"]) < TOL
         assert close(scalar_rel_err(got["loss"], ref["loss"]), TOL)
         assert close(worst(got["grads"], ref["grads"]), TOL)

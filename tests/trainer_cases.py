@@ -265,7 +265,7 @@ def _post_result(trainer, recorder, metrics):
 
 
 def _preference_run(trainer_cls, config_cls, model, sp_size, *, steps, per_device, accum, length, config,
-                    **trainer_kw):
+                    ulysses_size=None, **trainer_kw):
     """Train ``model`` with a TRL trainer on :func:`recall_pairs` (sequence parallel when ``sp_size`` is given), then
     evaluate; returns :func:`_post_result`."""
     import os
@@ -287,7 +287,7 @@ def _preference_run(trainer_cls, config_cls, model, sp_size, *, steps, per_devic
                           train_dataset=Dataset.from_list(recall_pairs(rows, 0, length)),
                           eval_dataset=Dataset.from_list(recall_pairs(3, 1, length)), **trainer_kw)
     if sp_size is not None:
-        hf_ring.prepare_trainer(trainer, sp_size)
+        hf_ring.prepare_trainer(trainer, sp_size, ulysses_size=ulysses_size)
     try:
         trainer.train()
         return _post_result(trainer, recorder, trainer.evaluate())
@@ -317,7 +317,7 @@ def dpo_case(path, sp_size=None, *, reference="model", steps=2, per_device=2, ac
                            peft_config=peft_config)
 
 
-def reward_case(path, sp_size=None, *, steps=2, per_device=2, accum=1, length=40, lr=0.05):
+def reward_case(path, sp_size=None, *, steps=2, per_device=2, accum=1, length=40, lr=0.05, ulysses_size=None):
     """Train a reward model (a sequence classifier's score) with TRL's RewardTrainer on long-prompt pairs."""
     from transformers import AutoModelForSequenceClassification
     from trl import RewardConfig, RewardTrainer
@@ -325,7 +325,7 @@ def reward_case(path, sp_size=None, *, steps=2, per_device=2, accum=1, length=40
     torch.manual_seed(0)  # the score head is new: the same initial values in every process
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float64)
     return _preference_run(RewardTrainer, RewardConfig, model, sp_size, steps=steps, per_device=per_device,
-                           accum=accum, length=length,
+                           accum=accum, length=length, ulysses_size=ulysses_size,
                            config=dict(learning_rate=lr, max_length=None, center_rewards_coefficient=0.01))
 
 
