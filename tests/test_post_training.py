@@ -1,4 +1,4 @@
-"""Post-training under sequence parallelism: TRL's DPOTrainer and RewardTrainer through prepare_trainer, and a
+"""Post-training under sequence parallelism: TRL's DPOTrainer, KTOTrainer and RewardTrainer through prepare_trainer, and a
 sequence classifier through shard_batch, equal one process on 2 and 4 gloo ranks; the trainers hf_ring does not
 take are refused by name."""
 import os
@@ -11,7 +11,7 @@ import hf_ring
 from helpers import close, rel_err, scalar_rel_err
 from helpers import worst_rel_err as worst
 from models import saved_model_dir
-from trainer_cases import dpo_case, dpo_example_case, reward_case
+from trainer_cases import dpo_case, dpo_example_case, kto_case, reward_case
 
 pytestmark = [
     pytest.mark.compat,  # TRL's fused head and transformers' classifier pooling are what this reads: every release
@@ -21,7 +21,7 @@ pytestmark = [
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
-METRICS = ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies", "eval_logps/chosen",
+METRICS = ("eval_loss", "eval_kl", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies", "eval_logps/chosen",
            "eval_logps/rejected", "eval_min_reward", "eval_mean_reward", "eval_max_reward", "eval_accuracy",
            "eval_entropy", "eval_num_tokens")
 MARGINS = {"eval_rewards/margins": ("eval_rewards/chosen", "eval_rewards/rejected"),
@@ -73,6 +73,13 @@ def test_dpo_trainer_equals_one_process(pools, char_model, world, reference):
 def test_reward_trainer_equals_one_process(pools, char_model, world, ulysses_size):
     got = pools(world).run(reward_case, char_model, world, ulysses_size=ulysses_size)[0]
     ref = reward_case(char_model)
+    check_run(got, ref)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_kto_trainer_equals_one_process(pools, char_model, world):
+    got = pools(world).run(kto_case, char_model, world)[0]
+    ref = kto_case(char_model)
     check_run(got, ref)
 
 
@@ -139,13 +146,13 @@ def test_token_classifier_refused_on_every_rank(pools):
     assert len(set(errors)) == 1 and "LlamaForTokenClassification" in errors[0] and "one process" in errors[0], errors
 
 
-@pytest.mark.parametrize("name", ["GRPOTrainer", "RLOOTrainer", "KTOTrainer", "DistillationTrainer"])
+@pytest.mark.parametrize("name", ["GRPOTrainer", "RLOOTrainer", "DistillationTrainer"])
 def test_trainers_not_taken_are_refused_by_name(name):
     trl = pytest.importorskip("trl")
     trainer = object.__new__(getattr(trl, name))  # refused before prepare_trainer reads anything of it
     with pytest.raises(ValueError, match=f"does not take TRL's {name}") as err:
         hf_ring.prepare_trainer(trainer, sp_size=2)
-    assert "DPOTrainer, RewardTrainer, SFTTrainer" in str(err.value)
+    assert "DPOTrainer, KTOTrainer, RewardTrainer, SFTTrainer" in str(err.value)
 
 
 def test_dpo_example_sp2_equals_one_process(pools, char_model, tmp_path):

@@ -243,6 +243,16 @@ def recall_pairs(count, seed, length):
     return rows
 
 
+def _unpaired(count, seed, length):
+    """``count`` KTO rows from :func:`recall_pairs`: a pair's chosen answer labelled desirable, then its rejected one
+    undesirable."""
+    rows = []
+    for pair in recall_pairs((count + 1) // 2, seed, length):
+        rows += [{"prompt": pair["prompt"], "completion": pair["chosen"], "label": True},
+                 {"prompt": pair["prompt"], "completion": pair["rejected"], "label": False}]
+    return rows[:count]
+
+
 def _trainer_args(config_cls, per_device, accum, steps, **kw):
     import tempfile
 
@@ -265,9 +275,10 @@ def _post_result(trainer, recorder, metrics):
 
 
 def _preference_run(trainer_cls, config_cls, model, sp_size, *, steps, per_device, accum, length, config,
-                    ulysses_size=None, **trainer_kw):
-    """Train ``model`` with a TRL trainer on :func:`recall_pairs` (sequence parallel when ``sp_size`` is given), then
-    evaluate; returns :func:`_post_result`."""
+                    ulysses_size=None, unpaired=False, **trainer_kw):
+    """Train ``model`` with a TRL trainer on :func:`recall_pairs` (sequence parallel when ``sp_size`` is given;
+    ``unpaired``: each pair's answers as two labelled rows, as KTO takes them), then evaluate; returns
+    :func:`_post_result`."""
     import os
     import sys
 
@@ -281,11 +292,12 @@ def _preference_run(trainer_cls, config_cls, model, sp_size, *, steps, per_devic
     AcceleratorState._reset_state()
     world = dist.get_world_size() if dist.is_initialized() else 1
     rows = per_device * accum * steps * (world // (sp_size or 1))
+    data = _unpaired if unpaired else recall_pairs
     recorder = GradRecorder()
     trainer = trainer_cls(model=model, args=_trainer_args(config_cls, per_device, accum, steps, **config),
                           processing_class=sft.char_tokenizer(), callbacks=[recorder.callback],
-                          train_dataset=Dataset.from_list(recall_pairs(rows, 0, length)),
-                          eval_dataset=Dataset.from_list(recall_pairs(3, 1, length)), **trainer_kw)
+                          train_dataset=Dataset.from_list(data(rows, 0, length)),
+                          eval_dataset=Dataset.from_list(data(4, 1, length)), **trainer_kw)
     if sp_size is not None:
         hf_ring.prepare_trainer(trainer, sp_size, ulysses_size=ulysses_size)
     try:
@@ -327,6 +339,17 @@ def reward_case(path, sp_size=None, *, steps=2, per_device=2, accum=1, length=40
     return _preference_run(RewardTrainer, RewardConfig, model, sp_size, steps=steps, per_device=per_device,
                            accum=accum, length=length, ulysses_size=ulysses_size,
                            config=dict(learning_rate=lr, max_length=None, center_rewards_coefficient=0.01))
+
+
+def kto_case(path, sp_size=None, *, steps=2, per_device=4, accum=1, length=40, lr=0.05):
+    """Train with TRL's KTOTrainer on unpaired rows (each pair's chosen answer desirable, its rejected one not), then
+    evaluate."""
+    from transformers import AutoModelForCausalLM
+    from trl import KTOConfig, KTOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    return _preference_run(KTOTrainer, KTOConfig, model, sp_size, steps=steps, per_device=per_device, accum=accum,
+                           length=length, config=dict(learning_rate=lr, beta=0.5, max_length=None), unpaired=True)
 
 
 def dpo_example_case(argv):

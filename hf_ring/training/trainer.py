@@ -273,10 +273,10 @@ class SequenceParallelTrainerMixin:
 
 
 class SequenceLossTrainerMixin(SequenceParallelTrainerMixin):
-    """:class:`SequenceParallelTrainerMixin` for a trainer whose loss is per sequence (TRL's ``DPOTrainer`` and
-    ``RewardTrainer``, a sequence classifier's): every rank is handed the whole batch's per-sequence values and
-    computes the whole batch's loss (:mod:`hf_ring.integration.readout`), whose gradients add up over the sp group
-    as a shard loss's do; the loss it reports is that loss, once."""
+    """:class:`SequenceParallelTrainerMixin` for a trainer whose loss is per sequence (TRL's ``DPOTrainer``,
+    ``KTOTrainer`` and ``RewardTrainer``, a sequence classifier's): every rank is handed the whole batch's
+    per-sequence values and computes the whole batch's loss (:mod:`hf_ring.integration.readout`), whose gradients
+    add up over the sp group as a shard loss's do; the loss it reports is that loss, once."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         sp = current()

@@ -4,7 +4,7 @@ Two kinds of loss run under sequence parallelism:
 
 - **per token** (``transformers.Trainer`` on a causal LM, TRL's ``SFTTrainer``):
   each rank's loss is its shard's share of the batch's token-averaged loss;
-- **per sequence** (TRL's ``DPOTrainer`` and ``RewardTrainer``, and any trainer
+- **per sequence** (TRL's ``DPOTrainer``, ``KTOTrainer`` and ``RewardTrainer``, and any trainer
   given a sequence classifier): the loss is a function of whole sequences (a
   sum of log-probabilities, the score of a row's last token), so every rank is
   handed those values for the whole batch and computes the whole batch's loss
@@ -26,7 +26,8 @@ from ..integration.readout import fused_output, is_fused_output, scores_head
 TOKENS = "tokens"
 SEQUENCES = "sequences"
 
-TRL_TAKEN: Dict[str, str] = {"SFTTrainer": TOKENS, "DPOTrainer": SEQUENCES, "RewardTrainer": SEQUENCES}
+TRL_TAKEN: Dict[str, str] = {"SFTTrainer": TOKENS, "DPOTrainer": SEQUENCES, "KTOTrainer": SEQUENCES,
+                             "RewardTrainer": SEQUENCES}
 """TRL trainers prepare_trainer takes, by class name, and the kind of their loss."""
 
 _SAMPLES_PER_RANK = ("it samples completions on every rank and groups their rewards by process, so the ranks that "
