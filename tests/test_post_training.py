@@ -1,5 +1,5 @@
-"""Post-training under sequence parallelism: TRL's DPOTrainer, KTOTrainer and RewardTrainer through prepare_trainer, and a
-sequence classifier through shard_batch, equal one process on 2 and 4 gloo ranks; the trainers hf_ring does not
+"""Post-training under sequence parallelism: TRL's DPO, KTO, reward, GRPO and RLOO trainers through prepare_trainer, and
+a sequence classifier through shard_batch, equal one process on 2 and 4 gloo ranks; the trainers hf_ring does not
 take are refused by name."""
 import os
 import sys
@@ -11,7 +11,7 @@ import hf_ring
 from helpers import close, rel_err, scalar_rel_err
 from helpers import worst_rel_err as worst
 from models import saved_model_dir
-from trainer_cases import dpo_case, dpo_example_case, kto_case, reward_case
+from trainer_cases import dpo_case, dpo_example_case, kto_case, reward_case, sampling_case
 
 pytestmark = [
     pytest.mark.compat,  # TRL's fused head and transformers' classifier pooling are what this reads: every release
@@ -83,6 +83,50 @@ def test_kto_trainer_equals_one_process(pools, char_model, world):
     check_run(got, ref)
 
 
+def check_sampling_run(got, ref, losses=True):
+    """A sampling trainer's run: every step's gradient of every parameter, the final parameters and the logged
+    rewards, reward spread, KL, completion lengths and token counts within TOL of the reference (the same completions
+    sampled), and its logged losses when ``losses``."""
+    if losses:
+        for g, r in zip(got["losses"], ref["losses"]):
+            assert close(scalar_rel_err(g, r), TOL), (got["losses"], ref["losses"])
+    assert len(got["grads"]) == len(ref["grads"]) == 2
+    for g, r in zip(got["grads"], ref["grads"]):
+        assert close(worst(g, r), TOL)
+    assert close(worst(got["params"], ref["params"]), TOL)
+    assert set(got["logged"]) == set(ref["logged"]) and len(ref["logged"]) >= 10
+    for key, value in ref["logged"].items():
+        assert close(scalar_rel_err(got["logged"][key], value), TOL), key
+
+
+# RLOO's logged loss is zero by construction here (on-policy, its leave-one-out advantages sum to zero in each group,
+# and its KL is in the reward): what is left of it is rounding, so only GRPO's losses are compared.
+@pytest.mark.parametrize("world, trainer, accum", [(2, "GRPO", 1), (4, "GRPO", 2), (2, "RLOO", 1)])
+def test_sampling_trainer_equals_one_process(pools, char_model, world, trainer, accum):
+    """Completions sampled through hf_ring.generate, the prompt split; 4 ranks with two generation steps per
+    generation batch."""
+    per_device = 4 // accum
+    got = pools(world).run(sampling_case, char_model, world, trainer=trainer, accum=accum, per_device=per_device)[0]
+    ref = sampling_case(char_model, trainer=trainer, accum=accum, per_device=per_device)
+    check_sampling_run(got, ref, losses=trainer == "GRPO")
+
+
+def test_grpo_dp2_sp2_equals_trl_over_two_processes(pools, char_model):
+    """2 data-parallel replicas of 2 ranks each sample, score and train as TRL's own 2 processes do."""
+    got = pools(4).run(sampling_case, char_model, 2)[0]
+    ref = pools(2).run(sampling_case, char_model, None)[0]
+    check_sampling_run(got, ref)
+
+
+@pytest.mark.parametrize("setting", ["use_vllm", "log_completions"])
+def test_sampling_settings_not_split_are_refused(setting):
+    trl = pytest.importorskip("trl")
+    trainer = object.__new__(trl.GRPOTrainer)
+    trainer.args = type("Args", (), {"use_vllm": setting == "use_vllm", "log_completions": setting == "log_completions"})()
+    with pytest.raises(ValueError, match=f"GRPOTrainer with {setting}=True"):
+        hf_ring.prepare_trainer(trainer, sp_size=2)
+
+
 def classifier_case(path, labels_kind, n=23):
     """One step of a sequence classifier on left- and right-padded rows through shard_batch and sync_gradients (one
     process when no group is set up): its pooled logits, loss and gradients."""
@@ -146,13 +190,13 @@ def test_token_classifier_refused_on_every_rank(pools):
     assert len(set(errors)) == 1 and "LlamaForTokenClassification" in errors[0] and "one process" in errors[0], errors
 
 
-@pytest.mark.parametrize("name", ["GRPOTrainer", "RLOOTrainer", "DistillationTrainer"])
+@pytest.mark.parametrize("name", ["DistillationTrainer"])
 def test_trainers_not_taken_are_refused_by_name(name):
     trl = pytest.importorskip("trl")
     trainer = object.__new__(getattr(trl, name))  # refused before prepare_trainer reads anything of it
     with pytest.raises(ValueError, match=f"does not take TRL's {name}") as err:
         hf_ring.prepare_trainer(trainer, sp_size=2)
-    assert "DPOTrainer, KTOTrainer, RewardTrainer, SFTTrainer" in str(err.value)
+    assert "DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer, RewardTrainer, SFTTrainer" in str(err.value)
 
 
 def test_dpo_example_sp2_equals_one_process(pools, char_model, tmp_path):

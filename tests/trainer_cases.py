@@ -268,7 +268,8 @@ def _post_result(trainer, recorder, metrics):
     """Logged losses, every step's gradients, the final parameters and the trainer's own metrics (rank 0)."""
     history = trainer.state.log_history
     losses = [h["loss"] for h in history if "loss" in h]
-    logged = {k: v for h in history if "loss" in h for k, v in h.items() if k.startswith(("rewards/", "logps/"))}
+    logged = {f"{k}@{i}": v for i, h in enumerate(history) if "loss" in h for k, v in h.items()
+              if k.startswith(("rewards/", "logps/", "reward", "kl", "completions/mean_length", "num_tokens"))}
     result = {"losses": losses, "grads": recorder.steps, "logged": logged, "metrics": metrics,
               "params": {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}}
     return result if not dist.is_initialized() or dist.get_rank() == 0 else {"losses": losses}
@@ -350,6 +351,47 @@ def kto_case(path, sp_size=None, *, steps=2, per_device=4, accum=1, length=40, l
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
     return _preference_run(KTOTrainer, KTOConfig, model, sp_size, steps=steps, per_device=per_device, accum=accum,
                            length=length, config=dict(learning_rate=lr, beta=0.5, max_length=None), unpaired=True)
+
+
+def vowel_reward(completions, **kwargs):
+    """A GRPO reward: the share of a completion's characters that are vowels."""
+    return [sum(c in "aeiou" for c in text) / max(1, len(text)) for text in completions]
+
+
+def sampling_case(path, sp_size=None, *, trainer="GRPO", steps=2, per_device=4, accum=1, length=40, lr=0.05,
+                  beta=0.1):
+    """Train with TRL's GRPOTrainer or RLOOTrainer (``trainer``; completions sampled with the model's generate,
+    rewarded for vowels) on long prompts."""
+    import os
+    import sys
+
+    from accelerate.state import AcceleratorState
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    import trl
+
+    config_cls, trainer_cls = getattr(trl, f"{trainer}Config"), getattr(trl, f"{trainer}Trainer")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import sft
+
+    trainer_env()
+    AcceleratorState._reset_state()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rows = per_device * accum * steps * (world // (sp_size or 1))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    args = _trainer_args(config_cls, per_device, accum, steps, learning_rate=lr, beta=beta, num_generations=2,
+                         max_completion_length=6)
+    recorder = GradRecorder()
+    prompts = [{"prompt": row["prompt"]} for row in recall_pairs(rows, 0, length)]
+    run = trainer_cls(model=model, args=args, reward_funcs=vowel_reward, processing_class=sft.char_tokenizer(),
+                      train_dataset=Dataset.from_list(prompts), callbacks=[recorder.callback])
+    if sp_size is not None:
+        hf_ring.prepare_trainer(run, sp_size)
+    try:
+        run.train()
+        return _post_result(run, recorder, {})
+    finally:
+        hf_ring.clear_sequence_parallel()
 
 
 def dpo_example_case(argv):

@@ -44,9 +44,9 @@ from ..integration.parallel import check_tp_size, setup_sequence_parallel
 from ..integration.seams import TRAINER_DIVIDES_TOKEN_COUNT, cache_argument
 from ..integration.tp import check_heads, check_trainer_model, loaded_tp_size
 from ..patches import multimodal_problem, registry
-from . import zero
+from . import sampling, zero
 from .data import batch_shape, gather_sequence, model_rows, shard_batch
-from .trainers import SEQUENCES, attach_sequence_outputs, loss_kind, refuse_trainer
+from .trainers import SEQUENCES, attach_sequence_outputs, loss_kind, refuse_trainer, samples
 
 _HOOK_ATTR = "_hf_ring_shard_hook"
 _PREPARED_ATTR = "_hf_ring_prepared"
@@ -210,7 +210,7 @@ class SequenceParallelTrainerMixin:
         return out
 
     def _count_tokens_once(self, before: Optional[int], sp: SequenceParallel) -> None:
-        if before is not None and self.model.training:
+        if before is not None and self.model.training and self._total_train_tokens != before:
             # TRL's trainers add up the tokens of every rank's batch; the ranks of an sp group share one.
             self._total_train_tokens = before + (self._total_train_tokens - before) // sp.sp_size
             self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
@@ -251,18 +251,11 @@ class SequenceParallelTrainerMixin:
 
     def _gather_over_dp(self, data):
         """``accelerator.gather_for_metrics`` with one copy per sp group (all its ranks hold the same values)."""
-        sp = current()
-        gathered = self.accelerator.gather(data)
-
-        def keep(t):
-            t = t.reshape(sp.dp_size, sp.sp_size, -1, *t.shape[1:])[:, 0]
-            t = t.reshape(-1, *t.shape[2:])
-            state = self.accelerator.gradient_state
-            if state.end_of_dataloader and state.remainder > 0:
-                t = t[: state.remainder]  # the samples accelerate repeated to even out the last batch
-            return t
-
-        return recursively_apply(keep, gathered)
+        gathered = sampling.one_copy_per_replica(self.accelerator.gather(data), current())
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:  # the samples accelerate repeated to even out the last batch
+            return recursively_apply(lambda t: t[: state.remainder], gathered)
+        return gathered
 
     def _track_num_input_tokens(self, inputs):
         before = self.state.num_input_tokens_seen
@@ -383,6 +376,8 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: Optiona
     if not isinstance(trainer, Trainer):
         raise TypeError(f"trainer must be a transformers.Trainer (or subclass), got {type(trainer).__name__}")
     refuse_trainer(trainer)
+    if samples(trainer):
+        sampling.check(trainer)
     _refuse_misuse(trainer, sp_size, layout, ulysses_size)
     if getattr(trainer, "model_init", None) is not None:
         raise ValueError("prepare_trainer needs a trainer built with model=..., not model_init")
@@ -427,5 +422,7 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: Optiona
             attach_shard_hook(model)
             if kind == SEQUENCES:
                 attach_sequence_outputs(model)
+    if samples(trainer):
+        sampling.prepare(trainer, sp)
     setattr(trainer, _PREPARED_ATTR, _describe(sp.sp_size, sp.layout, sp.ulysses_size))
     return trainer

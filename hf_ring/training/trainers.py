@@ -4,14 +4,17 @@ Two kinds of loss run under sequence parallelism:
 
 - **per token** (``transformers.Trainer`` on a causal LM, TRL's ``SFTTrainer``):
   each rank's loss is its shard's share of the batch's token-averaged loss;
-- **per sequence** (TRL's ``DPOTrainer``, ``KTOTrainer`` and ``RewardTrainer``, and any trainer
+- **per sequence** (TRL's ``DPOTrainer``, ``KTOTrainer``, ``RewardTrainer``,
+  ``GRPOTrainer`` and ``RLOOTrainer``, and any trainer
   given a sequence classifier): the loss is a function of whole sequences (a
   sum of log-probabilities, the score of a row's last token), so every rank is
   handed those values for the whole batch and computes the whole batch's loss
   (:mod:`hf_ring.integration.readout`).
 
-TRL's other trainers are refused by name, with the reason, before anything is
-set up; a trainer class of the user's own (not TRL's) is taken as its base.
+GRPO and RLOO sample their completions as well: :mod:`hf_ring.training.sampling`
+makes the ranks of a group sample and score as one process. TRL's other
+trainers are refused by name, with the reason, before anything is set up; a
+trainer class of the user's own (not TRL's) is taken as its base.
 """
 from __future__ import annotations
 
@@ -27,12 +30,13 @@ TOKENS = "tokens"
 SEQUENCES = "sequences"
 
 TRL_TAKEN: Dict[str, str] = {"SFTTrainer": TOKENS, "DPOTrainer": SEQUENCES, "KTOTrainer": SEQUENCES,
-                             "RewardTrainer": SEQUENCES}
+                             "RewardTrainer": SEQUENCES, "GRPOTrainer": SEQUENCES, "RLOOTrainer": SEQUENCES}
 """TRL trainers prepare_trainer takes, by class name, and the kind of their loss."""
 
-_SAMPLES_PER_RANK = ("it samples completions on every rank and groups their rewards by process, so the ranks that "
-                     "share one sequence would sample different completions and be counted as different prompts")
-TRL_REFUSED: Dict[str, str] = {"GRPOTrainer": _SAMPLES_PER_RANK, "RLOOTrainer": _SAMPLES_PER_RANK}
+TRL_REFUSED: Dict[str, str] = {
+    "DistillationTrainer": "it runs its student's and teacher's backbones directly, not through the models' own calls, "
+                           "so hf_ring never sees the batch to split it",
+}
 """TRL trainers refused with a reason of their own; any other TRL trainer is refused as not checked."""
 
 
@@ -55,6 +59,16 @@ def refuse_trainer(trainer: Any) -> None:
     raise ValueError(f"prepare_trainer does not take TRL's {trl.__name__} ({type(trainer).__name__}): {why}. "
                      f"Trainers it takes: transformers.Trainer and TRL's {taken}; train with {trl.__name__} without "
                      "prepare_trainer, one sequence per process")
+
+
+SAMPLING = ("GRPOTrainer", "RLOOTrainer")
+"""TRL trainers that sample their completions with the model's ``generate`` during training."""
+
+
+def samples(trainer: Any) -> bool:
+    """Whether ``trainer`` samples completions with its model's ``generate`` (see :data:`SAMPLING`)."""
+    trl = _trl_class(trainer)
+    return trl is not None and trl.__name__ in SAMPLING
 
 
 def loss_kind(trainer: Any, model: torch.nn.Module) -> str:
