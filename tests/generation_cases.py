@@ -141,3 +141,23 @@ def head_parallel_generate_case(path, ids, mask=None, *, ulysses, pattern=None, 
                 "rows": out.past_key_values.local_length()}
     finally:
         hf_ring.clear_sequence_parallel()
+
+
+def with_lora(model):
+    """``model`` with LoRA adapters on its attention projections, their weights non-zero and seeded (a PEFT model)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False, lora_dropout=0.0))
+
+
+def lora_generate_case(path, ids, mask=None, **kwargs):
+    """``hf_ring.generate`` of a PEFT (LoRA) model with the sequence split over the whole world."""
+    from models import load
+
+    hf_ring.setup_sequence_parallel(None)
+    try:
+        return hf_ring.generate(with_lora(load(path, "ring_dilated")), ids, attention_mask=mask, **kwargs)
+    finally:
+        hf_ring.clear_sequence_parallel()

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import hf_ring
-from generation_cases import ListStreamer, sdpa_sharded_case, sp_cache_forward_case, sp_diverging_generate_case, sp_generate_case, unseeded_sampling_case
+from generation_cases import ListStreamer, lora_generate_case, sdpa_sharded_case, sp_cache_forward_case, sp_diverging_generate_case, sp_generate_case, unseeded_sampling_case, with_lora
 from helpers import raises_on_rank
 from helpers import dilated_sdpa_mask, rel_err
 from models import load, saved_model_dir
@@ -71,6 +71,27 @@ def test_left_padded_batch(pools, world):
     ref = sdpa_generate(path, ids, mask, **GREEDY)
     for res in pools(world).run(sp_generate_case, path, ids, mask, **GREEDY):
         assert torch.equal(res["sequences"], ref)
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft reads it
+def test_lora_model_equals_single_process_sdpa(pools):
+    """A PEFT model's generate runs its base model's forward: the prefill and every step are split all the same."""
+    pytest.importorskip("peft")
+    path = saved_model_dir("llama")
+    ids, mask = prompts(5, 2, 41, left_pad=6)
+    ref = with_lora(load(path, "sdpa")).generate(input_ids=ids, attention_mask=mask, **GREEDY)
+    assert not torch.equal(ref, load(path, "sdpa").generate(ids, attention_mask=mask, **GREEDY))  # the adapters count
+    for res in pools(2).run(lora_generate_case, path, ids, mask, **GREEDY):
+        assert torch.equal(res, ref)
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft reads it
+def test_prompt_learning_model_is_refused():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(load(saved_model_dir("llama"), "ring_dilated"),
+                                peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    with pytest.raises(ValueError, match="prompt-learning PEFT model"):
+        hf_ring.generate(model, prompts(1, 1, 9)[0], max_new_tokens=2)
 
 
 def test_mistral_window_smaller_than_prompt_and_padding(pools):

@@ -185,6 +185,11 @@ def _unwrap(model):
     return model
 
 
+def _stepped_model(model):
+    """The module whose forward each decoding step calls: a PEFT model's generate calls its base model's."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _check_inputs(input_ids, attention_mask) -> None:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         raise TypeError(f"input_ids must be an integer tensor (batch, prompt length), got "
@@ -243,8 +248,9 @@ def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, 
             generate_kwargs.pop("streamer", None)
     cache.comm = comm  # the cache deals the rows still visible after the prefill out over the group
     state = Generation(cache, comm, sp, broadcast_logits=bool(broadcast_logits))
-    hooks = [model.register_forward_pre_hook(_pre_forward(state), with_kwargs=True),
-             model.register_forward_hook(_post_forward(state), with_kwargs=True)]
+    stepped = _stepped_model(model)
+    hooks = [stepped.register_forward_pre_hook(_pre_forward(state), with_kwargs=True),
+             stepped.register_forward_hook(_post_forward(state), with_kwargs=True)]
     try:
         result = model.generate(input_ids, attention_mask=attention_mask, **{CACHE_KEYWORD: cache}, **generate_kwargs)
     finally:
@@ -283,6 +289,9 @@ def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], all
         if comm is not None:
             raise ValueError(other_attention_message(model))
         return model, None
+    if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
+        raise ValueError("hf_ring.generate does not take a prompt-learning PEFT model (prefix or prompt tuning): its "
+                         "virtual tokens are not split; merge or use a weight adapter such as LoRA")
     if setting("use_cache") is False:
         raise ValueError("hf_ring.generate keeps a sharded KV cache; use_cache=False is not supported")
     if (setting("num_beams") or 1) > 1:
