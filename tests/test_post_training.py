@@ -1,6 +1,6 @@
-"""Post-training under sequence parallelism: TRL's DPO, KTO, reward, GRPO and RLOO trainers through prepare_trainer, and
-a sequence classifier through shard_batch, equal one process on 2 and 4 gloo ranks; the trainers hf_ring does not
-take are refused by name."""
+"""Post-training under sequence parallelism: TRL's DPO, KTO, reward, GRPO, RLOO and distillation trainers through
+prepare_trainer, and a sequence classifier through shard_batch, equal one process on 2 and 4 gloo ranks; the trainers
+hf_ring does not take are refused by name."""
 import os
 import sys
 
@@ -11,7 +11,8 @@ import hf_ring
 from helpers import close, rel_err, scalar_rel_err
 from helpers import worst_rel_err as worst
 from models import saved_model_dir
-from trainer_cases import dpo_case, dpo_example_case, kto_case, reward_case, sampling_case
+from trainer_cases import (distillation_case, dpo_case, dpo_example_case, kto_case, reward_case, sampling_case,
+                           teacher_model)
 
 pytestmark = [
     pytest.mark.compat,  # TRL's fused head and transformers' classifier pooling are what this reads: every release
@@ -23,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
 METRICS = ("eval_loss", "eval_kl", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies", "eval_logps/chosen",
            "eval_logps/rejected", "eval_min_reward", "eval_mean_reward", "eval_max_reward", "eval_accuracy",
-           "eval_entropy", "eval_num_tokens")
+           "eval_entropy", "eval_num_tokens", "eval_completions/mean_length")
 MARGINS = {"eval_rewards/margins": ("eval_rewards/chosen", "eval_rewards/rejected"),
            "eval_margin": ("eval_min_reward", "eval_max_reward")}
 """Differences of two rewards, held to TOL of the rewards' size (their own relative error grows as they cancel)."""
@@ -36,6 +37,13 @@ def char_model(tmp_path_factory):
     import sft
 
     return sft.default_model(str(tmp_path_factory.mktemp("post")), len(sft.char_tokenizer()), 0)
+
+
+@pytest.fixture(scope="module")
+def char_teacher(char_model):
+    import sft
+
+    return teacher_model(os.path.dirname(char_model), len(sft.char_tokenizer()))
 
 
 def check_run(got, ref):
@@ -94,7 +102,12 @@ def check_sampling_run(got, ref, losses=True):
     for g, r in zip(got["grads"], ref["grads"]):
         assert close(worst(g, r), TOL)
     assert close(worst(got["params"], ref["params"]), TOL)
-    assert set(got["logged"]) == set(ref["logged"]) and len(ref["logged"]) >= 10
+    check_logged(got, ref, 10)
+
+
+def check_logged(got, ref, least):
+    """The training metrics the trainer logged (at least ``least`` over the steps) within TOL of the reference."""
+    assert set(got["logged"]) == set(ref["logged"]) and len(ref["logged"]) >= least
     for key, value in ref["logged"].items():
         assert close(scalar_rel_err(got["logged"][key], value), TOL), key
 
@@ -116,6 +129,61 @@ def test_grpo_dp2_sp2_equals_trl_over_two_processes(pools, char_model):
     got = pools(4).run(sampling_case, char_model, 2)[0]
     ref = pools(2).run(sampling_case, char_model, None)[0]
     check_sampling_run(got, ref)
+
+
+@pytest.mark.parametrize("world, options", [(2, {}), (4, {"lora": True, "accum": 2, "per_device": 1, "ulysses_size": 2})])
+def test_distillation_trainer_equals_one_process(pools, char_model, char_teacher, world, options):
+    """A narrower teacher; completions sampled through hf_ring.generate; left-padded prompts, right-padded
+    completions; 4 ranks: LoRA, two accumulation steps per generation batch, ring x head parallelism."""
+    got = pools(world).run(distillation_case, char_model, char_teacher, world, **options)[0]
+    ref = distillation_case(char_model, char_teacher, **{k: v for k, v in options.items() if k != "ulysses_size"})
+    check_run(got, ref)
+    check_logged(got, ref, 6)  # completion lengths, token counts, entropy
+    assert len({v for k, v in ref["logged"].items() if k.startswith("completions/mean_length")} | {6.0}) > 1
+
+
+def test_distillation_dp2_sp2_equals_trl_over_two_processes(pools, char_model, char_teacher):
+    """2 data-parallel replicas of 2 ranks each sample and train as TRL's own 2 processes do."""
+    got = pools(4).run(distillation_case, char_model, char_teacher, 2)[0]
+    ref = pools(2).run(distillation_case, char_model, char_teacher, None)[0]
+    check_run(got, ref)
+    check_logged(got, ref, 6)
+
+
+def test_rank_view_keeps_the_rows_that_predict_a_trained_token():
+    """Prompt of 3 tokens, completion of 4 (the last padding, the third a tool result): global positions 2..5 predict
+    completion tokens 0..3; a rank holding rows 0, 2, 5 and 6 sees only 2 (token 0) and 5 (token 3, padding: off)."""
+    from hf_ring.training.distillation import predicted_tokens, rank_view
+
+    assert predicted_tokens(torch.tensor([0, 1, 2, 5, 6]), 3, 4).tolist() == [-1, -1, 0, 3, -1]
+    inputs = {"prompt_ids": torch.tensor([[7, 8, 9]]), "prompt_mask": torch.ones(1, 3, dtype=torch.long),
+              "completion_ids": torch.tensor([[4, 5, 6, 0]]), "completion_mask": torch.tensor([[1, 1, 1, 0]]),
+              "tool_mask": torch.tensor([[1, 1, 0, 1]]), "num_items_in_batch": torch.tensor(2)}
+    rows = torch.tensor([0, 2, 5, 6])
+    view = rank_view(inputs, rows, torch.tensor([[7, 9, 6, 0]]))
+    assert view["completion_mask"].tolist() == [[0, 1, 0, 0]] and view["completion_ids"].tolist() == [[7, 9, 6, 0]]
+    assert view["prompt_ids"].shape == (1, 0) and "tool_mask" not in view and view["num_items_in_batch"] == 2
+    rows = torch.tensor([3, 4])  # tokens 1 and 2: the second a tool result; held with a third, placeholder-like row
+    assert rank_view(inputs, rows, torch.zeros(1, 3, dtype=torch.long))["completion_mask"].tolist() == [[1, 0, 0]]
+
+
+@pytest.mark.parametrize("setting, match", [
+    ("vlm", "vision-language processor"), ("teacher", "without a teacher model"), ("tp", "tensor parallelism"),
+    ("deepspeed", "under DeepSpeed"), ("iterable", "IterableDataset")])
+def test_distillation_settings_not_split_are_refused(setting, match):
+    from types import SimpleNamespace
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(())
+
+    from hf_ring.training import distillation
+
+    trainer = SimpleNamespace(_is_vlm=setting == "vlm", teacher_model=None if setting == "teacher" else object(),
+                              is_deepspeed_enabled=setting == "deepspeed",
+                              train_dataset=Stream() if setting == "iterable" else [])
+    with pytest.raises(ValueError, match=match):
+        distillation.check(trainer, 2 if setting == "tp" else 1)
 
 
 @pytest.mark.parametrize("setting", ["use_vllm", "log_completions"])
@@ -190,13 +258,18 @@ def test_token_classifier_refused_on_every_rank(pools):
     assert len(set(errors)) == 1 and "LlamaForTokenClassification" in errors[0] and "one process" in errors[0], errors
 
 
-@pytest.mark.parametrize("name", ["DistillationTrainer"])
-def test_trainers_not_taken_are_refused_by_name(name):
-    trl = pytest.importorskip("trl")
-    trainer = object.__new__(getattr(trl, name))  # refused before prepare_trainer reads anything of it
-    with pytest.raises(ValueError, match=f"does not take TRL's {name}") as err:
+@pytest.mark.parametrize("module, name", [("orpo", "ORPOTrainer"), ("server_distillation", "ServerDistillationTrainer")])
+def test_trainers_not_taken_are_refused_by_name(monkeypatch, module, name):
+    """TRL's trainers outside the checked set, a subclass of a checked one included."""
+    pytest.importorskip("trl")
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    import importlib
+
+    trainer = object.__new__(getattr(importlib.import_module(f"trl.experimental.{module}"), name))
+    with pytest.raises(ValueError, match=f"does not take TRL's {name}") as err:  # before it reads anything of it
         hf_ring.prepare_trainer(trainer, sp_size=2)
-    assert "DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer, RewardTrainer, SFTTrainer" in str(err.value)
+    assert ("DPOTrainer, DistillationTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer, RewardTrainer, SFTTrainer"
+            in str(err.value))
 
 
 def test_dpo_example_sp2_equals_one_process(pools, char_model, tmp_path):

@@ -269,7 +269,7 @@ def _post_result(trainer, recorder, metrics):
     history = trainer.state.log_history
     losses = [h["loss"] for h in history if "loss" in h]
     logged = {f"{k}@{i}": v for i, h in enumerate(history) if "loss" in h for k, v in h.items()
-              if k.startswith(("rewards/", "logps/", "reward", "kl", "completions/mean_length", "num_tokens"))}
+              if k.startswith(("rewards/", "logps/", "reward", "kl", "completions/mean_length", "num_tokens", "entropy"))}
     result = {"losses": losses, "grads": recorder.steps, "logged": logged, "metrics": metrics,
               "params": {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}}
     return result if not dist.is_initialized() or dist.get_rank() == 0 else {"losses": losses}
@@ -407,3 +407,72 @@ def dpo_example_case(argv):
     trainer_env()
     AcceleratorState._reset_state()
     return dpo.main(argv)
+
+
+def teacher_model(out_dir, vocab_size):
+    """A teacher for the distillation tests: a Llama narrower than the student (hidden 64, not 128) over the same
+    vocabulary, saved once under ``out_dir``."""
+    import os
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = os.path.join(out_dir, "teacher")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        torch.manual_seed(1)
+        config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                             tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+        AutoModelForCausalLM.from_config(config).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def distillation_case(path, teacher, sp_size=None, *, steps=2, per_device=2, accum=1, length=4, lr=0.5, beta=0.5,
+                      lora=False, ulysses_size=None):
+    """Distil ``teacher`` into the model at ``path`` with TRL's DistillationTrainer (on-policy: the student samples
+    completions of up to 24 tokens, stopping at a "z", so they are right-padded and span ranks) on prompts of
+    three lengths (left-padded), then evaluate."""
+    import os
+    import sys
+
+    from accelerate.state import AcceleratorState
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import DistillationConfig, DistillationTrainer
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import sft
+
+    trainer_env()
+    AcceleratorState._reset_state()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rows = per_device * accum * steps * (world // (sp_size or 1))
+    tokenizer = sft.char_tokenizer()
+    tokenizer.padding_side = "left"  # as TRL requires of its prompts
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("z")]
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        torch.manual_seed(0)
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                                 lora_dropout=0.0)
+
+    def prompts(count, seed):
+        return Dataset.from_list([{"prompt": recall_pairs(1, seed + i, length + 6 * (i % 3))[0]["prompt"]}
+                                  for i in range(count)])
+
+    recorder = GradRecorder()
+    run = DistillationTrainer(
+        model=model, teacher_model=AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float64),
+        args=_trainer_args(DistillationConfig, per_device, accum, steps, learning_rate=lr, beta=beta,
+                           max_completion_length=24),
+        processing_class=tokenizer, train_dataset=prompts(rows, 0), eval_dataset=prompts(4, 100),
+        callbacks=[recorder.callback], peft_config=peft_config)
+    if sp_size is not None:
+        hf_ring.prepare_trainer(run, sp_size, ulysses_size=ulysses_size)
+    try:
+        run.train()
+        return _post_result(run, recorder, run.evaluate())
+    finally:
+        hf_ring.clear_sequence_parallel()

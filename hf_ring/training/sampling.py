@@ -1,32 +1,35 @@
-"""TRL trainers that sample their completions during training (GRPO, RLOO), with the sequence split.
+"""TRL trainers that sample their completions during training (GRPO, RLOO, distillation), with the sequence split.
 
-Such a trainer generates completions for its prompts, scores them, gathers the
-rewards of every process to compute each group's advantages, and trains on
-prompt + completion. The ranks of one sequence-parallel group hold the same
-prompts, so they act as one process of that trainer:
+Such a trainer generates completions for its prompts, scores them (GRPO and
+RLOO gather the rewards of every process to compute each group's advantages),
+and trains on prompt + completion. The ranks of one sequence-parallel group
+hold the same prompts, so they act as one process of that trainer:
 
 - they sample the same completions: the model's ``generate`` becomes
   :func:`hf_ring.generate` (the prompt's K/V sharded over the group, every
   rank the same tokens, checked), and every rank of the group is seeded as TRL
   seeds one process, with its data-parallel index (``seed + dp_rank``, where
   TRL adds the process index);
-- while the trainer generates and scores, and while it computes its loss, its
-  accelerator counts one process per group: ``process_index`` and
-  ``num_processes`` are the data-parallel ones and ``gather`` keeps one copy per
-  group, so rewards, advantages (group or batch scaled), token counts and
-  logged statistics are those of one process per group;
-- its generation batch counts one process per group too.
+- while the trainer generates and scores, and while it runs the other methods
+  :data:`~hf_ring.training.trainers.SAMPLING` lists (GRPO's loss, the
+  distillation trainer's sampler), its accelerator counts one process per
+  group: ``process_index`` and ``num_processes`` are the data-parallel ones and
+  ``gather`` keeps one copy per group, so rewards, advantages (group or batch
+  scaled), token counts, logged statistics and generation batches are those of
+  one process per group;
+- GRPO's and RLOO's generation batch counts one process per group too.
 
 The training forward is then a per-sequence loss over the split sequence
-(:mod:`hf_ring.integration.readout`). TRL's vLLM generation is refused: an
-external engine is not hf_ring's to split.
+(:mod:`hf_ring.integration.readout`), or the distillation trainer's per-position
+one (:mod:`hf_ring.training.distillation`). TRL's vLLM generation is refused:
+an external engine is not hf_ring's to split.
 """
 from __future__ import annotations
 
 import functools
 import sys
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from accelerate.utils import recursively_apply, set_seed
@@ -131,12 +134,12 @@ def _generate_split(original: Callable) -> Callable:
     return generate
 
 
-_WHY = ("a trainer that samples completions (GRPO, RLOO) under sequence parallelism: its generate is hf_ring.generate "
-        "and its scoring and loss count one process per sp group; undone by clear_sequence_parallel")
+_WHY = ("a trainer that samples completions (GRPO, RLOO, distillation) under sequence parallelism: its generate is "
+        "hf_ring.generate and its scoring (and loss or sampler) count one process per sp group; undone by "
+        "clear_sequence_parallel")
 
 
-def prepare(trainer: Any, sp: SequenceParallel) -> None:
-    """Make a sampling trainer act as one process per sequence-parallel group (see the module docstring)."""
+def _generation_batch(trainer: Any, sp: SequenceParallel) -> None:
     args = trainer.args
     # TRL sized the generation batch over every process; the ranks of a group share one.
     size = args.per_device_train_batch_size * sp.dp_size * args.steps_per_generation
@@ -148,9 +151,16 @@ def prepare(trainer: Any, sp: SequenceParallel) -> None:
             "group count as one process"
         )
     registry.replace(args, "generation_batch_size", lambda _: size, _WHY)
+
+
+def prepare(trainer: Any, sp: SequenceParallel, methods: Sequence[str]) -> None:
+    """Make a sampling trainer act as one process per sequence-parallel group while it samples and runs ``methods``
+    (see the module docstring)."""
+    if getattr(trainer.args, "generation_batch_size", None) is not None:  # GRPO's and RLOO's
+        _generation_batch(trainer, sp)
     registry.replace(trainer.model, "generate", _generate_split, _WHY)
-    for name in ("_generate_and_score_completions", "_compute_loss"):
+    for name in methods:
         registry.replace(trainer, name, _as_one_process, _WHY)
     # TRL seeds each process apart (seed + process index) so that they sample different completions; a group is one
-    # process, its data-parallel replica's
-    set_seed(args.seed + sp.dp_rank)
+    # process, its data-parallel replica's (the distillation trainer's device-specific seed is the same sum)
+    set_seed(trainer.args.seed + sp.dp_rank)

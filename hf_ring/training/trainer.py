@@ -44,9 +44,9 @@ from ..integration.parallel import check_tp_size, setup_sequence_parallel
 from ..integration.seams import TRAINER_DIVIDES_TOKEN_COUNT, cache_argument
 from ..integration.tp import check_heads, check_trainer_model, loaded_tp_size
 from ..patches import multimodal_problem, registry
-from . import sampling, zero
+from . import distillation, sampling, zero
 from .data import batch_shape, gather_sequence, model_rows, shard_batch
-from .trainers import SEQUENCES, attach_sequence_outputs, loss_kind, refuse_trainer, samples
+from .trainers import BACKBONES, SEQUENCES, attach_sequence_outputs, loss_kind, refuse_trainer, sampled_methods
 
 _HOOK_ATTR = "_hf_ring_shard_hook"
 _PREPARED_ATTR = "_hf_ring_prepared"
@@ -142,11 +142,16 @@ def _global_order(tree: Any, n: int, local: int) -> Any:
     return tree
 
 
+def _sp_sum(loss: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """The sum over the sp group of the ranks' (shard) losses, held by each of them."""
+    loss = loss.detach().clone()
+    all_reduce(loss, sp.sp_group, "the loss sum over the sequence-parallel group")
+    return loss
+
+
 def _sp_mean(loss: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
     """The mean over the sp group of the ranks' (shard) losses, held by each of them."""
-    loss = loss.detach().clone()
-    all_reduce(loss, sp.sp_group, "the loss mean over the sequence-parallel group")
-    return loss / sp.sp_size
+    return _sp_sum(loss, sp) / sp.sp_size
 
 
 class SequenceParallelTrainerMixin:
@@ -291,6 +296,29 @@ class SequenceLossTrainerMixin(SequenceParallelTrainerMixin):
         return loss if sp is None else loss / sp.sp_size  # every rank computed the whole loss, scaled for backward
 
 
+class BackboneLossTrainerMixin(SequenceParallelTrainerMixin):
+    """:class:`SequenceParallelTrainerMixin` for a trainer that runs its models' backbones itself and adds up a loss
+    over positions (TRL's ``DistillationTrainer``): :mod:`hf_ring.training.distillation` shards those calls and makes
+    each rank's loss its positions' share, scaled by the trainer for DDP's average over every process, so neither the
+    models' calls nor the loss are touched here; an evaluation loss is the sum of the ranks' shares."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super(SequenceParallelTrainerMixin, self).compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        loss, logits, labels = super(SequenceParallelTrainerMixin, self).prediction_step(
+            model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        sp = current()
+        if sp is not None and loss is not None:
+            loss = _sp_sum(loss, sp)  # one value per sp group, for a gather over the dp replicas
+        return loss, logits, labels
+
+
+_MIXINS = {SEQUENCES: SequenceLossTrainerMixin, BACKBONES: BackboneLossTrainerMixin}
+"""The mixin of each kind of loss other than per token (:data:`hf_ring.training.trainers.TRL_TAKEN`)."""
+
+
 def _scaled(out: Any, scale: int, return_outputs: bool) -> Any:
     return (out[0] * scale, out[1]) if return_outputs else out * scale
 
@@ -314,6 +342,17 @@ def _use_ring_attention(model: torch.nn.Module) -> None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
     if not ring_config.runs_ring(base.config):
         base.set_attn_implementation(ring_config.ATTN_IMPLEMENTATION)
+
+
+COMPANIONS = ("ref_model", "teacher_model")
+"""Trainer attributes holding models that read the same sequences as the trained one (DPO's reference, a
+distillation teacher)."""
+
+
+def _companions(trainer: Any) -> list:
+    """The models of :data:`COMPANIONS` the trainer holds, unwrapped."""
+    held = (getattr(trainer, name, None) for name in COMPANIONS)
+    return [trainer.accelerator.unwrap_model(model) for model in held if model is not None]
 
 
 def _training_started(trainer: Any) -> bool:
@@ -376,7 +415,8 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: Optiona
     if not isinstance(trainer, Trainer):
         raise TypeError(f"trainer must be a transformers.Trainer (or subclass), got {type(trainer).__name__}")
     refuse_trainer(trainer)
-    if samples(trainer):
+    sampled = sampled_methods(trainer)
+    if sampled:
         sampling.check(trainer)
     _refuse_misuse(trainer, sp_size, layout, ulysses_size)
     if getattr(trainer, "model_init", None) is not None:
@@ -389,6 +429,8 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: Optiona
         raise ValueError("prepare_trainer splits sequences itself; remove cp_size/sp_size/tp_size from parallelism_config")
     base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model  # PEFT
     kind = loss_kind(trainer, base)
+    if kind == BACKBONES:
+        distillation.check(trainer, tp_size)
     unsplit_head = head_error(base)
     if unsplit_head is not None:  # the model's own call is seen unsharded by the guard: refused here instead
         raise unsplit_head
@@ -401,9 +443,10 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: Optiona
     conflict = ring_config.shape_conflict(saved, layout, ulysses_size)
     if conflict is not None:
         raise ValueError(conflict)
-    heads = ring_config.model_heads(base.config)
-    if heads is not None:
-        check_heads(heads, check_tp_size(tp_size), check_ulysses_size(ulysses_size))  # now, not at the first step
+    for model in [base] + _companions(trainer):  # now, not at the first step
+        heads = ring_config.model_heads(model.config)
+        if heads is not None:
+            check_heads(heads, check_tp_size(tp_size), check_ulysses_size(ulysses_size))
     check_trainer_model(trainer.model, tp_size, trainer.is_deepspeed_enabled)
     ds_config = _deepspeed_config(trainer)
     if ds_config is not None:  # refused before the setup, which is a collective
@@ -413,16 +456,17 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: Optiona
                                  tp_size=tp_size)
     if ds_config is not None:
         zero.count_sequences_once(ds_config, sp.sp_size, sp.dp_size)
-    mixin = SequenceLossTrainerMixin if kind == SEQUENCES else SequenceParallelTrainerMixin
+    mixin = _MIXINS.get(kind, SequenceParallelTrainerMixin)
     registry.replace(trainer, "__class__", lambda cls: _sequence_parallel_class(cls, mixin), _TRAINER_WHY)
-    reference = getattr(trainer, "ref_model", None)  # DPO's reference model reads the same sharded sequences
-    for model in (trainer.model, None if reference is None else trainer.accelerator.unwrap_model(reference)):
-        if model is not None:
-            _use_ring_attention(model)
+    for model in [trainer.model] + _companions(trainer):
+        _use_ring_attention(model)
+        if kind != BACKBONES:  # distillation calls its models positionally, through TRL: their backbones are split
             attach_shard_hook(model)
-            if kind == SEQUENCES:
-                attach_sequence_outputs(model)
-    if samples(trainer):
-        sampling.prepare(trainer, sp)
+        if kind == SEQUENCES:
+            attach_sequence_outputs(model)
+    if kind == BACKBONES:
+        distillation.prepare(trainer)
+    if sampled:
+        sampling.prepare(trainer, sp, sampled)
     setattr(trainer, _PREPARED_ATTR, _describe(sp.sp_size, sp.layout, sp.ulysses_size))
     return trainer

@@ -9,16 +9,20 @@ Two kinds of loss run under sequence parallelism:
   given a sequence classifier): the loss is a function of whole sequences (a
   sum of log-probabilities, the score of a row's last token), so every rank is
   handed those values for the whole batch and computes the whole batch's loss
-  (:mod:`hf_ring.integration.readout`).
+  (:mod:`hf_ring.integration.readout`);
+- **per position, from the backbones** (TRL's ``DistillationTrainer``): the
+  trainer runs its student's and teacher's backbones itself and compares their
+  next-token distributions token by token, so each rank adds up the positions
+  it holds (:mod:`hf_ring.training.distillation`).
 
-GRPO and RLOO sample their completions as well: :mod:`hf_ring.training.sampling`
-makes the ranks of a group sample and score as one process. TRL's other
-trainers are refused by name, with the reason, before anything is set up; a
-trainer class of the user's own (not TRL's) is taken as its base.
+GRPO, RLOO and distillation sample their completions as well:
+:mod:`hf_ring.training.sampling` makes the ranks of a group sample and score as
+one process. TRL's other trainers are refused by name before anything is set
+up; a trainer class of the user's own (not TRL's) is taken as its base.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -28,16 +32,13 @@ from ..integration.readout import fused_output, is_fused_output, scores_head
 
 TOKENS = "tokens"
 SEQUENCES = "sequences"
+BACKBONES = "backbones"
 
 TRL_TAKEN: Dict[str, str] = {"SFTTrainer": TOKENS, "DPOTrainer": SEQUENCES, "KTOTrainer": SEQUENCES,
-                             "RewardTrainer": SEQUENCES, "GRPOTrainer": SEQUENCES, "RLOOTrainer": SEQUENCES}
-"""TRL trainers prepare_trainer takes, by class name, and the kind of their loss."""
-
-TRL_REFUSED: Dict[str, str] = {
-    "DistillationTrainer": "it runs its student's and teacher's backbones directly, not through the models' own calls, "
-                           "so hf_ring never sees the batch to split it",
-}
-"""TRL trainers refused with a reason of their own; any other TRL trainer is refused as not checked."""
+                             "RewardTrainer": SEQUENCES, "GRPOTrainer": SEQUENCES, "RLOOTrainer": SEQUENCES,
+                             "DistillationTrainer": BACKBONES}
+"""TRL trainers prepare_trainer takes, by class name, and the kind of their loss (a subclass TRL defines, such as
+its experimental ``ServerDistillationTrainer``, is a trainer of its own: refused until checked)."""
 
 
 def _trl_class(trainer: Any) -> Optional[type]:
@@ -54,25 +55,31 @@ def refuse_trainer(trainer: Any) -> None:
     trl = _trl_class(trainer)
     if trl is None or trl.__name__ in TRL_TAKEN:
         return
-    why = TRL_REFUSED.get(trl.__name__, "its loss has not been checked against one process with the sequence split")
     taken = ", ".join(sorted(TRL_TAKEN))
-    raise ValueError(f"prepare_trainer does not take TRL's {trl.__name__} ({type(trainer).__name__}): {why}. "
+    raise ValueError(f"prepare_trainer does not take TRL's {trl.__name__} ({type(trainer).__name__}): its loss has "
+                     "not been checked against one process with the sequence split. "
                      f"Trainers it takes: transformers.Trainer and TRL's {taken}; train with {trl.__name__} without "
                      "prepare_trainer, one sequence per process")
 
 
-SAMPLING = ("GRPOTrainer", "RLOOTrainer")
-"""TRL trainers that sample their completions with the model's ``generate`` during training."""
+SAMPLING: Dict[str, Tuple[str, ...]] = {
+    "GRPOTrainer": ("_generate_and_score_completions", "_compute_loss"),
+    "RLOOTrainer": ("_generate_and_score_completions", "_compute_loss"),
+    "DistillationTrainer": ("_generate_and_score_completions", "_get_train_sampler"),
+}
+"""TRL trainers that sample their completions with the model's ``generate`` during training, and their methods that
+count processes, gather over them or size the batch by them (:mod:`hf_ring.training.sampling` runs these with one
+process per sequence-parallel group)."""
 
 
-def samples(trainer: Any) -> bool:
-    """Whether ``trainer`` samples completions with its model's ``generate`` (see :data:`SAMPLING`)."""
+def sampled_methods(trainer: Any) -> Tuple[str, ...]:
+    """The methods of ``trainer`` that :data:`SAMPLING` lists (none: the trainer does not sample)."""
     trl = _trl_class(trainer)
-    return trl is not None and trl.__name__ in SAMPLING
+    return () if trl is None else SAMPLING.get(trl.__name__, ())
 
 
 def loss_kind(trainer: Any, model: torch.nn.Module) -> str:
-    """:data:`TOKENS` or :data:`SEQUENCES`: how a trainer :func:`refuse_trainer` lets through computes its loss.
+    """:data:`TOKENS`, :data:`SEQUENCES` or :data:`BACKBONES`: how a trainer :func:`refuse_trainer` lets through computes its loss.
     ``model``: the trainer's model with any PEFT wrapper taken off."""
     trl = _trl_class(trainer)
     if trl is not None:
