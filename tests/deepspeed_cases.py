@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import hf_ring
 from hf_ring.integration.seams import enable_checkpointing
-from trainer_cases import GradRecorder, RowDataset, trainer_data
+from trainer_cases import GradRecorder, RowDataset, distillation_case, trainer_data
 from models import batch, load
 
 LR = 0.5
@@ -307,3 +307,16 @@ def ds_refusal_case(path, sp_size, *, extra=None, gloo=True, stage=3):
         hf_ring.clear_sequence_parallel()
         unset_hf_deepspeed_config()
     return None
+
+
+def ds_distillation_case(path, teacher, sp_size, *, stage=3):
+    """TRL's DistillationTrainer under DeepSpeed ZeRO ``stage`` (the teacher prepared by TRL for it) with
+    ``hf_ring.prepare_trainer``: :func:`trainer_cases.distillation_case`'s result."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    deepspeed_state()
+    try:
+        return distillation_case(path, teacher, sp_size, engine=(ds_config(stage), EngineGradRecorder, full_params),
+                                 dtype=torch.float32)  # DeepSpeed takes no float64
+    finally:
+        unset_hf_deepspeed_config()

@@ -11,12 +11,14 @@ import sys
 import pytest
 import torch
 
-from deepspeed_cases import ds_loop_case, ds_refusal_case, ds_trainer_case, loop_reference, trainer_reference
+from deepspeed_cases import (ds_distillation_case, ds_loop_case, ds_refusal_case, ds_trainer_case, loop_reference,
+                             trainer_reference)
 from dist_pool import RankPool
-from helpers import close
+from helpers import close, scalar_rel_err
 from helpers import norm_rel_err as rel
 from helpers import worst_rel_err
 from models import saved_model_dir
+from trainer_cases import distillation_case, teacher_model
 
 TOL = 1e-5
 
@@ -120,6 +122,27 @@ def test_zero12_sp2_trainer_equals_one_process(ds_pools, path, reference, stage,
     results = ds_pools(2).run(ds_trainer_case, path, 2, stage=stage, tiling=tiling, **kw)
     check_training(results, reference(**kw))
     assert results[0]["tiled"]["loss"] > 0 and (results[0]["tiled"]["rows"] > 0) == tiling
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # TRL reads it
+def test_zero3_distillation_trainer_sp2_equals_one_process(ds_pools, tmp_path):
+    """TRL's DistillationTrainer, student and teacher under ZeRO-3 (float32: DeepSpeed takes no float64), the
+    sequence split over 2 ranks, equals one process without either: losses, gradients, parameters, eval loss and
+    the logged completion lengths, token counts and entropy."""
+    pytest.importorskip("trl")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import sft
+
+    student = sft.default_model(str(tmp_path), len(sft.char_tokenizer()), 0)
+    teacher = teacher_model(str(tmp_path), len(sft.char_tokenizer()))
+    results = ds_pools(2).run(ds_distillation_case, student, teacher, 2, stage=3)
+    ref = distillation_case(student, teacher, dtype=torch.float32)
+    check_training(results, dict(ref, eval_loss=ref["metrics"]["eval_loss"]))
+    assert close(rel(torch.tensor(results[0]["metrics"]["eval_loss"]), torch.tensor(ref["metrics"]["eval_loss"])),
+                 TOL, "l2")
+    assert set(results[0]["logged"]) == set(ref["logged"]) and len(ref["logged"]) >= 6
+    for key, value in ref["logged"].items():
+        assert close(scalar_rel_err(results[0]["logged"][key], value), TOL, "l2"), key
 
 
 def test_zero3_accelerate_loop_sp2(ds_pools, path):

@@ -169,7 +169,7 @@ def test_rank_view_keeps_the_rows_that_predict_a_trained_token():
 
 @pytest.mark.parametrize("setting, match", [
     ("vlm", "vision-language processor"), ("teacher", "without a teacher model"), ("tp", "tensor parallelism"),
-    ("deepspeed", "under DeepSpeed"), ("iterable", "IterableDataset")])
+    ("iterable", "IterableDataset")])
 def test_distillation_settings_not_split_are_refused(setting, match):
     from types import SimpleNamespace
 
@@ -180,7 +180,6 @@ def test_distillation_settings_not_split_are_refused(setting, match):
     from hf_ring.training import distillation
 
     trainer = SimpleNamespace(_is_vlm=setting == "vlm", teacher_model=None if setting == "teacher" else object(),
-                              is_deepspeed_enabled=setting == "deepspeed",
                               train_dataset=Stream() if setting == "iterable" else [])
     with pytest.raises(ValueError, match=match):
         distillation.check(trainer, 2 if setting == "tp" else 1)

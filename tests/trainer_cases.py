@@ -256,12 +256,12 @@ def _unpaired(count, seed, length):
 def _trainer_args(config_cls, per_device, accum, steps, **kw):
     import tempfile
 
-    return config_cls(
+    return config_cls(**dict(dict(
         output_dir=tempfile.mkdtemp(prefix="hf_ring_post_"), per_device_train_batch_size=per_device,
         per_device_eval_batch_size=2, gradient_accumulation_steps=accum, max_steps=steps, optim="sgd",
         lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, use_cpu=True,
         train_sampling_strategy="sequential", disable_tqdm=True, save_strategy="no", bf16=False,
-        **{CHECKPOINTING_ARGUMENT: False}, **kw)
+        **{CHECKPOINTING_ARGUMENT: False}), **kw))
 
 
 def _post_result(trainer, recorder, metrics):
@@ -427,10 +427,13 @@ def teacher_model(out_dir, vocab_size):
 
 
 def distillation_case(path, teacher, sp_size=None, *, steps=2, per_device=2, accum=1, length=4, lr=0.5, beta=0.5,
-                      lora=False, ulysses_size=None):
+                      lora=False, ulysses_size=None, engine=None, dtype=torch.float64):
     """Distil ``teacher`` into the model at ``path`` with TRL's DistillationTrainer (on-policy: the student samples
     completions of up to 24 tokens, stopping at a "z", so they are right-padded and span ranks) on prompts of
-    three lengths (left-padded), then evaluate."""
+    three lengths (left-padded), then evaluate.
+
+    ``engine``: ``(DeepSpeed config, gradient recorder class, full-parameters function)`` to train under DeepSpeed
+    (the caller sets up its state)."""
     import os
     import sys
 
@@ -442,13 +445,14 @@ def distillation_case(path, teacher, sp_size=None, *, steps=2, per_device=2, acc
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
     import sft
 
-    trainer_env()
-    AcceleratorState._reset_state()
+    if engine is None:
+        trainer_env()
+        AcceleratorState._reset_state()
     world = dist.get_world_size() if dist.is_initialized() else 1
     rows = per_device * accum * steps * (world // (sp_size or 1))
     tokenizer = sft.char_tokenizer()
     tokenizer.padding_side = "left"  # as TRL requires of its prompts
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("z")]
     peft_config = None
     if lora:
@@ -462,17 +466,22 @@ def distillation_case(path, teacher, sp_size=None, *, steps=2, per_device=2, acc
         return Dataset.from_list([{"prompt": recall_pairs(1, seed + i, length + 6 * (i % 3))[0]["prompt"]}
                                   for i in range(count)])
 
-    recorder = GradRecorder()
+    under = {} if engine is None else dict(use_cpu=False, deepspeed=engine[0],
+                                           accelerator_config={"use_configured_state": True})
+    args = _trainer_args(DistillationConfig, per_device, accum, steps, learning_rate=lr, beta=beta,
+                         max_completion_length=24, **under)
+    recorder = GradRecorder() if engine is None else engine[1](model)
     run = DistillationTrainer(
-        model=model, teacher_model=AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float64),
-        args=_trainer_args(DistillationConfig, per_device, accum, steps, learning_rate=lr, beta=beta,
-                           max_completion_length=24),
+        model=model, teacher_model=AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype), args=args,
         processing_class=tokenizer, train_dataset=prompts(rows, 0), eval_dataset=prompts(4, 100),
-        callbacks=[recorder.callback], peft_config=peft_config)
+        peft_config=peft_config)
+    run.add_callback(recorder.callback if engine is None else recorder.callback(run))
     if sp_size is not None:
         hf_ring.prepare_trainer(run, sp_size, ulysses_size=ulysses_size)
     try:
         run.train()
-        return _post_result(run, recorder, run.evaluate())
+        params = None if engine is None else engine[2](run.model)  # a collective under ZeRO-3: every rank
+        result = _post_result(run, recorder, run.evaluate())
+        return result if params is None or "params" not in result else dict(result, params=params)
     finally:
         hf_ring.clear_sequence_parallel()

@@ -20,8 +20,8 @@ sequence-parallel setup:
   (student, then teacher) this rank's shard of the whole sequence
   (:func:`hf_ring.shard_batch`), so attention runs over the ring, and returns
   the hidden states of the rows the rank holds;
-- TRL scales each process's loss for DDP's average over every process, which
-  then adds the ranks' parts up.
+- TRL scales each process's loss for DDP's (or DeepSpeed's) average over every
+  process, which then adds the ranks' parts up.
 
 Completions are sampled with one process per group (:mod:`hf_ring.training.sampling`).
 """
@@ -128,10 +128,7 @@ def check(trainer: Any, tp_size: int) -> None:
                          "hf_ring does not split; pass teacher_model=...")
     if tp_size > 1:
         raise ValueError(f"{name} with tensor parallelism (tp_size={tp_size}): its loss is checked with the sequence "
-                         "split over data-parallel replicas only; load the model without tp_plan")
-    if trainer.is_deepspeed_enabled:
-        raise ValueError(f"{name} under DeepSpeed: its loss is checked with the sequence split under DDP only; "
-                         "launch without a DeepSpeed config")
+                         "split over data-parallel replicas (DDP or DeepSpeed) only; load the model without tp_plan")
     if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
         raise ValueError(f"{name} with an IterableDataset: TRL sizes its stream's generation batches over every "
                          "process, where the ranks of a sequence-parallel group are one; pass a map-style dataset")
