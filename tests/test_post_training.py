@@ -14,11 +14,12 @@ from models import saved_model_dir
 from trainer_cases import (distillation_case, dpo_case, dpo_example_case, kto_case, reward_case, sampling_case,
                            teacher_model)
 
-pytestmark = [
-    pytest.mark.compat,  # TRL's fused head and transformers' classifier pooling are what this reads: every release
-    # peft and TRL read transformers' deprecated is_gradient_checkpointing (not hf_ring)
-    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
-]
+# peft and TRL read transformers' deprecated is_gradient_checkpointing (not hf_ring)
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+COMPAT = pytest.mark.compat
+"""TRL's trainers and fused head and transformers' classifier pooling are what this reads, and they move between
+releases: every trainer's 2-rank case, the replicas' cases and the refusals run on every release (the compatibility
+subset); the 4-rank variants of a trainer, which read nothing more of them, on the pinned releases only."""
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
@@ -69,7 +70,7 @@ def check_run(got, ref):
 
 # TRL's fused LM head computes in float32 whatever the model's dtype: a lower learning rate keeps its rounding in the
 # first step from moving the second step's gradients by more than TOL.
-@pytest.mark.parametrize("world, reference", [(2, "model"), (4, "lora")])
+@pytest.mark.parametrize("world, reference", [pytest.param(2, "model", marks=COMPAT), (4, "lora")])
 def test_dpo_trainer_equals_one_process(pools, char_model, world, reference):
     got = pools(world).run(dpo_case, char_model, world, reference=reference, lr=0.05)[0]
     ref = dpo_case(char_model, reference=reference, lr=0.05)
@@ -77,14 +78,14 @@ def test_dpo_trainer_equals_one_process(pools, char_model, world, reference):
     assert ref["metrics"]["eval_rewards/margins"] != 0  # the two steps moved the policy away from its reference
 
 
-@pytest.mark.parametrize("world, ulysses_size", [(2, 1), (4, 2)])
+@pytest.mark.parametrize("world, ulysses_size", [pytest.param(2, 1, marks=COMPAT), (4, 2)])
 def test_reward_trainer_equals_one_process(pools, char_model, world, ulysses_size):
     got = pools(world).run(reward_case, char_model, world, ulysses_size=ulysses_size)[0]
     ref = reward_case(char_model)
     check_run(got, ref)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=COMPAT), 4])
 def test_kto_trainer_equals_one_process(pools, char_model, world):
     got = pools(world).run(kto_case, char_model, world)[0]
     ref = kto_case(char_model)
@@ -114,7 +115,8 @@ def check_logged(got, ref, least):
 
 # RLOO's logged loss is zero by construction here (on-policy, its leave-one-out advantages sum to zero in each group,
 # and its KL is in the reward): what is left of it is rounding, so only GRPO's losses are compared.
-@pytest.mark.parametrize("world, trainer, accum", [(2, "GRPO", 1), (4, "GRPO", 2), (2, "RLOO", 1)])
+@pytest.mark.parametrize("world, trainer, accum", [pytest.param(2, "GRPO", 1, marks=COMPAT), (4, "GRPO", 2),
+                                                   pytest.param(2, "RLOO", 1, marks=COMPAT)])
 def test_sampling_trainer_equals_one_process(pools, char_model, world, trainer, accum):
     """Completions sampled through hf_ring.generate, the prompt split; 4 ranks with two generation steps per
     generation batch."""
@@ -124,6 +126,7 @@ def test_sampling_trainer_equals_one_process(pools, char_model, world, trainer, 
     check_sampling_run(got, ref, losses=trainer == "GRPO")
 
 
+@COMPAT
 def test_grpo_dp2_sp2_equals_trl_over_two_processes(pools, char_model):
     """2 data-parallel replicas of 2 ranks each sample, score and train as TRL's own 2 processes do."""
     got = pools(4).run(sampling_case, char_model, 2)[0]
@@ -131,7 +134,8 @@ def test_grpo_dp2_sp2_equals_trl_over_two_processes(pools, char_model):
     check_sampling_run(got, ref)
 
 
-@pytest.mark.parametrize("world, options", [(2, {}), (4, {"lora": True, "accum": 2, "per_device": 1, "ulysses_size": 2})])
+@pytest.mark.parametrize("world, options", [pytest.param(2, {}, marks=COMPAT),
+                                            (4, {"lora": True, "accum": 2, "per_device": 1, "ulysses_size": 2})])
 def test_distillation_trainer_equals_one_process(pools, char_model, char_teacher, world, options):
     """A narrower teacher; completions sampled through hf_ring.generate; left-padded prompts, right-padded
     completions; 4 ranks: LoRA, two accumulation steps per generation batch, ring x head parallelism."""
@@ -142,6 +146,7 @@ def test_distillation_trainer_equals_one_process(pools, char_model, char_teacher
     assert len({v for k, v in ref["logged"].items() if k.startswith("completions/mean_length")} | {6.0}) > 1
 
 
+@COMPAT
 def test_distillation_dp2_sp2_equals_trl_over_two_processes(pools, char_model, char_teacher):
     """2 data-parallel replicas of 2 ranks each sample and train as TRL's own 2 processes do."""
     got = pools(4).run(distillation_case, char_model, char_teacher, 2)[0]
@@ -150,6 +155,7 @@ def test_distillation_dp2_sp2_equals_trl_over_two_processes(pools, char_model, c
     check_logged(got, ref, 6)
 
 
+@COMPAT
 def test_rank_view_keeps_the_rows_that_predict_a_trained_token():
     """Prompt of 3 tokens, completion of 4 (the last padding, the third a tool result): global positions 2..5 predict
     completion tokens 0..3; a rank holding rows 0, 2, 5 and 6 sees only 2 (token 0) and 5 (token 3, padding: off)."""
@@ -167,6 +173,7 @@ def test_rank_view_keeps_the_rows_that_predict_a_trained_token():
     assert rank_view(inputs, rows, torch.zeros(1, 3, dtype=torch.long))["completion_mask"].tolist() == [[1, 0, 0]]
 
 
+@COMPAT
 @pytest.mark.parametrize("setting, match", [
     ("vlm", "vision-language processor"), ("teacher", "without a teacher model"), ("tp", "tensor parallelism"),
     ("iterable", "IterableDataset")])
@@ -185,6 +192,7 @@ def test_distillation_settings_not_split_are_refused(setting, match):
         distillation.check(trainer, 2 if setting == "tp" else 1)
 
 
+@COMPAT
 @pytest.mark.parametrize("setting", ["use_vllm", "log_completions"])
 def test_sampling_settings_not_split_are_refused(setting):
     trl = pytest.importorskip("trl")
@@ -225,6 +233,7 @@ def classifier_case(path, labels_kind, n=23):
             "grads": {k: p.grad.clone() for k, p in model.named_parameters()}}
 
 
+@COMPAT
 @pytest.mark.parametrize("labels_kind, world, n", [("regression", 2, 23), ("classes", 2, 23), ("classes", 4, 3)])
 def test_sequence_classifier_through_shard_batch(pools, labels_kind, world, n):
     """Left- and right-padded rows; 3 tokens on 4 ranks leave one rank a placeholder row."""
@@ -252,11 +261,13 @@ def token_classifier_case(path):
     return "ran"
 
 
+@COMPAT
 def test_token_classifier_refused_on_every_rank(pools):
     errors = pools(2).run(token_classifier_case, saved_model_dir("llama", pad_token_id=0))
     assert len(set(errors)) == 1 and "LlamaForTokenClassification" in errors[0] and "one process" in errors[0], errors
 
 
+@COMPAT
 @pytest.mark.parametrize("module, name", [("orpo", "ORPOTrainer"), ("server_distillation", "ServerDistillationTrainer")])
 def test_trainers_not_taken_are_refused_by_name(monkeypatch, module, name):
     """TRL's trainers outside the checked set, a subclass of a checked one included."""
