@@ -202,16 +202,21 @@ class SequenceParallelTrainerMixin:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         attach_shard_hook(self.model)
+        tokens = getattr(self, "_total_train_tokens", None)
+        out = self._split_loss(sp, model, inputs, return_outputs, num_items_in_batch)
+        self._count_tokens_once(tokens, sp)
+        return out
+
+    def _split_loss(self, sp: SequenceParallel, model, inputs, return_outputs, num_items_in_batch):
+        """This rank's loss of a batch its model's call shards: its shard's share of the token-averaged loss."""
         if num_items_in_batch is None and inputs.get("labels") is not None:
             # A shard's loss is a share of the sequence loss: normalise every shard by the global token count,
             # counted the trainer's way (a collective: every rank evaluates the same number of batches).
             num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
-        tokens = getattr(self, "_total_train_tokens", None)
         out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         if num_items_in_batch is None and self.model.training:
             # The model normalised by the batch's global count (shard_batch), and DDP averages over dp x sp.
             out = _scaled(out, sp.sp_size, return_outputs)
-        self._count_tokens_once(tokens, sp)
         return out
 
     def _count_tokens_once(self, before: Optional[int], sp: SequenceParallel) -> None:
@@ -276,18 +281,11 @@ class SequenceLossTrainerMixin(SequenceParallelTrainerMixin):
     per-sequence values and computes the whole batch's loss (:mod:`hf_ring.integration.readout`), whose gradients
     add up over the sp group as a shard loss's do; the loss it reports is that loss, once."""
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        sp = current()
-        if sp is None:
-            return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
-        attach_shard_hook(self.model)
-        tokens = getattr(self, "_total_train_tokens", None)
+    def _split_loss(self, sp: SequenceParallel, model, inputs, return_outputs, num_items_in_batch):
         out = super(SequenceParallelTrainerMixin, self).compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         if self.model.training:  # DDP and DeepSpeed average over dp x sp, where the sp group's gradients add up
             out = _scaled(out, sp.sp_size, return_outputs)
-        self._count_tokens_once(tokens, sp)
         return out
 
     def training_step(self, model, inputs, num_items_in_batch=None):
