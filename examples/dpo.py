@@ -34,7 +34,7 @@ import torch
 import hf_ring
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sft import char_tokenizer, lora_config, model_dir  # noqa: E402  (the same tokenizer, model and adapters)
+from sft import char_tokenizer, lora_config, model_dir, replicas  # noqa: E402  (the same tokenizer, model and adapters)
 
 from hf_ring.integration.seams import CHECKPOINTING_ARGUMENT  # noqa: E402
 
@@ -85,8 +85,6 @@ def build_trainer(args: argparse.Namespace, tokenizer, model_path: str):
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    replicas = max(1, world // (args.sp_size or world))
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     config = DPOConfig(
         output_dir=args.output, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
@@ -95,7 +93,7 @@ def build_trainer(args: argparse.Namespace, tokenizer, model_path: str):
         use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(), disable_tqdm=True,
         **{CHECKPOINTING_ARGUMENT: False},  # activation_checkpointing from transformers 5.23, gradient_checkpointing before
     )
-    train = key_pairs(args.steps * args.batch_size * replicas, args.seed, args.length)
+    train = key_pairs(args.steps * args.batch_size * replicas(args), args.seed, args.length)
     evals = key_pairs(args.eval_rows, args.seed + 1, args.length)
     return DPOTrainer(model=model, args=config, processing_class=tokenizer, peft_config=lora_config(args),
                       train_dataset=Dataset.from_list(train), eval_dataset=Dataset.from_list(evals))

@@ -60,12 +60,16 @@ def shift_pairs(count: int, seed: int) -> List[dict]:
     return rows
 
 
+def replicas(args: argparse.Namespace) -> int:
+    """Data-parallel replicas of this launch: its processes over --sp-size (all of them when it is not given)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return max(1, world // (args.sp_size or world))
+
+
 def data(args: argparse.Namespace) -> Tuple[List[dict], List[dict]]:
     """Training rows (one epoch of the steps over every data-parallel replica unless --train-rows says otherwise) and
     evaluation rows whose words are none of the training rows' (held out)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    replicas = max(1, world // (args.sp_size or world))
-    train = shift_pairs(args.train_rows or args.steps * args.batch_size * args.grad_accum * replicas, args.seed)
+    train = shift_pairs(args.train_rows or args.steps * args.batch_size * args.grad_accum * replicas(args), args.seed)
     seen = {word for row in train for word in row["prompt"].split()}
     fresh = [row for row in shift_pairs(4 * args.eval_rows, args.seed + 1)
              if not seen & set(row["prompt"].split()[1:-1])]

@@ -18,7 +18,7 @@ from helpers import close, scalar_rel_err
 from helpers import norm_rel_err as rel
 from helpers import worst_rel_err
 from models import saved_model_dir
-from trainer_cases import distillation_case, teacher_model
+from trainer_cases import distillation_case, example, teacher_model
 
 TOL = 1e-5
 
@@ -130,9 +130,7 @@ def test_zero3_distillation_trainer_sp2_equals_one_process(ds_pools, tmp_path):
     sequence split over 2 ranks, equals one process without either: losses, gradients, parameters, eval loss and
     the logged completion lengths, token counts and entropy."""
     pytest.importorskip("trl")
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    import sft
-
+    sft = example("sft")
     student = sft.default_model(str(tmp_path), len(sft.char_tokenizer()), 0)
     teacher = teacher_model(str(tmp_path), len(sft.char_tokenizer()))
     results = ds_pools(2).run(ds_distillation_case, student, teacher, 2, stage=3)

@@ -79,16 +79,11 @@ def test_trainer_with_prepare_trainer_equals_one_process(pools, model_type):
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "lfm2"])
 def test_sft_trainer_with_prepare_trainer_equals_one_process(pools, model_type):
     pytest.importorskip("trl")
-    import os
-    import sys
-
-    from test_trainer import ROOT, check_steps
-
     import hybrid_models
+    from test_trainer import check_steps
+    from trainer_cases import example
 
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import sft
-
+    sft = example("sft")
     path = hybrid_models.saved(model_type, vocab_size=len(sft.char_tokenizer()))
     res = pools(2).run(hybrid_cases.sft_case, model_type, path, 2)[0]
     check_steps(res, hybrid_cases.sft_case(model_type, path))

@@ -2,7 +2,6 @@
 prepare_trainer, and a sequence classifier through shard_batch, equal one process on 2 and 4 gloo ranks; the trainers
 hf_ring does not take are refused by name."""
 import os
-import sys
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import hf_ring
 from helpers import close, rel_err, scalar_rel_err
 from helpers import worst_rel_err as worst
 from models import saved_model_dir
-from trainer_cases import (distillation_case, dpo_case, dpo_example_case, kto_case, reward_case, sampling_case,
+from trainer_cases import (distillation_case, dpo_case, example, example_case, kto_case, reward_case, sampling_case,
                            teacher_model)
 
 # peft and TRL read transformers' deprecated is_gradient_checkpointing (not hf_ring)
@@ -21,7 +20,6 @@ COMPAT = pytest.mark.compat
 releases: every trainer's 2-rank case, the replicas' cases and the refusals run on every release (the compatibility
 subset); the 4-rank variants of a trainer, which read nothing more of them, on the pinned releases only."""
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
 METRICS = ("eval_loss", "eval_kl", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies", "eval_logps/chosen",
            "eval_logps/rejected", "eval_min_reward", "eval_mean_reward", "eval_max_reward", "eval_accuracy",
@@ -34,17 +32,13 @@ MARGINS = {"eval_rewards/margins": ("eval_rewards/chosen", "eval_rewards/rejecte
 @pytest.fixture(scope="module")
 def char_model(tmp_path_factory):
     pytest.importorskip("trl")
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import sft
-
+    sft = example("sft")
     return sft.default_model(str(tmp_path_factory.mktemp("post")), len(sft.char_tokenizer()), 0)
 
 
 @pytest.fixture(scope="module")
 def char_teacher(char_model):
-    import sft
-
-    return teacher_model(os.path.dirname(char_model), len(sft.char_tokenizer()))
+    return teacher_model(os.path.dirname(char_model), len(example("sft").char_tokenizer()))
 
 
 def check_run(got, ref):
@@ -284,8 +278,8 @@ def test_trainers_not_taken_are_refused_by_name(monkeypatch, module, name):
 
 def test_dpo_example_sp2_equals_one_process(pools, char_model, tmp_path):
     argv = ["--steps", "2", "--batch-size", "2", "--eval-rows", "4", "--length", "60", "--model", char_model]
-    got = pools(2).run(dpo_example_case, argv + ["--sp-size", "2", "--output", str(tmp_path / "sp")])
-    ref = dpo_example_case(argv + ["--output", str(tmp_path / "one")])
+    got = pools(2).run(example_case, "dpo", argv + ["--sp-size", "2", "--output", str(tmp_path / "sp")])
+    ref = example_case("dpo", argv + ["--output", str(tmp_path / "one")])
     assert all(g["world"] == 2 and g["sp_size"] == 2 for g in got) and ref["world"] == 1
     for g in got:  # (its margins, differences of two rewards, are held to the rewards' size in the trainer test)
         for key in ("train_loss", "eval_loss_before", "eval_loss_after"):

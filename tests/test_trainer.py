@@ -1,13 +1,12 @@
 """transformers.Trainer and TRL's SFTTrainer with hf_ring.prepare_trainer on 2 and 4 gloo ranks equal one process."""
 import functools
 import os
-import sys
 
 import pytest
 import torch
 
 import hf_ring
-from trainer_cases import sft_case, sft_example_case, trainer_case
+from trainer_cases import example, example_case, sft_case, trainer_case
 from dist_pool import RankError
 from hf_ring.integration.seams import TRAINER_KEEPS_LOADED_SHARDING_SINCE, since
 from helpers import close, scalar_rel_err
@@ -17,7 +16,6 @@ from models import saved_model_dir
 
 pytestmark = pytest.mark.compat  # the subset run on every supported transformers release
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
 
 
@@ -131,9 +129,7 @@ def test_fsdp2_dp2_sp2(pools):
 @pytest.fixture(scope="module")
 def sft_model(tmp_path_factory):
     pytest.importorskip("trl")
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import sft
-
+    sft = example("sft")
     return sft.default_model(str(tmp_path_factory.mktemp("sft")), len(sft.char_tokenizer()), 0)
 
 
@@ -156,8 +152,8 @@ def test_sft_trainer_packed_rows_sp2(pools, sft_model):
 def test_sft_example_sp2_equals_one_process(pools, sft_model, tmp_path, trl):
     argv = ["--steps", "2", "--batch-size", "2", "--train-rows", "16", "--eval-rows", "4", "--model", sft_model]
     argv += [] if trl else ["--no-trl"]
-    got = pools(2).run(sft_example_case, argv + ["--sp-size", "2", "--output", str(tmp_path / "sp")])
-    ref = sft_example_case(argv + ["--output", str(tmp_path / "one")])
+    got = pools(2).run(example_case, "sft", argv + ["--sp-size", "2", "--output", str(tmp_path / "sp")])
+    ref = example_case("sft", argv + ["--output", str(tmp_path / "one")])
     assert all(g["world"] == 2 and g["sp_size"] == 2 for g in got) and ref["world"] == 1
     for g in got:
         for key in ("train_loss", "eval_loss"):

@@ -14,7 +14,8 @@ from hf_ring.integration import backend
 from helpers import gradient_errors
 from models import saved_model_dir
 from vlm import FAMILIES, UNTESTED, packed
-from vlm_cases import TOL, generate, mrope_positions, refused, step, trainer, vision_example_case, worst
+from trainer_cases import example_case
+from vlm_cases import TOL, generate, mrope_positions, refused, step, trainer, worst
 
 NAMES = list(FAMILIES)
 
@@ -177,8 +178,8 @@ def test_trainer_steps_equal_one_process(pools, name):
 def test_vision_sft_example_on_two_ranks_equals_one_process(pools, tmp_path):
     """TRL's SFTTrainer with its vision collator and Llava's processor: every step's loss and the held-out loss."""
     argv = ["--steps", "3", "--frames", "6", "--batch-size", "2", "--eval-rows", "4", "--gradient-checkpointing"]
-    got = pools(2).run(vision_example_case, argv + ["--sp-size", "2", "--output", str(tmp_path / "sp")])
-    want = vision_example_case(argv + ["--output", str(tmp_path / "one")])
+    got = pools(2).run(example_case, "vision_sft", argv + ["--sp-size", "2", "--output", str(tmp_path / "sp")])
+    want = example_case("vision_sft", argv + ["--output", str(tmp_path / "one")])
     assert want["world"] == 1 and all(g["world"] == 2 and g["sp_size"] == 2 for g in got)
     for g in got:
         assert g["losses"] == pytest.approx(want["losses"], rel=TOL) and len(want["losses"]) == 3

@@ -53,6 +53,26 @@ def trainer_env():
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", ACCELERATE_USE_CPU="true")
 
+def example(name):
+    """The module of ``examples/<name>.py`` (the examples folder put on the import path once)."""
+    import importlib
+    import os
+    import sys
+
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(name)
+
+
+def example_case(name, argv):
+    """``examples/<name>.py``'s main on every rank (as under torchrun)."""
+    from accelerate.state import AcceleratorState
+
+    trainer_env()
+    AcceleratorState._reset_state()
+    return example(name).main(argv)
+
 
 def trainer_data(seed, rows, n, pad="right"):
     """Rows of random tokens (by default the first right-padded, labels -100 on padding)."""
@@ -166,8 +186,6 @@ def _resume_case(trainer, checkpoint, sp_size, layout):
 
 def sft_case(path, sp_size=None, *, padding_free=False, steps=2, per_device=2, accum=2):
     """Train with TRL's SFTTrainer (examples/sft.py's tokenizer and data)."""
-    import os
-    import sys
     import tempfile
 
     from accelerate.state import AcceleratorState
@@ -175,8 +193,7 @@ def sft_case(path, sp_size=None, *, padding_free=False, steps=2, per_device=2, a
     from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    import sft
+    sft = example("sft")
 
     trainer_env()
     AcceleratorState._reset_state()
@@ -207,20 +224,6 @@ def sft_case(path, sp_size=None, *, padding_free=False, steps=2, per_device=2, a
     finally:
         hf_ring.clear_sequence_parallel()
 
-
-def sft_example_case(argv):
-    """examples/sft.py's main on every rank (as under torchrun)."""
-    import os
-    import sys
-
-    from accelerate.state import AcceleratorState
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    import sft
-
-    trainer_env()
-    AcceleratorState._reset_state()
-    return sft.main(argv)
 
 
 def recall_pairs(count, seed, length):
@@ -280,14 +283,10 @@ def _preference_run(trainer_cls, config_cls, model, sp_size, *, steps, per_devic
     """Train ``model`` with a TRL trainer on :func:`recall_pairs` (sequence parallel when ``sp_size`` is given;
     ``unpaired``: each pair's answers as two labelled rows, as KTO takes them), then evaluate; returns
     :func:`_post_result`."""
-    import os
-    import sys
-
     from accelerate.state import AcceleratorState
     from datasets import Dataset
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    import sft
+    sft = example("sft")
 
     trainer_env()
     AcceleratorState._reset_state()
@@ -362,17 +361,13 @@ def sampling_case(path, sp_size=None, *, trainer="GRPO", steps=2, per_device=4, 
                   beta=0.1):
     """Train with TRL's GRPOTrainer or RLOOTrainer (``trainer``; completions sampled with the model's generate,
     rewarded for vowels) on long prompts."""
-    import os
-    import sys
-
     from accelerate.state import AcceleratorState
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     import trl
 
     config_cls, trainer_cls = getattr(trl, f"{trainer}Config"), getattr(trl, f"{trainer}Trainer")
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    import sft
+    sft = example("sft")
 
     trainer_env()
     AcceleratorState._reset_state()
@@ -393,20 +388,6 @@ def sampling_case(path, sp_size=None, *, trainer="GRPO", steps=2, per_device=4, 
     finally:
         hf_ring.clear_sequence_parallel()
 
-
-def dpo_example_case(argv):
-    """examples/dpo.py's main on every rank (as under torchrun)."""
-    import os
-    import sys
-
-    from accelerate.state import AcceleratorState
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    import dpo
-
-    trainer_env()
-    AcceleratorState._reset_state()
-    return dpo.main(argv)
 
 
 def teacher_model(out_dir, vocab_size):
@@ -434,16 +415,12 @@ def distillation_case(path, teacher, sp_size=None, *, steps=2, per_device=2, acc
 
     ``engine``: ``(DeepSpeed config, gradient recorder class, full-parameters function)`` to train under DeepSpeed
     (the caller sets up its state)."""
-    import os
-    import sys
-
     from accelerate.state import AcceleratorState
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import DistillationConfig, DistillationTrainer
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    import sft
+    sft = example("sft")
 
     if engine is None:
         trainer_env()

@@ -137,20 +137,3 @@ def trainer(name: str, path: str, sp_size: Optional[int] = None, steps: int = 2,
         return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "grads": recorder.steps}
     finally:
         hf_ring.clear_sequence_parallel()
-
-
-def vision_example_case(argv) -> Dict[str, Any]:
-    """examples/vision_sft.py's main on every rank (as under torchrun)."""
-    import os
-    import sys
-
-    from accelerate.state import AcceleratorState
-
-    from trainer_cases import trainer_env
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    import vision_sft
-
-    trainer_env()
-    AcceleratorState._reset_state()
-    return vision_sft.main(argv)
