@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from hf_ring.engine.merge import accumulator_dtype
 from hf_ring.engine.recurrence import carried, gather, halo, tied
 from hf_ring.integration.context import CONTEXT_KEY, ShardedForward
 
@@ -287,8 +288,9 @@ def _delta(original, context: ShardedForward, calls: List[str], name: str, *args
                                                         "output_final_state", "cu_seqlens")
     b, rows, heads, dv = v.shape
     dk = k.shape[-1]
-    eye = torch.eye(dk, dtype=torch.float32, device=v.device).expand(b, heads, dk, dk)
-    start = torch.cat([torch.zeros(b, heads, dk, dv, dtype=torch.float32, device=v.device), eye], dim=-1)
+    acc = accumulator_dtype(v)
+    eye = torch.eye(dk, dtype=acc, device=v.device).expand(b, heads, dk, dk)
+    start = torch.cat([torch.zeros(b, heads, dk, dv, dtype=acc, device=v.device), eye], dim=-1)
     outs, bases, ends, maps = [], [], [], []
     firsts = [False] if context.placeholder else [a_ == 0 for a_, _ in context.pieces().mine]
     for (o, n), first in zip(_runs(context, rows), firsts):
@@ -297,23 +299,23 @@ def _delta(original, context: ShardedForward, calls: List[str], name: str, *args
             out, state = original(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], output_final_state=True, **a)
             outs.append(out)
             bases.append(None)
-            ends.append(state.float())
-            maps.append(torch.zeros(b, heads, dk, dk, dtype=torch.float32, device=v.device))
+            ends.append(state.to(acc))
+            maps.append(torch.zeros(b, heads, dk, dk, dtype=acc, device=v.device))
             continue
         extended = torch.cat([v[:, s], v.new_zeros(b, n, heads, dk)], dim=-1)
         out, state = original(q[:, s], k[:, s], extended, g[:, s], beta[:, s], initial_state=start,
                               output_final_state=True, **a)
         outs.append(out[..., :dv])
         bases.append(out[..., dv:])
-        ends.append(state[..., :dv].float())
-        maps.append(state[..., dv:].float())
+        ends.append(state[..., :dv].to(acc))
+        maps.append(state[..., dv:].to(acc))
     if context.placeholder:
         ends, maps = [ends[0] * 0], [maps[0] * 0]
     every_end, every_map, every = _exchange(context, ends, maps, v, f"the {name} states of each run")
     starts, final = carried(context.pieces(), every_end, every_map, lambda m, s: m @ s)
     if not context.placeholder:
         outs = [out if basis is None else
-                (out.float() + torch.einsum("blhk,bhkv->blhv", basis.float(), s_in)).to(out.dtype)
+                (out.to(acc) + torch.einsum("blhk,bhkv->blhv", basis.to(acc), s_in)).to(out.dtype)
                 for out, basis, s_in in zip(outs, bases, starts)]
     return tied(torch.cat(outs, dim=1), every), (final if want_final else None)
 
@@ -325,14 +327,15 @@ def _mamba2(original, context: ShardedForward, calls: List[str], name: str, *arg
     (x, dt, A, B, C), want_final, a = _scan_arguments(original, context, name, args, kwargs, "initial_states",
                                                       "return_final_states", "seq_idx")
     heads = x.shape[2]
-    step = dt.float()
+    acc = accumulator_dtype(x)
+    step = dt.to(acc)
     if a.get("dt_bias") is not None:
-        step = step + a["dt_bias"].float()
+        step = step + a["dt_bias"].to(acc)
     if a.get("dt_softplus"):
         step = F.softplus(step)
     low, high = a.get("dt_limit", (0.0, float("inf")))
-    log_decay = A.float() * torch.clamp(step, min=low, max=high)  # (B, rows, H)
-    query = C.float().repeat_interleave(heads // C.shape[2], dim=2)  # (B, rows, H, N)
+    log_decay = A.to(acc) * torch.clamp(step, min=low, max=high)  # (B, rows, H)
+    query = C.to(acc).repeat_interleave(heads // C.shape[2], dim=2)  # (B, rows, H, N)
     outs, bases, ends, maps = [], [], [], []
     for o, n in _runs(context, x.shape[1]):
         s = slice(o, o + n)
@@ -341,14 +344,14 @@ def _mamba2(original, context: ShardedForward, calls: List[str], name: str, *arg
         cum = log_decay[:, s].cumsum(1)
         outs.append(out)
         bases.append(cum.exp()[..., None] * query[:, s])
-        ends.append(state.float())
+        ends.append(state.to(acc))
         maps.append(cum[:, -1].exp())
     if context.placeholder:
         ends, maps = [ends[0] * 0], [maps[0] * 0]
     every_end, every_map, every = _exchange(context, ends, maps, x, f"the {name} states of each run")
     starts, final = carried(context.pieces(), every_end, every_map, lambda m, s: m[..., None, None] * s)
     if not context.placeholder:
-        outs = [(out.float() + torch.einsum("blhn,bhpn->blhp", basis, s_in)).to(out.dtype)
+        outs = [(out.to(acc) + torch.einsum("blhn,bhpn->blhp", basis, s_in)).to(out.dtype)
                 for out, basis, s_in in zip(outs, bases, starts)]
     out = tied(torch.cat(outs, dim=1), every)
     return (out, final) if want_final else out
@@ -361,19 +364,20 @@ def _mamba(original, context: ShardedForward, calls: List[str], name: str, *args
     (x, dt, A, B, C), want_final, a = _scan_arguments(original, context, name, args, kwargs, "initial_states",
                                                       "return_last_state", "seq_idx")
     z = a.pop("z", None)
-    step = dt.float()
+    acc = accumulator_dtype(x)
+    step = dt.to(acc)
     if a.get("delta_bias") is not None:
-        step = step + a["delta_bias"].float()[..., None]
+        step = step + a["delta_bias"].to(acc)[..., None]
     if a.get("delta_softplus"):
         step = F.softplus(step)
     outs, cums, ends, maps = [], [], [], []
     for o, n in _runs(context, x.shape[-1]):
         s = slice(o, o + n)
         out, state = original(x[..., s], dt[..., s], A, B[..., s], C[..., s], z=None, return_last_state=True, **a)
-        cum = (A.float()[None, :, None, :] * step[..., s, None]).cumsum(2)  # (B, D, rows, N)
+        cum = (A.to(acc)[None, :, None, :] * step[..., s, None]).cumsum(2)  # (B, D, rows, N)
         outs.append(out)
         cums.append(cum)
-        ends.append(state.float())
+        ends.append(state.to(acc))
         maps.append(cum[:, :, -1].exp())
     if context.placeholder:
         ends, maps = [ends[0] * 0], [maps[0] * 0]
@@ -381,7 +385,7 @@ def _mamba(original, context: ShardedForward, calls: List[str], name: str, *args
     starts, final = carried(context.pieces(), every_end, every_map, lambda m, s: m * s)
     if not context.placeholder:
         runs = _runs(context, x.shape[-1])
-        outs = [(out.float() + torch.einsum("bnt,bdtn,bdn->bdt", C[..., o:o + n].float(), cum.exp(), s_in)).to(out.dtype)
+        outs = [(out.to(acc) + torch.einsum("bnt,bdtn,bdn->bdt", C[..., o:o + n].to(acc), cum.exp(), s_in)).to(out.dtype)
                 for out, cum, s_in, (o, n) in zip(outs, cums, starts, runs)]
     out = tied(torch.cat(outs, dim=-1), every)
     if z is not None:

@@ -195,7 +195,7 @@ def cached_attention(
         out, lse = _attend_block(q, k, v, blocks[0], scale, key_mask, pair_mask, softcap)
         return out.to(acc), lse  # the usual dense step: nothing to merge it with
     out = torch.zeros(b, hq, s, d, dtype=acc, device=q.device)
-    lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
+    lse = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
     for blk in blocks:
         hs = head_slice(blk.q_heads)
         o_blk, l_blk = _attend_block(q, k, v, blk, scale, key_mask, pair_mask, softcap)

@@ -154,7 +154,7 @@ def _tiled_forward(tile_fn, q, k, v, causal, mask, band):
     outs, lses = [], []
     for qt in _row_tiles(sq):
         out = torch.zeros(b, hq, qt[1], d, dtype=accumulator_dtype(q), device=q.device)
-        lse = torch.full((b, hq, qt[1]), _NEG_INF, dtype=torch.float32, device=q.device)
+        lse = torch.full((b, hq, qt[1]), _NEG_INF, dtype=accumulator_dtype(q), device=q.device)
         for kt in _row_tiles(k.shape[2]):
             args = _tile_args(causal, mask, band, qt, kt, q.device)
             if args is not None:
@@ -202,7 +202,7 @@ def _math_tile_forward(q, k, v, scale, causal, mask, softcap=None):
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
     out = torch.einsum("bhgqk,bhkd->bhgqd", p, v.to(p.dtype))
-    return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq).float()
+    return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq).to(accumulator_dtype(q))
 
 
 def _math_tile_backward(dout, q, k, v, out, lse, scale, causal, mask, softcap=None):
@@ -351,7 +351,8 @@ def _each_kernel(q: Tensor, mask: Optional[Tensor], softcap: Optional[float], at
 def block_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool = False,
                   mask: Optional[Tensor] = None, softcap: Optional[float] = None,
                   band: Optional[Band] = None) -> Tuple[Tensor, Tensor]:
-    """Attention of one block: ``out`` in ``q.dtype`` ``(B, Hq, S_q, D)``, ``lse`` fp32 ``(B, Hq, S_q)``.
+    """Attention of one block: ``out`` in ``q.dtype`` ``(B, Hq, S_q, D)``, ``lse`` ``(B, Hq, S_q)`` in fp32 (fp64
+    for fp64).
 
     No route makes a mask or scores larger than one tile of ``MATH_TILE`` rows a side.
     """

@@ -150,7 +150,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, call: RingCall, sinks: Optiona
     own_causal = call.own_causal and own_valid
     if not own_causal:
         out = rows_major(b, hq, s, d, acc, q.device)
-        lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
     for step, kv in _visits(call, plan, k, v, keep=keep):
         blocks = step.recv.blocks
         if step.shift == 0 and own_causal:
