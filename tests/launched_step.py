@@ -14,8 +14,12 @@ script end right after the setup, cleanly, while rank 0 shards a batch.
 ``--bad-labels one|both`` gives rank 1 (or both ranks) labels of the wrong
 length. ``--light`` runs only a
 sharded ``ring_attention`` forward and backward and a training loop's metric
-reductions (no model), for launch counts.
-The script ends without any cleanup of its own: the launch must still exit 0.
+reductions (no model), for launch counts. ``--hybrid`` trains a saved tiny hybrid
+(``--model``, Qwen3.5: gated-delta-rule layers beside attention) and its image-text
+form (``--vlm``) one step each through ``shard_batch``, so that the last exchange
+before the end is a recurrent layer's, in its backward.
+The script ends without any cleanup of its own (``--destroy``: it ends with
+``dist.destroy_process_group()``, as many scripts do): the launch must still exit 0.
 """
 import argparse
 import json
@@ -56,6 +60,23 @@ def light(rank: int, world: int) -> dict:
     return {"rank": rank, "rows": len(pos)}
 
 
+def hybrid(rank: int, model_path: str, vlm_path: str) -> dict:
+    """One training step of the saved hybrid and one of its image-text form, each ending in its backward."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from vlm import HYBRIDS
+
+    hf_ring.setup_sequence_parallel(Accelerator(cpu=True), sp_size=dist.get_world_size())
+    model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="ring_dilated").train()
+    data = batch(3, 2, 37, vocab=model.config.vocab_size)
+    model(**hf_ring.shard_batch(data)).loss.backward()
+    family = HYBRIDS["qwen3_5"]
+    vlm = family.load("ring_dilated", torch.float32, vlm_path).train()
+    vlm(**hf_ring.shard_batch(family.batch(0, 64, ((14, 45),)))).loss.backward()
+    return {"rank": rank}
+
+
 def report(out: str, result: dict) -> None:
     # One file per rank: the ranks' lines on a shared stdout can interleave.
     with open(os.path.join(out, f"rank{result['rank']}.json"), "w") as f:
@@ -70,6 +91,10 @@ def main() -> None:
     parser.add_argument("--leave", action="store_true", help="rank 1's script ends right after the setup")
     parser.add_argument("--bad-labels", choices=["one", "both"], help="labels one row short on rank 1, or on both")
     parser.add_argument("--light", action="store_true", help="only a sharded ring_attention forward and backward")
+    parser.add_argument("--hybrid", action="store_true", help="a step of the hybrid --model and of its image-text "
+                        "form --vlm")
+    parser.add_argument("--vlm", help="a saved tiny Qwen3.5 image-text model (with --hybrid)")
+    parser.add_argument("--destroy", action="store_true", help="end with dist.destroy_process_group()")
     parser.add_argument("--out", required=True, help="a folder: each rank writes rank<N>.json there")
     parser.add_argument("--accelerator", choices=["cpu", "default"],
                         help="with --light: set up through Accelerator(cpu=True) or Accelerator()")
@@ -85,6 +110,11 @@ def main() -> None:
             accelerator = Accelerator(cpu=args.accelerator == "cpu")
         hf_ring.setup_sequence_parallel(accelerator, sp_size=world)
         report(args.out, light(rank, world))
+        return
+    if args.hybrid:
+        report(args.out, hybrid(rank, args.model, args.vlm))
+        if args.destroy:
+            dist.destroy_process_group()
         return
     data = batch(3, 2, 37)
     beside = load(args.model, "sdpa").train()

@@ -153,17 +153,28 @@ def test_an_accelerator_that_sees_one_process_is_refused(accelerator):
         assert "use_cpu=True" in done.stderr
 
 
-LAUNCHES = 20
+LAUNCHES = 10
+"""Launches of each form: an abort at exit that one launch in three meets (gloo's worker thread letting go of a
+collective's tensors while the interpreter exits, see hf_ring.engine.comm._Handed) is caught by 10 launches 98 times
+in 100."""
 
 
 def test_launches_exit_cleanly():
     """gloo processes that end with their group alive often abort ("terminate called without an active
-    exception"); after hf_ring's setup every launch must exit 0 without the script cleaning up."""
+    exception"); after hf_ring's setup every launch must exit 0, whether the script cleans up or not, and whether its
+    last exchange was the ring's or a recurrent layer's in its backward (a hybrid, and its image-text form)."""
+    import hybrid_models
+    from vlm import HYBRIDS
+
+    forms = [("--light",), ("--hybrid", "--model", hybrid_models.saved("qwen3_5_text"), "--vlm",
+                            HYBRIDS["qwen3_5"].build())]
     failed = []
     for i in range(LAUNCHES):
-        done, results = _torchrun("--light", timeout=120)
-        if done.returncode != 0 or len(results) != 2:
-            failed.append((i, done.returncode, done.stderr[-1500:]))
+        for form in forms:
+            args = form + (("--destroy",) if i % 2 and form != ("--light",) else ())
+            done, results = _torchrun(*args, timeout=120)
+            if done.returncode != 0 or len(results) != 2:
+                failed.append((i, args[0], done.returncode, done.stderr[-1500:]))
     assert not failed, failed
 
 

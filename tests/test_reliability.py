@@ -100,6 +100,57 @@ def test_watchdog_reports_a_recorded_backend_error():
         comm.wait(FakeWork(polls=0, error="NCCL error: remote process exited"), "a test collective", 5.0, "nccl")
 
 
+def test_a_finished_gloo_collective_waits_until_gloo_lets_go_of_its_tensors(monkeypatch):
+    """gloo's worker thread drops a work's tensors just after marking it done; a collective returns only after that
+    (a reference a thread drops while the interpreter exits aborts the process). A view held by another thread for
+    50 ms stands in for the worker's reference."""
+    import threading
+
+    t = torch.ones(8)
+    handed = comm._Handed([t])
+    held = [t.view(2, 4)]
+    assert t._use_count() > handed.counts[0]
+    threading.Timer(0.05, held.clear).start()
+    started = time.monotonic()
+    handed.released("gloo")
+    assert t._use_count() == handed.counts[0] and time.monotonic() - started >= 0.04
+    # other backends keep their own references as they see fit: nothing to wait for; a reference never dropped
+    # is waited for only up to the bound
+    held.append(t.view(2, 4))
+    started = time.monotonic()
+    handed.released("nccl")
+    assert time.monotonic() - started < 0.01
+    monkeypatch.setattr(comm, "_RELEASE_S", 0.05)
+    handed.released("gloo")
+    assert 0.05 <= time.monotonic() - started < 1.0
+
+
+def collectives_case(rounds: int = 40) -> int:
+    """Every kind of collective hf_ring makes, ``rounds`` times: how often one returned while gloo still held one
+    of its tensors."""
+    world = dist.get_world_size()
+    comm_ = comm.RingComm(None)
+    late = 0
+    for i in range(rounds):
+        t = torch.full((4, 3), float(i + dist.get_rank()))
+        out = torch.empty_like(t)
+        before = t._use_count(), out._use_count()
+        comm_.all_reduce(t, "a test all-reduce")
+        gathered = comm_.all_gather(t, "a test all-gather")
+        comm_.broadcast(t, 0, "a test broadcast")
+        comm_.all_to_all(out, t, [4 // world] * world, [4 // world] * world, "a test all-to-all")
+        late += (t._use_count(), out._use_count()) != before
+        pending = comm_.post_all_to_all(out, t, [4 // world] * world, [4 // world] * world, "a test all-to-all")
+        [received] = pending.wait()
+        late += (t._use_count(), out._use_count()) != before
+        del gathered, received, pending
+    return late
+
+
+def test_every_collective_returns_with_its_tensors_released(pools):
+    assert pools(2).run(collectives_case) == [0, 0]
+
+
 # --- sync_gradients against an independent computation ---------------------------------------------------
 
 

@@ -135,6 +135,46 @@ def _post(what: str, timeout: float, post):
         raise _failure(what, timeout, err) from err
 
 
+_RELEASE_S = 1.0
+"""The most seconds a finished collective waits for gloo to drop its references to the collective's tensors."""
+
+
+class _Handed:
+    """Tensors handed to a collective, with the references each had before it (see :meth:`released`).
+
+    gloo runs a collective on a worker thread of its process group, which keeps the work, and so its tensors, a
+    moment after marking it done. A tensor Python has seen whose last reference goes on that thread needs the
+    interpreter's lock to free its Python object; if the interpreter is exiting by then (a script that ends right
+    after a backward whose last step was a collective), the thread is ended inside C++ and the process aborts with
+    "terminate called without an active exception". So a collective over gloo returns only once gloo holds none of
+    its tensors, and every tensor of hf_ring's is freed by Python, on its own thread.
+    """
+
+    def __init__(self, tensors: Sequence[Tensor]):
+        self.tensors = list(tensors)
+        self.counts = [t._use_count() for t in self.tensors]
+
+    def released(self, backend: str) -> None:
+        """Return once the backend holds no reference to the tensors (at most :data:`_RELEASE_S`; the worker drops
+        them right after the work completes, so this is microseconds); other backends than gloo return at once."""
+        if backend != "gloo":
+            return
+        deadline, pause = time.monotonic() + _RELEASE_S, _POLL_MIN_S
+        while any(t._use_count() > n for t, n in zip(self.tensors, self.counts)) and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)
+
+
+def _collective(what: str, timeout: float, backend: str, tensors: Sequence[Tensor], post) -> None:
+    """Post a collective over ``tensors`` and finish it: bounded (:func:`wait`), and with gloo's references to the
+    tensors dropped (:class:`_Handed`)."""
+    handed = _Handed(tensors)
+    work = _post(what, timeout, post)
+    wait(work, what, timeout, backend)
+    del work  # the worker's reference, and then ours: what is left is the caller's
+    handed.released(backend)
+
+
 def _resolve(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD
 
@@ -146,8 +186,8 @@ def all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup], what: str,
     ``what`` names the operation in the error; ``timeout`` defaults to :func:`comm_timeout`.
     """
     group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
-    work = _post(what, timeout, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
-    wait(work, what, timeout, carrier(group, tensor.device))
+    _collective(what, timeout, carrier(group, tensor.device), [tensor],
+                lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
     return tensor
 
 
@@ -157,8 +197,8 @@ def all_gather(tensor: Tensor, group: Optional[dist.ProcessGroup], what: str,
     group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
     tensor = tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    work = _post(what, timeout, lambda: dist.all_gather(parts, tensor, group=group, async_op=True))
-    wait(work, what, timeout, carrier(group, tensor.device))
+    _collective(what, timeout, carrier(group, tensor.device), [tensor] + parts,
+                lambda: dist.all_gather(parts, tensor, group=group, async_op=True))
     return torch.stack(parts)
 
 
@@ -168,8 +208,8 @@ def broadcast(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup], what
     group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
     tensor = tensor.contiguous()
     root = dist.get_global_rank(group, src)
-    work = _post(what, timeout, lambda: dist.broadcast(tensor, src=root, group=group, async_op=True))
-    wait(work, what, timeout, carrier(group, tensor.device))
+    _collective(what, timeout, carrier(group, tensor.device), [tensor],
+                lambda: dist.broadcast(tensor, src=root, group=group, async_op=True))
     return tensor
 
 
@@ -180,9 +220,9 @@ def all_to_all(output: Tensor, tensor: Tensor, output_splits: Sequence[int], inp
     ``output`` is cut by ``output_splits``: piece ``i`` comes from group rank ``i``. Returns ``output``.
     """
     group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
-    work = _post(what, timeout, lambda: dist.all_to_all_single(
-        output, tensor.contiguous(), list(output_splits), list(input_splits), group=group, async_op=True))
-    wait(work, what, timeout, carrier(group, output.device))
+    tensor = tensor.contiguous()
+    _collective(what, timeout, carrier(group, output.device), [output, tensor], lambda: dist.all_to_all_single(
+        output, tensor, list(output_splits), list(input_splits), group=group, async_op=True))
     return output
 
 
@@ -198,15 +238,19 @@ class Pending:
     """Sends and receives in flight; ``wait()`` returns the received tensors."""
 
     def __init__(self, works, sent: List[Tensor], received: List[Tensor], what: str, timeout: float,
-                 backend: str):
+                 backend: str, handed: Optional["_Handed"] = None):
         self._works, self._received, self._what = works, received, what
         self._timeout, self._backend = timeout, backend
         self._sent = sent  # keep send buffers alive until their transfer completes
+        self._handed = handed  # a collective's tensors, released by gloo's worker before ours go (see _Handed)
 
     def wait(self) -> List[Tensor]:
         for work in self._works:
             wait(work, self._what, self._timeout, self._backend)
-        self._works, self._sent = [], []
+        self._works = []
+        if self._handed is not None:
+            self._handed.released(self._backend)
+        self._sent, self._handed = [], None
         return self._received
 
 
@@ -289,14 +333,17 @@ def leave(groups: Sequence[dist.ProcessGroup], reason: str, timeout: float) -> L
         seen.add(id(group))
         t = torch.tensor(row, dtype=torch.long, device=device_for(group))
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        handed = _Handed([t] + parts)
         work = _post(LEAVING, timeout, lambda: dist.all_gather(parts, t, group=group, async_op=True))
-        posted.append((group, work, parts))
+        posted.append((group, work, parts, handed))
     deadline, pause = time.monotonic() + timeout, 1e-3
     while posted:
         for item in [p for p in posted if p[1].is_completed()]:
-            group, work, parts = item
+            group, work, parts, handed = item
             posted.remove(item)
             work.wait()
+            del work, item  # the process is ending: gloo's worker must let go of the exchange's tensors first
+            handed.released(carrier(group, parts[0].device))
             elsewhere = [(dist.get_global_rank(group, r), ints_text(p.tolist()[1:])) for r, p in enumerate(parts)
                          if int(p[0]) != _LEAVING_CODE]
             if elsewhere:  # those ranks raise RankLeftError now; the other groups' exits would wait for nothing
@@ -429,9 +476,10 @@ class RingComm:
                         input_splits: Sequence[int], what: str) -> Pending:
         """:meth:`all_to_all` left in flight: ``wait()`` on the result returns ``[output]``."""
         tensor = tensor.contiguous()
+        handed = _Handed([output, tensor])
         work = _post(what, self.timeout, lambda: dist.all_to_all_single(
             output, tensor, list(output_splits), list(input_splits), group=self.group, async_op=True))
-        return Pending([work], [tensor], [output], what, self.timeout, carrier(self.group, output.device))
+        return Pending([work], [tensor], [output], what, self.timeout, carrier(self.group, output.device), handed)
 
     def broadcast(self, tensor: Tensor, src: int, what: str) -> Tensor:
         """``tensor`` of group rank ``src`` on every rank (in place; other ranks pass a buffer of its shape)."""
