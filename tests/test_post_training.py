@@ -21,6 +21,12 @@ releases: every trainer's 2-rank case, the replicas' cases and the refusals run 
 subset); the 4-rank variants of a trainer, which read nothing more of them, on the pinned releases only."""
 
 TOL = 1e-5
+# The models are float64 and so is hf_ring's attention (its log-sum-exp included: kept in float32 it put the reward
+# trainer's eval_min_reward at 1.03e-5 on AVX-512 and 1e-14 once float64). What still rounds in float32 is TRL's: its
+# fused LM head (DPO, KTO, GRPO, RLOO) and its distillation divergence compute in float32 whatever the model's dtype.
+# Worst over the whole suite on three roundings (AVX-512 with one thread, scalar kernels ATEN_CPU_CAPABILITY=default,
+# AVX2 with two threads): DPO 6.2e-6 (4 ranks, LoRA; the same on all three), KTO 3.5e-6 (scalar kernels; 3.3e-7 on
+# the others), distillation 5.8e-7, GRPO/RLOO 1.4e-7, reward and classifier below 1e-13.
 METRICS = ("eval_loss", "eval_kl", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies", "eval_logps/chosen",
            "eval_logps/rejected", "eval_min_reward", "eval_mean_reward", "eval_max_reward", "eval_accuracy",
            "eval_entropy", "eval_num_tokens", "eval_completions/mean_length")
