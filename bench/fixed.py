@@ -93,7 +93,7 @@ def measure(attn: str, n: int, repeats: int, account: bool, fuse: bool = True) -
 
     import hf_ring
     from hf_ring.engine import comm, ring
-    from hf_ring.integration import backend
+    from hf_ring.entry import backend
 
     if not fuse:
         comm.FUSE_BYTES = 0  # this worker process's own module

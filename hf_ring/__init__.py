@@ -23,11 +23,11 @@ from .engine.pattern import DilatedPattern
 from .engine.ring import ring_attention
 from .generation.cache import ShardedCache
 from .generation.generate import generate
-from .integration.backend import register as _register
+from .entry.backend import register as _register
 from .integration.config import configure
 from .integration.groups import SequenceParallel, current
-from .integration.guard import install as _install_guard
-from .integration.parallel import clear_sequence_parallel, sequence_parallel, setup_sequence_parallel, shutdown
+from .entry.model_call import install as _install_guard
+from .entry.parallel import clear_sequence_parallel, sequence_parallel, setup_sequence_parallel, shutdown
 from .integration.tp import tensor_parallel
 from .patches.tiled_loss import tiled_causal_lm_loss
 from .patches.tiled_rows import tiled_rows

@@ -26,7 +26,8 @@ recorded in :mod:`.registry`: :func:`applied` lists them, :func:`revert_all`
 from __future__ import annotations
 
 import warnings
-from typing import Any, List, Optional, Tuple
+import weakref
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -36,8 +37,9 @@ from .temperature import at_global_positions
 
 from .registry import Patch, applied
 
-__all__ = ["FAMILIES", "MULTIMODAL", "Family", "Multimodal", "Patch", "applied", "apply", "apply_all",
-           "at_global_positions", "check_supported", "is_applied", "multimodal_problem", "revert", "revert_all", "rotary_modules", "supported"]
+__all__ = ["FAMILIES", "MULTIMODAL", "Family", "Multimodal", "Needs", "Patch", "applied", "apply", "apply_all",
+           "at_global_positions", "check_supported", "is_applied", "multimodal_problem", "needs", "revert",
+           "revert_all", "rotary_modules", "supported"]
 
 
 def supported() -> Tuple[str, ...]:
@@ -139,16 +141,51 @@ def _rotary_classes(model_or_type: Any) -> Tuple[type, ...]:
     return FAMILIES[model_type].rotary_classes()
 
 
-def apply(model_or_type: Any) -> None:
-    """Give every rotary module class of a model (or of a tested family by type/config) the global length.
+class Needs(NamedTuple):
+    """What a model object needs to have its sequence split, worked out once (:func:`needs`)."""
 
-    A model is checked with :func:`check_supported` first. Reversible with :func:`revert`, idempotent.
+    error: Optional[ValueError]  # why its sequence cannot be split (:func:`check_supported`); None: it can
+    rotary: Tuple[type, ...]  # its rotary classes, which see the global length while it is split
+    hybrid: Optional[recurrent.Recurrent]  # its hybrid family, whose kernels are hooked; None: no recurrent layer
+    counting: Optional[torch.nn.Module]  # the embeddings that count its positions from its padding
+
+
+_NEEDS: "weakref.WeakKeyDictionary[torch.nn.Module, Needs]" = weakref.WeakKeyDictionary()
+"""Per model object, its :class:`Needs`: its modules do not change between forwards, and the check walks all of
+them."""
+
+
+def needs(model: torch.nn.Module) -> Needs:
+    """What ``model`` needs to have its sequence split (:class:`Needs`), once per model object."""
+    if model not in _NEEDS:
+        try:
+            check_supported(model)
+            error = None
+        except ValueError as err:
+            error = err
+        hybrid = recurrent.family(_model_type(model))  # the table names a multimodal type beside its text one
+        if hybrid is not None and not any(type(m).__name__ in hybrid.mixers for m in model.modules()):
+            hybrid = None  # a hybrid type configured with attention layers only
+        _NEEDS[model] = Needs(error, _rotary_classes(model), hybrid, structure.counting_embeddings(model))
+    return _NEEDS[model]
+
+
+def apply(model_or_type: Any) -> None:
+    """Install what a model (or a tested family, by type or config) needs while its sequence is split: its rotary
+    classes see the global length, its recurrent layers' kernels are hooked. The one place hooks are installed.
+
+    A model that cannot be split raises its :func:`check_supported` error. Reversible with :func:`revert_all`,
+    idempotent (made again after :func:`revert_all` undid it).
     """
     if isinstance(model_or_type, torch.nn.Module):
-        check_supported(model_or_type)
-    for cls in _rotary_classes(model_or_type):
+        found = needs(model_or_type)
+        if found.error is not None:
+            raise found.error
+        rotary, hybrid = found.rotary, found.hybrid
+    else:
+        rotary, hybrid = _rotary_classes(model_or_type), recurrent.family(_model_type(model_or_type))
+    for cls in rotary:
         rope.patch_rotary(cls)
-    hybrid = recurrent.family(_model_type(model_or_type))  # the table names a multimodal type beside its text one
     if hybrid is not None:
         recurrent.apply(hybrid)
 

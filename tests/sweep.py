@@ -231,7 +231,7 @@ def logits_of(model, batch, attn: str) -> Tuple[torch.Tensor, int]:
     """The model's logits with attention ``attn``, and how many attention calls went to ``ring_dilated``."""
     from transformers import AttentionInterface
 
-    from hf_ring.integration import backend
+    from hf_ring.entry import backend
 
     calls = [0]
 

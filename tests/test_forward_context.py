@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import hf_ring
-import hf_ring.integration.backend
+import hf_ring.entry.backend
 import reference as R
 from attention_cases import make_qkv
 from model_cases import counted_collectives_case, different_batches_case, mixed_dtype_case, unsharded_forward_case
@@ -65,7 +65,7 @@ def test_is_causal_keyword_wins_over_the_module_attribute(is_causal):
 
     q, k, v, _ = make_qkv(1, 2, 4, 2, 19, 16)
     module = _Attn(tiny_config())
-    out, _ = hf_ring.integration.backend.ring_dilated_attention(module, q, k, v, None, scaling=0.25, is_causal=is_causal)
+    out, _ = hf_ring.entry.backend.ring_dilated_attention(module, q, k, v, None, scaling=0.25, is_causal=is_causal)
     ref = R.dense_attention(q, k, v, causal=is_causal, scale=0.25)
     assert rel_err(out.transpose(1, 2), ref) <= 1e-5
 
@@ -76,7 +76,7 @@ def test_prepared_4d_mask_on_a_whole_sequence_is_refused():
     q, k, v, _ = make_qkv(1, 1, 2, 2, 6, 8)
     mask = torch.ones(1, 1, 6, 6, dtype=torch.bool)
     with pytest.raises(ValueError, match="2-D padding mask"):
-        hf_ring.integration.backend.ring_dilated_attention(_Attn(tiny_config()), q, k, v, mask.float())
+        hf_ring.entry.backend.ring_dilated_attention(_Attn(tiny_config()), q, k, v, mask.float())
 
 
 @pytest.mark.parametrize("name", ["head_mask", "attention_chunk_size", "block_sequence_ids"])
@@ -85,7 +85,7 @@ def test_unimplemented_attention_arguments_are_refused_not_dropped(name):
 
     q, k, v, _ = make_qkv(1, 1, 2, 2, 6, 8)
     with pytest.raises(NotImplementedError, match=name):
-        hf_ring.integration.backend.ring_dilated_attention(_Attn(tiny_config()), q, k, v, None, **{name: torch.ones(2)})
+        hf_ring.entry.backend.ring_dilated_attention(_Attn(tiny_config()), q, k, v, None, **{name: torch.ones(2)})
 
 
 def test_mixed_dtypes_under_autocast_run_in_autocast_dtype():
@@ -106,7 +106,7 @@ def test_mixed_dtypes_without_autocast_are_refused():
 
     q, k, v, _ = make_qkv(1, 1, 2, 2, 6, 8)
     with pytest.raises(TypeError, match="share one dtype"):
-        hf_ring.integration.backend.ring_dilated_attention(_Attn(tiny_config()), q, k, v.to(torch.bfloat16), None)
+        hf_ring.entry.backend.ring_dilated_attention(_Attn(tiny_config()), q, k, v.to(torch.bfloat16), None)
 
 
 def test_bad_batch_on_one_rank_raises_the_same_error_on_every_rank(pools):

@@ -8,7 +8,7 @@ import torch
 import hf_ring
 from helpers import raises_on_rank
 from trainer_cases import RowDataset, trainer_data, trainer_env
-from hf_ring.integration.backend import _dropout_setting, _refuse_unsupported
+from hf_ring.entry.backend import _dropout_setting, _refuse_unsupported
 from models import saved_model_dir
 
 ONCE = "once, after building the trainer and before trainer.train()"

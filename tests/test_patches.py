@@ -194,7 +194,7 @@ def test_clear_sequence_parallel_restores_every_patched_class_by_identity():
     the classes themselves held, or none where they inherited it); only the import-time guard stays."""
     from transformers import PreTrainedModel
 
-    from hf_ring.integration.guard import WHY as GUARD
+    from hf_ring.entry.model_call import WHY as GUARD
 
     classes = _tiled_and_rotary_classes()
     before = {cls: cls.__dict__.get("forward") for cls in classes}

@@ -109,6 +109,51 @@ def _floors() -> dict:
     return floors
 
 
+FOLDERS = ("engine", "integration", "patches", "entry", "generation", "training")
+"""The library's folders from the ground up (docs/how-it-works.md): a module imports from its own folder and the
+folders below it, never from one above (``versions.py`` stands with the engine, the package's ``__init__`` above
+all)."""
+
+
+def _folder(room: str) -> int:
+    """The floor of a room's folder in :data:`FOLDERS` (0 for ``versions``, one above the last for ``__init__``)."""
+    if room == "__init__":
+        return len(FOLDERS)
+    top = room.split("/")[0]
+    return 0 if top == "versions" else FOLDERS.index(top)
+
+
+def _upward_imports(rooms: dict) -> list:
+    found = []
+    for name, paths in rooms.items():
+        for path in paths:
+            for target in {_room(m) for m in _imported(path)} & set(rooms):
+                if _folder(target) > _folder(name):
+                    found.append(f"{path.relative_to(ROOT)} imports {target} (a folder above its own)")
+    return found
+
+
+def test_folders_import_only_their_own_and_the_ones_below():
+    assert not _upward_imports(_rooms())
+
+
+def test_the_folder_check_sees_an_import_from_above(tmp_path, monkeypatch):
+    low = tmp_path / "hf_ring" / "integration" / "low.py"
+    low.parent.mkdir(parents=True)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    low.write_text("from ..entry.backend import register\nfrom ..patches import registry\n")
+    found = _upward_imports({"integration/low": [low], "entry/backend": [], "patches": []})
+    assert len(found) == 2, found
+
+
+def test_how_it_works_gives_the_folder_order():
+    """docs/how-it-works.md names the folders in the order the imports give them."""
+    text = (ROOT / "docs" / "how-it-works.md").read_text()
+    line = next(line for line in text.splitlines() if line.startswith("Folders, from the ground up:"))
+    named = re.findall(r"`(?:hf_ring/)?(\w+)/`", line)
+    assert tuple(named) == FOLDERS, named
+
+
 def test_the_engine_imports_nothing_but_torch_and_itself():
     """The engine takes a spec and a communicator and knows nothing of models: no transformers, no accelerate,
     no other part of hf_ring."""

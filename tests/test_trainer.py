@@ -175,6 +175,6 @@ def test_prepare_trainer_in_one_process_switches_attention_only(tmp_path):
     trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
     assert hf_ring.prepare_trainer(trainer) is trainer
     assert model.config._attn_implementation == "ring_dilated"
-    assert hf_ring.integration.parallel.current() is None and trainer.get_cp_size() == 1
+    assert hf_ring.entry.parallel.current() is None and trainer.get_cp_size() == 1
     with pytest.raises(TypeError, match="transformers.Trainer"):
         hf_ring.prepare_trainer(object())

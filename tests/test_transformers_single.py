@@ -4,7 +4,7 @@ import torch
 
 import hf_ring
 from hf_ring.integration.seams import CACHE_KEYWORD
-import hf_ring.integration.backend
+import hf_ring.entry.backend
 import reference as R
 from helpers import rel_err
 from models import batch, load, saved_model_dir, tiny_config
@@ -73,7 +73,7 @@ def test_dilated_model_matches_reference_attention():
     hf_ring.configure(model, pattern={"segment_lengths": [8, 16, 40], "dilation_rates": [1, 2, 4]})
     captured = {}
     attn = model.model.layers[0].self_attn
-    original = hf_ring.integration.backend.run
+    original = hf_ring.entry.backend.run
 
     def spy(q, k, v, comm, spec):
         captured.update(q=q.detach(), k=k.detach(), v=v.detach(), scale=spec.scale)
@@ -81,11 +81,11 @@ def test_dilated_model_matches_reference_attention():
         captured["out"] = out.detach()
         return out
 
-    hf_ring.integration.backend.run = spy
+    hf_ring.entry.backend.run = spy
     try:
         logits(model, batch(4, 1, 40))
     finally:
-        hf_ring.integration.backend.run = original
+        hf_ring.entry.backend.run = original
     ref = R.dilated_attention(captured["q"], captured["k"], captured["v"], branches=branches, scale=captured["scale"])
     assert rel_err(captured["out"], ref) <= TOL
     assert attn.config.ring_dilated["dilation_rates"] == [1, 2, 4]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_ring
-from hf_ring.integration import backend
+from hf_ring.entry import backend
 from helpers import gradient_errors
 from models import saved_model_dir
 from vlm import FAMILIES, UNTESTED, packed

@@ -36,8 +36,8 @@ from ..engine.relay import fail_together
 from ..integration import config as ring_config
 from ..integration.context import CONTEXT_KEY, ShardedForward
 from ..integration.groups import SequenceParallel, current
-from ..integration.guard import other_attention_message
-from ..integration.media import MediaForward, has_media
+from ..entry.guard import other_attention_message
+from ..entry.media import MediaForward, has_media
 from ..integration.seams import CACHE_KEYWORD, cache_argument
 from ..patches import apply as apply_patches
 from ..patches.recurrent import recurrent_layers

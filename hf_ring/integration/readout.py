@@ -125,6 +125,31 @@ class _Picks(torch.autograd.Function):
         return grad, None
 
 
+def pool_over_shards(model: Any, forward: Any, kwargs: Any) -> None:
+    """For a sequence classifier called with ``kwargs`` (sharded by ``forward``), make its head hand every row the
+    score of its last real token, wherever that token lies (:func:`pooled_scores`), for this call only: the hooks
+    remove themselves when the model's call ends. Nothing for other models. A collective: every rank of the group
+    calls it for the same model."""
+    head = scores_head(model)
+    if head is None:
+        return
+    if not isinstance(forward, ShardedForward):
+        forward.fail(ValueError(f"{type(model).__name__} pools a multimodal sequence, which hf_ring does not split; "
+                                "run it in one process (hf_ring.clear_sequence_parallel())"))
+    ids = kwargs.get("input_ids")
+    embeds = kwargs.get("inputs_embeds")
+    batch = (ids if ids is not None else embeds).shape[0]
+    pad = getattr(model.config.get_text_config(), "pad_token_id", None)
+    last = last_real_rows(forward, ids, pad, batch)
+    pooling = head.register_forward_hook(lambda module, args, scores: pooled_scores(scores, forward, last))
+
+    def remove(*_):
+        pooling.remove()
+        ending.remove()
+
+    ending = model.register_forward_hook(remove, always_call=True)
+
+
 SEQUENCE_HEADS = ("ForSequenceClassification",)
 UNSPLIT_HEADS = ("ForTokenClassification", "ForQuestionAnswering")
 

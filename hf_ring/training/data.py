@@ -18,7 +18,7 @@ from ..engine.layout import in_global_order, local_positions, shard_sizes
 from ..engine.relay import fail_together
 from ..integration.context import CONTEXT_KEY, ShardedForward
 from ..integration.groups import SequenceParallel, current
-from ..integration.media import LOSS_INPUTS, MEDIA_INPUTS, MediaForward, four_axes, has_media
+from ..entry.media import LOSS_INPUTS, MEDIA_INPUTS, MediaForward, four_axes, has_media
 
 IGNORE_INDEX = -100
 
@@ -215,7 +215,7 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
     vision-language processor) is handed to the model whole but for its loss
     inputs: the towers encode whole images, and the sequence is split where the
     model's language model starts, after the image features are merged
-    (:mod:`hf_ring.integration.media`). Llava, Mistral 3, Qwen2.5-VL, Qwen3-VL
+    (:mod:`hf_ring.entry.media`). Llava, Mistral 3, Qwen2.5-VL, Qwen3-VL
     and Gemma 3 are tested; another multimodal family is refused at its call.
     """
     group = _sp(sp)
@@ -255,7 +255,7 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
             out[key] = batch[key][:, pos]
     mask = batch.get("attention_mask")
     positions = batch.get("position_ids")
-    if media:  # the model's own inputs stay whole: its language model's call is split (integration.media)
+    if media:  # the model's own inputs stay whole: its language model's call is split (entry.media)
         out.update({k: batch[k] for k in ("input_ids", "inputs_embeds", "attention_mask", "token_type_ids",
                                           "position_ids") if batch.get(k) is not None})
     else:

@@ -38,9 +38,10 @@ from ..engine.comm import all_reduce
 from ..engine.layout import check_ulysses_size
 from ..integration import config as ring_config
 from ..integration.context import CONTEXT_KEY
+from ..integration.readout import pool_over_shards
 from ..integration.groups import SequenceParallel, current
-from ..integration.guard import head_error, pool_over_shards
-from ..integration.parallel import check_tp_size, setup_sequence_parallel
+from ..entry.guard import head_error
+from ..entry.parallel import check_tp_size, setup_sequence_parallel
 from ..integration.seams import TRAINER_DIVIDES_TOKEN_COUNT, cache_argument
 from ..integration.tp import check_heads, check_trainer_model, loaded_tp_size
 from ..patches import multimodal_problem, registry
@@ -80,14 +81,8 @@ def _shard_hook(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]):
     if CONTEXT_KEY in kwargs:  # sharded by the caller: the guard saw the call as such
         return None
     kwargs = shard_model_inputs(kwargs)
-    # The guard saw this call unsharded, so the head of a sequence classifier is hooked here, for this call only.
-    pooling = pool_over_shards(module, kwargs[CONTEXT_KEY], kwargs)
-    if pooling is not None:
-        def remove(*_):
-            pooling.remove()
-            handle.remove()
-
-        handle = module.register_forward_hook(remove, always_call=True)
+    # The model's call saw this call unsharded, so the head of a sequence classifier is hooked here, for this call.
+    pool_over_shards(module, kwargs[CONTEXT_KEY], kwargs)
     return args, kwargs
 
 

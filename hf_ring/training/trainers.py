@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ..integration.context import CONTEXT_KEY, ShardedForward
-from ..integration.media import MediaForward
+from ..entry.media import MediaForward
 from ..integration.readout import fused_output, is_fused_output, scores_head
 
 TOKENS = "tokens"

@@ -21,7 +21,7 @@ from ..engine.arguments import positive_int
 from ..engine.comm import RingComm
 from ..engine.layout import check_layout, check_ulysses, check_ulysses_size
 from ..patches import apply_all, revert_all
-from .groups import SequenceParallel, current, set_current
+from ..integration.groups import SequenceParallel, current, set_current
 
 
 _MESHES: dict = {}

@@ -12,7 +12,7 @@ It dispatches on what the forward carries (see :mod:`hf_ring.integration.context
   new tokens over transformers' own cache attend the cached rows at the positions
   the cache reports. Under sequence parallelism a forward without a context is refused.
 
-A multimodal model's towers (:func:`~hf_ring.integration.media.is_tower`) are not
+A multimodal model's towers (:func:`~hf_ring.entry.media.is_tower`) are not
 the split decoder: their calls go to transformers' ``sdpa``, with their own masks.
 """
 from __future__ import annotations
@@ -36,12 +36,12 @@ from ..engine.spans import Spans, spans_of_ids, within_documents
 from ..engine.spec import AttentionSpec
 from ..engine.ulysses import head_parallel
 from ..patches import at_global_positions, check_supported
-from . import config as ring_config
-from .context import CONTEXT_KEY, ForwardContext, ShardedForward, refuse_unsharded
-from .groups import current, tp_place
-from .masks import MaskRead, RingMask, remaps_packed_rows
+from ..integration import config as ring_config
+from ..integration.context import CONTEXT_KEY, ForwardContext, ShardedForward, refuse_unsharded
+from ..integration.groups import current, tp_place
+from ..integration.masks import MaskRead, RingMask, remaps_packed_rows
 from .media import MediaForward, is_tower
-from .tp import tensor_parallel_head_base
+from ..integration.tp import tensor_parallel_head_base
 
 Tensor = torch.Tensor
 

@@ -27,8 +27,8 @@ import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..patches import multimodal_problem
-from .context import CONTEXT_KEY, ShardedForward
-from .masks import RingMask
+from ..integration.context import CONTEXT_KEY, ShardedForward
+from ..integration.masks import RingMask
 
 Tensor = torch.Tensor
 
