@@ -1,19 +1,27 @@
 """Every change hf_ring makes outside itself, in one place: what was replaced, where, why, and the original.
 
-hf_ring changes other code in three ways, each defensible, none visible from
-a model's own code: ``import hf_ring`` guards ``PreTrainedModel.__call__``;
-:func:`hf_ring.setup_sequence_parallel` patches the rotary, CausalLM, MLP and
-norm classes of the tested families; :func:`hf_ring.prepare_trainer` swaps the
-trainer's class. Each goes through :func:`replace`, which keeps the original
-attribute exactly as its owner held it, so :func:`applied` lists them and
-:func:`restore` / :func:`restore_all` put every one back by identity.
+No change hf_ring makes to other code is visible from that code, so each one
+goes through here and :func:`applied` lists what stands changed right now:
+
+- :func:`replace` changes an attribute until it is undone: ``import hf_ring``
+  guards ``PreTrainedModel.__call__`` (kept); :func:`hf_ring.setup_sequence_parallel`
+  and a split model's first call patch rotary, CausalLM, MLP and norm classes
+  and a hybrid's decoder layers; :func:`hf_ring.prepare_trainer` swaps a
+  trainer's class and methods. :func:`restore` / :func:`restore_all` put every
+  one back by identity (the original attribute exactly as its owner held it).
+- :func:`scoped` changes one for the length of a ``with`` block: a hybrid's
+  kernels bound to their hooks while one decoder layer runs over shards, a
+  sampling trainer's accelerator and TRL's gathers while it samples, a
+  distillation trainer's backbone call while it computes a loss.
 
 Like the classes it changes, the record belongs to the process: one table here.
 """
 from __future__ import annotations
 
+import contextlib
+import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 _ABSENT = object()
 """An attribute the owner inherited rather than held: restoring it deletes the replacement."""
@@ -31,9 +39,13 @@ class Patch:
     """True for the import-time guard: :func:`restore_all` leaves it unless asked (``everything=True``)."""
 
     def __str__(self) -> str:
-        owner = self.owner if isinstance(self.owner, type) else type(self.original)
-        where = f"{owner.__module__}.{owner.__qualname__}"
-        target = f"{where}.{self.name}" if isinstance(self.owner, type) else f"a {where} instance's {self.name}"
+        if isinstance(self.owner, (type, types.ModuleType)):
+            name = self.owner.__name__ if isinstance(self.owner, types.ModuleType) else \
+                f"{self.owner.__module__}.{self.owner.__qualname__}"
+            target = f"{name}.{self.name}"
+        else:  # an instance: named by its class (the class it had, for its __class__)
+            cls = self.original if self.name == "__class__" else type(self.owner)
+            target = f"a {cls.__module__}.{cls.__qualname__} instance's {self.name}"
         return f"{target}: {self.why}"
 
 
@@ -43,7 +55,9 @@ _APPLIED: Dict[Tuple[int, str], Patch] = {}
 def _own(owner: Any, name: str) -> Any:
     if isinstance(owner, type):
         return owner.__dict__.get(name, _ABSENT)
-    return getattr(owner, name)  # an instance's __class__: always its own
+    if name == "__class__" or not hasattr(owner, "__dict__"):
+        return getattr(owner, name)  # an instance's __class__: always its own
+    return vars(owner).get(name, _ABSENT)  # an instance's method comes from its class: nothing of its own to keep
 
 
 def replace(owner: Any, name: str, make: Callable[[Any], Any], why: str, kept: bool = False) -> bool:
@@ -84,9 +98,31 @@ def restore(owner: Any, name: str) -> bool:
     return True
 
 
+_SCOPED: List[Patch] = []
+"""The changes of :func:`scoped` blocks running now, innermost last."""
+
+
+@contextlib.contextmanager
+def scoped(owner: Any, name: str, value: Any, why: str) -> Iterator[None]:
+    """``owner.name`` is ``value`` inside the block (listed by :func:`applied` meanwhile) and put back exactly as
+    it was on leaving it, an exception included."""
+    patch = Patch(owner, name, _own(owner, name), why)
+    setattr(owner, name, value)
+    _SCOPED.append(patch)
+    try:
+        yield
+    finally:
+        _SCOPED[:] = [p for p in _SCOPED if p is not patch]
+        if patch.original is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, patch.original)
+
+
 def applied() -> List[Patch]:
-    """Every change hf_ring has made and not undone, oldest first."""
-    return list(_APPLIED.values())
+    """Every change hf_ring has made and not undone, oldest first; then those of the :func:`scoped` blocks running
+    now."""
+    return list(_APPLIED.values()) + list(_SCOPED)
 
 
 def restore_all(everything: bool = False) -> None:

@@ -270,3 +270,29 @@ def test_single_process_setup_without_distributed():
     with pytest.raises(ValueError, match="needs several processes"):
         hf_ring.setup_sequence_parallel(None, 2)
     assert not dist.is_initialized()
+
+
+def test_a_scoped_change_is_listed_while_it_lasts_and_undone_on_leaving():
+    """registry.scoped: an instance's method shadowed for a block (a distillation trainer's backbone call), a
+    module's function rebound (a hybrid's kernel): listed by applied() inside, put back exactly after, an exception
+    included."""
+    import types
+
+    from hf_ring.patches import registry
+
+    class Trainer:
+        def backbone(self):
+            return "own"
+
+    trainer, module = Trainer(), types.ModuleType("kernels")
+    module.scan = original = lambda: "kernel"
+    with pytest.raises(RuntimeError, match="inside"):
+        with registry.scoped(trainer, "backbone", lambda: "sharded", "a test scope"), \
+                registry.scoped(module, "scan", lambda: "hooked", "a test scope"):
+            assert trainer.backbone() == "sharded" and module.scan() == "hooked"
+            listed = [str(p) for p in patches.applied()[-2:]]
+            assert listed == [f"a {Trainer.__module__}.{Trainer.__qualname__} instance's backbone: a test scope",
+                              "kernels.scan: a test scope"], listed
+            raise RuntimeError("inside")
+    assert "backbone" not in vars(trainer) and trainer.backbone() == "own" and module.scan is original
+    assert [p.name for p in patches.applied()] == ["__call__"]

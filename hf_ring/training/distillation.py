@@ -88,6 +88,10 @@ class _ShardedBackbones:
         return base.base_model(**kwargs).last_hidden_state
 
 
+_BACKBONES_WHY = ("while a distillation trainer computes a rank's part of its loss, each backbone it runs gets this "
+                  "rank's shard of the whole sequence")
+
+
 def _on_held_rows(original: Callable) -> Callable:
     """``_compute_loss`` under a sequence-parallel setup: TRL's, over :func:`rank_view` (see the module docstring)."""
 
@@ -104,15 +108,8 @@ def _on_held_rows(original: Callable) -> Callable:
         if num_items_in_batch is None:
             # evaluation: TRL divides by the count of the tokens it is given, which here are this rank's
             num_items_in_batch = loss_mask(inputs).sum().clamp(min=1)
-        saved = vars(trainer).get("_get_last_hidden_state")
-        trainer._get_last_hidden_state = _ShardedBackbones(batch, first)
-        try:
+        with registry.scoped(trainer, "_get_last_hidden_state", _ShardedBackbones(batch, first), _BACKBONES_WHY):
             return original(unwrapped_student, view, num_items_in_batch)
-        finally:
-            if saved is None:
-                del trainer._get_last_hidden_state
-            else:
-                trainer._get_last_hidden_state = saved
 
     return compute
 

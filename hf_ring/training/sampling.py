@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Sequence
 
 import torch
@@ -89,23 +89,23 @@ def _gather_objects_one_copy(gather_object: Callable, sp: SequenceParallel) -> C
     return gather
 
 
+_GROUP_WHY = ("a sampling trainer counts the ranks of each sequence-parallel group as one process while it "
+              "generates, scores and runs the methods that count processes")
+
+
 @contextmanager
 def one_process_per_group(trainer: Any, sp: SequenceParallel):
     """Inside, ``trainer`` counts the ranks of each sequence-parallel group as one process: its accelerator, and the
     ``gather``/``gather_object`` its TRL module calls (see the module docstring)."""
     accelerator = trainer.accelerator
-    cls = type(accelerator)
     modules = {sys.modules[c.__module__] for c in type(trainer).__mro__ if c.__module__.startswith("trl.")}
-    saved = [(m, name, getattr(m, name)) for m in modules for name in ("gather", "gather_object") if hasattr(m, name)]
-    accelerator.__class__ = _group_accelerator(accelerator, sp)
-    for module, name, original in saved:
-        setattr(module, name, (_gather_one_copy if name == "gather" else _gather_objects_one_copy)(original, sp))
-    try:
+    gathers = [(m, name, getattr(m, name)) for m in modules for name in ("gather", "gather_object") if hasattr(m, name)]
+    with ExitStack() as scope:
+        scope.enter_context(registry.scoped(accelerator, "__class__", _group_accelerator(accelerator, sp), _GROUP_WHY))
+        for module, name, original in gathers:
+            one_copy = (_gather_one_copy if name == "gather" else _gather_objects_one_copy)(original, sp)
+            scope.enter_context(registry.scoped(module, name, one_copy, _GROUP_WHY))
         yield
-    finally:
-        accelerator.__class__ = cls
-        for module, name, original in saved:
-            setattr(module, name, original)
 
 
 def _as_one_process(method: Callable) -> Callable:
