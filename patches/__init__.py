@@ -31,7 +31,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import recurrent, registry, rope, structure, tiling
+from . import hybrids, registry, rope, structure, tiling
 from .families import FAMILIES, MULTIMODAL, Family, Multimodal
 from .temperature import at_global_positions
 
@@ -62,7 +62,7 @@ def tested() -> Tuple[str, ...]:
     """Every model type tested under sequence parallelism: the decoder families, the multimodal ones and their
     language models, the hybrids whose recurrent layers hf_ring computes over shards."""
     decoders = {t for m in MULTIMODAL.values() for t in m.decoders}
-    return tuple(sorted(set(FAMILIES) | set(MULTIMODAL) | decoders | set(recurrent.RECURRENT)))
+    return tuple(sorted(set(FAMILIES) | set(MULTIMODAL) | decoders | set(hybrids.HYBRIDS)))
 
 
 def _decoder(model_or_config: Any) -> Any:
@@ -146,7 +146,7 @@ class Needs(NamedTuple):
 
     error: Optional[ValueError]  # why its sequence cannot be split (:func:`check_supported`); None: it can
     rotary: Tuple[type, ...]  # its rotary classes, which see the global length while it is split
-    hybrid: Optional[recurrent.Recurrent]  # its hybrid family, whose kernels are hooked; None: no recurrent layer
+    hybrid: Optional[hybrids.HybridFamily]  # its hybrid family, whose kernels are hooked; None: no recurrent layer
     counting: Optional[torch.nn.Module]  # the embeddings that count its positions from its padding
 
 
@@ -163,7 +163,7 @@ def needs(model: torch.nn.Module) -> Needs:
             error = None
         except ValueError as err:
             error = err
-        hybrid = recurrent.family(_model_type(model))  # the table names a multimodal type beside its text one
+        hybrid = hybrids.family(_model_type(model))  # the table names a multimodal type beside its text one
         if hybrid is not None and not any(type(m).__name__ in hybrid.mixers for m in model.modules()):
             hybrid = None  # a hybrid type configured with attention layers only
         _NEEDS[model] = Needs(error, _rotary_classes(model), hybrid, structure.counting_embeddings(model))
@@ -183,11 +183,11 @@ def apply(model_or_type: Any) -> None:
             raise found.error
         rotary, hybrid = found.rotary, found.hybrid
     else:
-        rotary, hybrid = _rotary_classes(model_or_type), recurrent.family(_model_type(model_or_type))
+        rotary, hybrid = _rotary_classes(model_or_type), hybrids.family(_model_type(model_or_type))
     for cls in rotary:
         rope.patch_rotary(cls)
     if hybrid is not None:
-        recurrent.apply(hybrid)
+        hybrids.apply(hybrid)
 
 
 def revert(model_or_type: Any) -> None:

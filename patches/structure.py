@@ -16,7 +16,7 @@ import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .families import MULTIMODAL
-from .recurrent import family
+from .hybrids import family
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 """Layer types the ring attention computes exactly (windows and chunks are applied on global positions)."""
@@ -110,7 +110,7 @@ def module_problems(model: torch.nn.Module) -> List[str]:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     problems = _backend_problems(type(model), model_type)
     hybrid = family(model_type)
-    hooked = () if hybrid is None else hybrid.mixers  # computed over shards (recurrent.py), convolution included
+    hooked = () if hybrid is None else hybrid.mixers  # computed over shards (hybrids.py), convolution included
     inside = {id(m) for mixer in model.modules() if type(mixer).__name__ in hooked for m in mixer.modules()}
     convs = [f"{name} ({type(m).__name__})" for name, m in model.named_modules()
              if isinstance(m, SEQUENCE_CONVS) and id(m) not in inside]

@@ -132,9 +132,9 @@ def float64_kernels(model_type: str) -> Iterator[None]:
     import importlib
 
     import reference
-    from hf_ring.patches.recurrent import RECURRENT
+    from hf_ring.patches.hybrids import HYBRIDS
 
-    found = RECURRENT.get(model_type)
+    found = HYBRIDS.get(model_type)
     if found is None:
         yield
         return

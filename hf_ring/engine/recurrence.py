@@ -33,6 +33,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from .comm import RingComm
+from .gathers import gather
 from .layout import Run, local_runs, runs_to_local
 
 Tensor = torch.Tensor
@@ -66,58 +67,6 @@ class Pieces:
         """``(rank, index)`` of every run, in position order."""
         found = [(start, r, i) for r, runs in enumerate(self.runs) for i, (start, _) in enumerate(runs)]
         return [(r, i) for _, r, i in sorted(found)]
-
-
-class _Gather(torch.autograd.Function):
-    """Every rank's tensor, stacked by rank; the gradient of this rank's tensor is the sum of what every rank's
-    reading of it received."""
-
-    @staticmethod
-    def forward(ctx, tensor: Tensor, comm: RingComm, what: str) -> Tensor:
-        ctx.comm, ctx.what = comm, what
-        return comm.all_gather(tensor, what)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        summed = ctx.comm.all_reduce(grad.contiguous(), f"the gradients of {ctx.what}")
-        return summed[ctx.comm.rank], None, None
-
-
-class _Tie(torch.autograd.Function):
-    """``tensor`` unchanged, with ``others`` among its inputs: their backward runs whenever the tensor's does."""
-
-    @staticmethod
-    def forward(ctx, tensor: Tensor, *others: Tensor) -> Tensor:
-        ctx.shapes = [(o.shape, o.dtype, o.device) for o in others]
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return (grad,) + tuple(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.shapes)
-
-
-def tied(tensor: Tensor, *others: Tensor) -> Tensor:
-    """``tensor``, made to depend on ``others`` in autograd (without arithmetic, so no value of theirs can leak in).
-
-    A collective's backward is a collective too, and every rank must join it: a rank whose result happens not to
-    read what the exchange brought (the rank holding the sequence's first rows) ties it in anyway, and a rank whose
-    contribution needs no gradient (a placeholder row) ties it to an input that does.
-    """
-    others = tuple(o for o in others if o.requires_grad)
-    return _Tie.apply(tensor, *others) if others and torch.is_grad_enabled() else tensor
-
-
-def gather(comm: Optional[RingComm], tensor: Tensor, what: str, anchor: Optional[Tensor] = None) -> Tensor:
-    """``(world size, *tensor.shape)``: every rank's ``tensor``, differentiably (``comm`` None: this process's).
-
-    ``anchor``: an input of the caller's that needs a gradient on every rank alike (see :func:`tied`); the caller
-    ties the result into what it returns.
-    """
-    if anchor is not None:
-        tensor = tied(tensor, anchor)
-    if comm is None or comm.world_size == 1:
-        return tensor[None]
-    return _Gather.apply(tensor, comm, what)
 
 
 def carried(pieces: Pieces, ends: Tensor, maps: Tensor, step: Callable[[Tensor, Tensor], Tensor],

@@ -40,7 +40,7 @@ from ..entry.guard import other_attention_message
 from ..entry.media import MediaForward, has_media
 from ..integration.seams import CACHE_KEYWORD, cache_argument
 from ..patches import apply as apply_patches
-from ..patches.recurrent import recurrent_layers
+from ..patches.hybrids import recurrent_layers
 from .cache import ShardedCache
 from .retention import layer_rules
 from .step import DecodeStep

@@ -19,41 +19,24 @@ from typing import Any, Optional
 
 import torch
 
+from ..engine.gathers import gather_for_one_loss
 from ..engine.layout import in_global_order, shard_sizes
 from .context import ShardedForward
 
 Tensor = torch.Tensor
 
 
-class _Rows(torch.autograd.Function):
-    """``(B, n, ...)``: every rank's rows of a ``(B, rows, ...)`` tensor, in global order; the gradient of this
-    rank's rows is their slice of the gradient of the whole (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx, tensor: Tensor, forward: ShardedForward, what: str) -> Tensor:
-        shape = (forward.seq_len, forward.world_size, forward.layout, forward.ulysses)
-        mine = forward.rows(tensor.device)
-        ctx.rows, ctx.held = mine, tensor.shape[1]
-        own = tensor[:, : len(mine)].movedim(1, 0)  # a placeholder row is nobody's
-        padded = own.new_zeros((max(shard_sizes(*shape)),) + own.shape[1:])
-        padded[: len(own)] = own
-        flag = padded.dtype == torch.bool  # gloo gathers no booleans
-        every = forward.comm.all_gather(padded.to(torch.uint8) if flag else padded, what)
-        return in_global_order(every, *shape).to(tensor.dtype).movedim(0, 1)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        held = grad.new_zeros((grad.shape[0], ctx.held) + grad.shape[2:])
-        held[:, : len(ctx.rows)] = grad[:, ctx.rows]
-        return held, None, None
-
-
 def gather_rows(tensor: Tensor, forward: ShardedForward, what: str) -> Tensor:
     """``tensor`` ``(B, rows, ...)``, this rank's rows of a forward over shards, as ``(B, seq_len, ...)`` in global
-    order on every rank (differentiable, see the module docstring); a placeholder row is dropped."""
+    order on every rank, for a loss every rank computes alike (differentiable, see the module docstring); a
+    placeholder row is dropped."""
     if forward.comm is None or forward.world_size == 1:
         return tensor
-    return _Rows.apply(tensor, forward, what)
+    shape = (forward.seq_len, forward.world_size, forward.layout, forward.ulysses)
+    own = tensor[:, : len(forward.rows(tensor.device))].movedim(1, 0)  # a placeholder row is nobody's
+    padding = own.new_zeros((max(shard_sizes(*shape)) - len(own),) + own.shape[1:])
+    every = gather_for_one_loss(forward.comm, torch.cat([own, padding]), what)
+    return in_global_order(every, *shape).movedim(0, 1)
 
 
 PER_TOKEN_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
@@ -107,22 +90,8 @@ def pooled_scores(scores: Tensor, forward: ShardedForward, last: Tensor) -> Tens
     rows = forward.rows(scores.device)
     hit = rows[None, :] == last[:, None].to(rows.device)
     picked = (scores[:, : len(rows)] * hit[..., None].to(scores.dtype)).sum(1, keepdim=True)  # (B, 1, L)
-    return _Picks.apply(picked, forward).expand(-1, scores.shape[1], -1)
-
-
-class _Picks(torch.autograd.Function):
-    """The sum over the group of each rank's ``(B, 1, L)`` picks (one rank holds each row's pick, the others add
-    zeros); the gradient of a rank's picks is the gradient of the sum (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx, picked: Tensor, forward: ShardedForward) -> Tensor:
-        if forward.comm is None or forward.world_size == 1:
-            return picked.clone()
-        return forward.comm.all_gather(picked.contiguous(), "the score of each row's last real token").sum(0)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad, None
+    summed = gather_for_one_loss(forward.comm, picked.contiguous(), "the score of each row's last real token").sum(0)
+    return summed.expand(-1, scores.shape[1], -1)
 
 
 def pool_over_shards(model: Any, forward: Any, kwargs: Any) -> None:

@@ -1,0 +1,195 @@
+"""Hybrid families whose recurrent layers hf_ring computes over shards: one table, and hooks on their decoder layers.
+
+A hybrid (Qwen3.5, Qwen3-Next, Kimi Linear, Nemotron-H, Granite 4, Bamba,
+Falcon-H1, LFM2, Jamba, ...) mixes its sequence in a few attention layers,
+which the ring computes, and in recurrent layers: a gated delta rule, KDA,
+Mamba2 or Mamba scan after a short causal convolution, or the convolution
+alone. Their modeling code calls module-level kernel functions
+(``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``,
+...) that are transformers' torch paths, or flash-linear-attention's and
+mamba-ssm's kernels where installed. While one of the family's decoder layers
+runs a forward over shards, those names are bound to the hooks of
+:mod:`.recurrent`, which run the layer's own kernel on each of the rank's runs
+and make the result exact. Nothing is copied from a layer's forward: it runs as
+written. Every change goes through :mod:`.registry`: the decoder layers'
+``forward`` until :func:`hf_ring.patches.revert_all`, the kernels' names for
+one layer's call.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from hf_ring.integration.context import CONTEXT_KEY, ShardedForward
+
+from . import registry
+from .recurrent import CONV, DELTA, FUSED, MAMBA, MAMBA2, hooked
+
+
+@dataclass(frozen=True)
+class HybridFamily:
+    """A hybrid family: where its classes live, which decoder layers and mixers it has, which kernels they call."""
+
+    model_types: Tuple[str, ...]  # a multimodal type beside its text model's
+    module: str  # transformers.models.<module>.modeling_<module>
+    layers: Tuple[str, ...]  # decoder layers: their forward receives model(...)'s keyword arguments
+    mixers: Tuple[str, ...]  # the recurrent or convolution layers inside them
+    kernels: Tuple[Tuple[str, str], ...]  # (module-level function, kind of hook) the mixers call
+    layer_types: Tuple[str, ...]  # the config's names for the mixers' layers
+    state: str  # how the state crosses ranks (the README's table)
+    attention: Tuple[str, ...] = ()  # attention classes whose names read like a mixer's (Kimi's MLA)
+
+    @property
+    def known(self) -> Tuple[str, ...]:
+        """Class names of the family that the structure checks take as computed exactly."""
+        return self.layers + self.mixers + self.attention
+
+    @property
+    def modeling(self) -> str:
+        return f"transformers.models.{self.module}.modeling_{self.module}"
+
+    def modeling_module(self) -> Optional[ModuleType]:
+        """The modeling module, when this release has every layer, mixer and kernel the hooks expect."""
+        try:
+            module = importlib.import_module(self.modeling)
+        except ImportError:
+            return None
+        names = self.layers + self.mixers + tuple(name for name, _ in self.kernels)
+        return module if all(hasattr(module, name) for name in names) else None
+
+    def recurrent(self, layer: torch.nn.Module) -> bool:
+        """Whether this decoder layer holds one of the family's mixers (else it attends)."""
+        return any(type(child).__name__ in self.mixers for child in layer.children())
+
+
+GATED_DELTA_NET = (("causal_conv1d_fn", CONV), ("torch_chunk_gated_delta_rule", DELTA))
+KIMI_DELTA_ATTENTION = (("causal_conv1d_fn", CONV), ("chunk_kimi_delta_attention", DELTA))
+MAMBA2_MIXER = (("causal_conv1d_fn", CONV), ("mamba2_chunk_scan", MAMBA2),
+                ("mamba2_split_conv1d_scan_combined", FUSED))
+MAMBA_MIXER = (("causal_conv1d_fn", CONV), ("mamba_selective_scan", MAMBA), ("mamba_inner_fn", FUSED))
+SHORT_CONVOLUTION = (("causal_conv1d_fn", CONV),)
+_GDN_STATE = "gated delta rule: each run's end state and d_k x d_k transition per head, one all-gather per layer"
+_MAMBA2_STATE = "Mamba2: each run's end state and decay per head, one all-gather per layer"
+
+HYBRIDS: Dict[str, HybridFamily] = {t: family for family in (
+    HybridFamily(model_types=("qwen3_5_text", "qwen3_5"), module="qwen3_5", layers=("Qwen3_5DecoderLayer",),
+                 mixers=("Qwen3_5GatedDeltaNet",), kernels=GATED_DELTA_NET, layer_types=("linear_attention",),
+                 state=_GDN_STATE),
+    HybridFamily(model_types=("qwen3_5_moe_text", "qwen3_5_moe"), module="qwen3_5_moe",
+                 layers=("Qwen3_5MoeDecoderLayer",), mixers=("Qwen3_5MoeGatedDeltaNet",), kernels=GATED_DELTA_NET,
+                 layer_types=("linear_attention",), state=_GDN_STATE),
+    HybridFamily(model_types=("qwen3_next",), module="qwen3_next", layers=("Qwen3NextDecoderLayer",),
+                 mixers=("Qwen3NextGatedDeltaNet",), kernels=GATED_DELTA_NET, layer_types=("linear_attention",),
+                 state=_GDN_STATE),
+    HybridFamily(model_types=("olmo_hybrid",), module="olmo_hybrid", layers=("OlmoHybridLinearAttentionDecoderLayer",),
+                 mixers=("OlmoHybridGatedDeltaNet",), kernels=GATED_DELTA_NET, layer_types=("linear_attention",),
+                 state=_GDN_STATE),
+    HybridFamily(model_types=("kimi_linear",), module="kimi_linear", layers=("KimiLinearDecoderLayer",),
+                 mixers=("KimiLinearDeltaAttention",), kernels=KIMI_DELTA_ATTENTION, layer_types=("linear_attention",),
+                 state="KDA: each run's end state and d_k x d_k transition per head, one all-gather",
+                 attention=("KimiLinearAttention",)),
+    HybridFamily(model_types=("bailing_hybrid",), module="bailing_hybrid", layers=("BailingHybridDecoderLayer",),
+                 mixers=("BailingHybridDeltaAttention",), kernels=KIMI_DELTA_ATTENTION,
+                 layer_types=("linear_attention",), state="KDA, as Kimi Linear"),
+    HybridFamily(model_types=("nemotron_h",), module="nemotron_h", layers=("NemotronHBlock",),
+                 mixers=("NemotronHMamba2Mixer",), kernels=MAMBA2_MIXER, layer_types=("linear_attention", "mamba"),
+                 state=_MAMBA2_STATE),
+    HybridFamily(model_types=("granitemoehybrid",), module="granitemoehybrid",
+                 layers=("GraniteMoeHybridDecoderLayer",), mixers=("GraniteMoeHybridMambaLayer",),
+                 kernels=MAMBA2_MIXER, layer_types=("linear_attention", "mamba"), state=_MAMBA2_STATE),
+    HybridFamily(model_types=("bamba",), module="bamba", layers=("BambaDecoderLayer",), mixers=("BambaMixer",),
+                 kernels=MAMBA2_MIXER, layer_types=("linear_attention", "mamba"), state=_MAMBA2_STATE),
+    HybridFamily(model_types=("falcon_h1",), module="falcon_h1", layers=("FalconH1DecoderLayer",),
+                 mixers=("FalconH1Mixer",), kernels=MAMBA2_MIXER, layer_types=("hybrid",),
+                 state="Mamba2 beside attention in every layer: as Nemotron-H"),
+    HybridFamily(model_types=("lfm2",), module="lfm2", layers=("Lfm2DecoderLayer",), mixers=("Lfm2ShortConv",),
+                 kernels=SHORT_CONVOLUTION, layer_types=("conv",),
+                 state="short convolution: each run's last k-1 rows, one all-gather per layer"),
+    HybridFamily(model_types=("lfm2_moe",), module="lfm2_moe", layers=("Lfm2MoeDecoderLayer",),
+                 mixers=("Lfm2MoeShortConv",), kernels=SHORT_CONVOLUTION, layer_types=("conv",),
+                 state="short convolution, as LFM2"),
+    HybridFamily(model_types=("jamba",), module="jamba", layers=("JambaMambaDecoderLayer",),
+                 mixers=("JambaMambaMixer",), kernels=MAMBA_MIXER, layer_types=("linear_attention", "mamba"),
+                 state="Mamba: each run's end state and decay per channel and state"),
+) for t in family.model_types}
+"""Hybrid families by model type (a multimodal type under its own name and its text model's)."""
+
+
+def family(model_type: Optional[str]) -> Optional[HybridFamily]:
+    """The hybrid family of ``model_type`` whose hooks this transformers release can take, or None."""
+    found = HYBRIDS.get(model_type or "")
+    return found if found is not None and found.modeling_module() is not None else None
+
+
+def recurrent_layers(model: torch.nn.Module) -> List[int]:
+    """The layer indices (as the cache counts them) of ``model``'s recurrent and convolution layers that hf_ring
+    computes over shards (none for a model that is not a hybrid hf_ring hooks)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if config is not None else None
+    hybrid = family(getattr(text, "model_type", None))
+    if hybrid is None:
+        return []
+    return sorted({int(m.layer_idx) for m in model.modules() if type(m).__name__ in hybrid.mixers
+                   and isinstance(getattr(m, "layer_idx", None), int)})
+
+
+LAYER_WHY = ("binds the family's kernels (convolution, delta rule, Mamba scans) to hooks that compute them exactly "
+             "over the sequence shards while one of its decoder layers runs a forward over shards (other calls "
+             "untouched)")
+KERNEL_WHY = "computed over the sequence shards while one decoder layer of a hybrid runs a forward over shards"
+
+
+def apply(hybrid: HybridFamily) -> None:
+    """Hook the family's decoder layers (idempotent, undone by :func:`hf_ring.patches.revert_all`)."""
+    module = hybrid.modeling_module()
+    if module is None:
+        return
+    for name in hybrid.layers:
+        registry.replace(getattr(module, name), "forward", lambda original: _layer_forward(original, hybrid),
+                         LAYER_WHY)
+
+
+def _layer_forward(original: Callable, hybrid: HybridFamily) -> Callable:
+    def forward(self, *args, **kwargs):
+        context = kwargs.get(CONTEXT_KEY)
+        if not isinstance(context, ShardedForward) or context.world_size == 1 or not hybrid.recurrent(self):
+            return original(self, *args, **kwargs)  # one process holds the whole sequence: the layer as it is
+        return _over_shards(original, hybrid, context, self, args, kwargs)
+
+    forward.__wrapped__ = original
+    return forward
+
+
+@torch.compiler.disable  # collectives and host-side run lists: outside a compiled graph, on purpose
+def _over_shards(original: Callable, hybrid: HybridFamily, context: ShardedForward, layer, args, kwargs):
+    calls: List[str] = []
+    with _kernels_hooked(hybrid, context, calls):
+        out = original(layer, *args, **kwargs)
+    if not calls:
+        context.fail(ValueError(
+            f"the {type(layer).__name__} layer of {hybrid.model_types[0]!r} ran its mixer without calling the kernels "
+            f"hf_ring computes over shards ({', '.join(n for n, _ in hybrid.kernels)}): its forward was replaced (a "
+            "hub kernel loaded with use_kernels=True?) or differs in this transformers release; load the model "
+            "without kernels, or run it in one process"))
+    context.mixing()
+    return out
+
+
+@contextlib.contextmanager
+def _kernels_hooked(hybrid: HybridFamily, context: ShardedForward, calls: List[str]) -> Iterator[None]:
+    """The family's kernels bound to their hooks over ``context`` for the length of one decoder layer's call.
+
+    The context is bound here, not read from a kernel's call: not every mixer hands the forward's keyword arguments
+    on to its kernels (Nemotron-H's ``mamba2_chunk_scan`` and Jamba's ``mamba_selective_scan`` get none).
+    """
+    module = hybrid.modeling_module()
+    with contextlib.ExitStack() as scope:
+        for name, kind in hybrid.kernels:
+            hook = hooked(kind, getattr(module, name), context, calls, name)
+            scope.enter_context(registry.scoped(module, name, hook, KERNEL_WHY))
+        yield
