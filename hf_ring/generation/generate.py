@@ -38,7 +38,7 @@ from ..integration.context import CONTEXT_KEY, ShardedForward
 from ..integration.groups import SequenceParallel, current
 from ..entry.guard import other_attention_message
 from ..entry.media import MediaForward, has_media
-from ..integration.seams import CACHE_KEYWORD, cache_argument
+from ..integration.seams import CACHE_KEYWORD, cache_argument, peft_base
 from ..patches import apply as apply_patches
 from ..patches.hybrids import recurrent_layers
 from .cache import ShardedCache
@@ -185,11 +185,6 @@ def _unwrap(model):
     return model
 
 
-def _stepped_model(model):
-    """The module whose forward each decoding step calls: a PEFT model's generate calls its base model's."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def _check_inputs(input_ids, attention_mask) -> None:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         raise TypeError(f"input_ids must be an integer tensor (batch, prompt length), got "
@@ -248,7 +243,7 @@ def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, 
             generate_kwargs.pop("streamer", None)
     cache.comm = comm  # the cache deals the rows still visible after the prefill out over the group
     state = Generation(cache, comm, sp, broadcast_logits=bool(broadcast_logits))
-    stepped = _stepped_model(model)
+    stepped = peft_base(model)  # a PEFT model's generate calls its base model's forward
     hooks = [stepped.register_forward_pre_hook(_pre_forward(state), with_kwargs=True),
              stepped.register_forward_hook(_post_forward(state), with_kwargs=True)]
     try:

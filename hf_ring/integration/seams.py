@@ -118,3 +118,9 @@ def tensor_parallel_problem(model: Any) -> Optional[str]:
     return (f"hf_ring.tensor_parallel shards a loaded model with transformers' own plan resolution, which "
             f"transformers {transformers.__version__} does not have; it needs transformers>={TENSOR_PARALLEL_SINCE} "
             f"(pip install 'transformers>={TENSOR_PARALLEL_SINCE}'), or use tp_size=1")
+
+
+def peft_base(model: Any) -> Any:
+    """The model under a PEFT wrapper (``get_base_model()``), or ``model`` itself when there is none: the module
+    whose config, attention and forward hf_ring reads (a PEFT model's generate and forward call that one)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

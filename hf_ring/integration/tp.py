@@ -28,7 +28,7 @@ from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 from ..engine.layout import head_split
 from .config import model_heads
 from .groups import SequenceParallel, current
-from .seams import tensor_parallel_problem, trainer_sharding_problem
+from .seams import peft_base, tensor_parallel_problem, trainer_sharding_problem
 
 
 def check_heads(heads: Optional[Tuple[int, int]], tp_size: int, ulysses_size: int) -> None:
@@ -63,10 +63,6 @@ def _splits_heads(plan: Any) -> bool:
         key.rsplit(".", 1)[-1] in KEY_PROJECTIONS and style in ("colwise", "packed_colwise") for key, style in plan.items())
 
 
-def _text_model(model: torch.nn.Module) -> torch.nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
-
-
 def tp_ranks(model: torch.nn.Module) -> Optional[list]:
     """The ranks of this rank's tensor-parallel group the model's parameters are sharded over (None: not sharded).
 
@@ -97,7 +93,7 @@ def sharding_error(model: torch.nn.Module, tp_rank: int, tp_size: int) -> Option
     when ``tp_size`` is 1. Checked once per model and setting (the answer is kept on the model)."""
     if model.__dict__.get(_CHECKED) == (tp_rank, tp_size):
         return None
-    ranks = tp_ranks(_text_model(model))
+    ranks = tp_ranks(peft_base(model))
     rank = dist.get_rank() if dist.is_initialized() else 0
     want = list(range(rank - tp_rank, rank - tp_rank + tp_size))
     if ranks == want or (ranks is None and tp_size == 1):
@@ -173,7 +169,7 @@ def _check_tied(model: torch.nn.Module, tied: dict) -> None:
 
 def loaded_tp_size(model: Any) -> int:
     """The tensor-parallel size transformers sharded ``model`` with at load time (``DistributedConfig``), else 1."""
-    return getattr(_text_model(model), "tp_size", None) or 1
+    return getattr(peft_base(model), "tp_size", None) or 1
 
 
 def check_trainer_model(model: Any, tp_size: int, deepspeed: bool) -> None:
@@ -191,7 +187,7 @@ def check_trainer_model(model: Any, tp_size: int, deepspeed: bool) -> None:
     if tp_size > 1 and deepspeed:
         raise ValueError(f"prepare_trainer(tp_size={tp_size}) does not combine with DeepSpeed; use tp_size=1 under "
                          "DeepSpeed, or FSDP2 with tensor parallelism (DistributedConfig(tp_size=..., fsdp_size=...))")
-    if tp_size > 1 and not getattr(_text_model(model), "is_distributed_loading_by_transformers", False):
+    if tp_size > 1 and not getattr(peft_base(model), "is_distributed_loading_by_transformers", False):
         raise ValueError(
             f"prepare_trainer(tp_size={tp_size}) needs the model sharded at load time by transformers, whose Trainer "
             "then leaves the gradient reduction to it: from_pretrained(path, attn_implementation='ring_dilated', "

@@ -34,6 +34,7 @@ import torch
 
 from ..integration.context import CONTEXT_KEY
 from ..integration.groups import current
+from ..integration.seams import peft_base
 from ..patches import registry
 from .data import shard_batch
 
@@ -84,8 +85,7 @@ class _ShardedBackbones:
             raise ValueError(f"multimodal distillation inputs ({', '.join(sorted(media))}) are not split by hf_ring")
         kwargs = self.first if self.first is not None else shard_batch(self.batch)  # the first one made the view
         self.first = None
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT, as TRL unwraps it
-        return base.base_model(**kwargs).last_hidden_state
+        return peft_base(model).base_model(**kwargs).last_hidden_state  # PEFT unwrapped, as TRL unwraps it
 
 
 _BACKBONES_WHY = ("while a distillation trainer computes a rank's part of its loss, each backbone it runs gets this "

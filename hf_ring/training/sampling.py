@@ -11,7 +11,7 @@ hold the same prompts, so they act as one process of that trainer:
   seeds one process, with its data-parallel index (``seed + dp_rank``, where
   TRL adds the process index);
 - while the trainer generates and scores, and while it runs the other methods
-  :data:`~hf_ring.training.trainers.SAMPLING` lists (GRPO's loss, the
+  :data:`~hf_ring.training.loss_kinds.SAMPLING` lists (GRPO's loss, the
   distillation trainer's sampler), its accelerator counts one process per
   group: ``process_index`` and ``num_processes`` are the data-parallel ones and
   ``gather`` keeps one copy per group, so rewards, advantages (group or batch

@@ -42,12 +42,12 @@ from ..integration.readout import pool_over_shards
 from ..integration.groups import SequenceParallel, current
 from ..entry.guard import head_error
 from ..entry.parallel import check_tp_size, setup_sequence_parallel
-from ..integration.seams import TRAINER_DIVIDES_TOKEN_COUNT, cache_argument
+from ..integration.seams import TRAINER_DIVIDES_TOKEN_COUNT, cache_argument, peft_base
 from ..integration.tp import check_heads, check_trainer_model, loaded_tp_size
 from ..patches import multimodal_problem, registry
-from . import distillation, sampling, zero
+from . import sampling, zero
 from .data import batch_shape, gather_sequence, model_rows, shard_batch
-from .trainers import BACKBONES, SEQUENCES, attach_sequence_outputs, loss_kind, refuse_trainer, sampled_methods
+from .loss_kinds import TOKENS, LossKind, attach_sequence_outputs, loss_kind, refuse_trainer, sampled_methods
 
 _HOOK_ATTR = "_hf_ring_shard_hook"
 _PREPARED_ATTR = "_hf_ring_prepared"
@@ -149,15 +149,24 @@ def _sp_mean(loss: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
     return _sp_sum(loss, sp) / sp.sp_size
 
 
+def _once_per_group(before: int, after: int, sp: SequenceParallel) -> int:
+    """A count the trainer moved from ``before`` to ``after`` by adding up every rank's batch, counted once per sp
+    group (its ranks share one batch)."""
+    return before + (after - before) // sp.sp_size
+
+
 class SequenceParallelTrainerMixin:
     """Put before a ``transformers.Trainer`` class to train with the sequence split over the sp group.
 
-    :func:`prepare_trainer` applies it to a built trainer. Subclassing works
-    too (``class T(SequenceParallelTrainerMixin, SFTTrainer)``) with the model
-    loaded with ``attn_implementation="ring_dilated"`` and
-    :func:`hf_ring.setup_sequence_parallel` called before training. With no
+    :func:`prepare_trainer` applies it to a built trainer, with the kind of the
+    trainer's loss (:class:`hf_ring.training.loss_kinds.LossKind`, per token
+    unless set). Subclassing works too (``class T(SequenceParallelTrainerMixin,
+    SFTTrainer)``) with the model loaded with ``attn_implementation="ring_dilated"``
+    and :func:`hf_ring.setup_sequence_parallel` called before training. With no
     active sequence-parallel setup every method is the base class's.
     """
+
+    loss_kind: LossKind = TOKENS
 
     def get_cp_size(self) -> int:
         # The ranks of an sp group see one batch: the trainer divides its token count by this and sizes the
@@ -186,39 +195,35 @@ class SequenceParallelTrainerMixin:
         return self._loader(super().get_train_dataloader)
 
     def get_eval_dataloader(self, eval_dataset=None):
-        return self._loader(lambda: super(SequenceParallelTrainerMixin, self).get_eval_dataloader(eval_dataset))
+        build = super().get_eval_dataloader
+        return self._loader(lambda: build(eval_dataset))
 
     def get_test_dataloader(self, test_dataset):
-        return self._loader(lambda: super(SequenceParallelTrainerMixin, self).get_test_dataloader(test_dataset))
+        build = super().get_test_dataloader
+        return self._loader(lambda: build(test_dataset))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         sp = current()
-        if sp is None:
+        if sp is None or not self.loss_kind.shards_calls:
+            # (a trainer that runs its backbones itself has them sharded by the kind's own preparation)
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         attach_shard_hook(self.model)
         tokens = getattr(self, "_total_train_tokens", None)
-        out = self._split_loss(sp, model, inputs, return_outputs, num_items_in_batch)
-        self._count_tokens_once(tokens, sp)
-        return out
-
-    def _split_loss(self, sp: SequenceParallel, model, inputs, return_outputs, num_items_in_batch):
-        """This rank's loss of a batch its model's call shards: its shard's share of the token-averaged loss."""
-        if num_items_in_batch is None and inputs.get("labels") is not None:
+        if not self.loss_kind.whole_loss and num_items_in_batch is None and inputs.get("labels") is not None:
             # A shard's loss is a share of the sequence loss: normalise every shard by the global token count,
             # counted the trainer's way (a collective: every rank evaluates the same number of batches).
             num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
         out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        if num_items_in_batch is None and self.model.training:
-            # The model normalised by the batch's global count (shard_batch), and DDP averages over dp x sp.
-            out = _scaled(out, sp.sp_size, return_outputs)
-        return out
-
-    def _count_tokens_once(self, before: Optional[int], sp: SequenceParallel) -> None:
-        if before is not None and self.model.training and self._total_train_tokens != before:
+        if self.model.training and (self.loss_kind.whole_loss or num_items_in_batch is None):
+            # DDP and DeepSpeed average over dp x sp, where the sp group's gradients add up (a whole loss on every
+            # rank, or a share the model normalised by the batch's global count through shard_batch)
+            out = (out[0] * sp.sp_size, out[1]) if return_outputs else out * sp.sp_size
+        if tokens is not None and self.model.training and self._total_train_tokens != tokens:
             # TRL's trainers add up the tokens of every rank's batch; the ranks of an sp group share one.
-            self._total_train_tokens = before + (self._total_train_tokens - before) // sp.sp_size
+            self._total_train_tokens = _once_per_group(tokens, self._total_train_tokens, sp)
             self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return out
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         sp = current()
@@ -226,22 +231,28 @@ class SequenceParallelTrainerMixin:
             # compute_loss scales the loss for an average over every rank
             zero.check_engine(model, sp.sp_size, sp.dp_size, sp.tp_size)
         loss = super().training_step(model, inputs, num_items_in_batch)
+        if sp is None:
+            return loss
         # The trainer logs the mean over all ranks (unchanged by this) but reports its last unlogged steps from
-        # rank-local values: make those the sp group's, as a run without the split would have.
-        return loss if sp is None else _sp_mean(loss, sp)
+        # rank-local values: make those the sp group's, as a run without the split would have (a whole loss on
+        # every rank was scaled for backward).
+        loss = _sp_mean(loss, sp)
+        return loss / sp.sp_size if self.loss_kind.whole_loss else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         sp = current()
         if sp is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        attach_shard_hook(self.model)
-        if not prediction_loss_only:
-            inputs = dict(inputs, return_logits=True)  # the sequence-tiled loss would not make them
+        shards = self.loss_kind.shards_calls
+        if shards:
+            attach_shard_hook(self.model)
+            if not prediction_loss_only:
+                inputs = dict(inputs, return_logits=True)  # the sequence-tiled loss would not make them
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        n = batch_shape(inputs)[1]
-        if loss is not None:
-            loss = _sp_mean(loss, sp)  # one value per sp group, for a gather over the dp replicas
-        if logits is not None:
+        if loss is not None:  # one value per sp group, for a gather over the dp replicas
+            loss = _sp_sum(loss, sp) if self.loss_kind.eval_parts_add_up else _sp_mean(loss, sp)
+        if logits is not None and shards:
+            n = batch_shape(inputs)[1]
             logits = _global_order(logits, n, model_rows(n, sp))
         return loss, logits, labels
 
@@ -267,72 +278,27 @@ class SequenceParallelTrainerMixin:
         super()._track_num_input_tokens(inputs)
         sp = current()
         if sp is not None:  # every rank of an sp group counted the same batch
-            self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // sp.sp_size
+            self.state.num_input_tokens_seen = _once_per_group(before, self.state.num_input_tokens_seen, sp)
 
 
-class SequenceLossTrainerMixin(SequenceParallelTrainerMixin):
-    """:class:`SequenceParallelTrainerMixin` for a trainer whose loss is per sequence (TRL's ``DPOTrainer``,
-    ``KTOTrainer`` and ``RewardTrainer``, a sequence classifier's): every rank is handed the whole batch's
-    per-sequence values and computes the whole batch's loss (:mod:`hf_ring.integration.readout`), whose gradients
-    add up over the sp group as a shard loss's do; the loss it reports is that loss, once."""
-
-    def _split_loss(self, sp: SequenceParallel, model, inputs, return_outputs, num_items_in_batch):
-        out = super(SequenceParallelTrainerMixin, self).compute_loss(
-            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        if self.model.training:  # DDP and DeepSpeed average over dp x sp, where the sp group's gradients add up
-            out = _scaled(out, sp.sp_size, return_outputs)
-        return out
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        sp = current()
-        return loss if sp is None else loss / sp.sp_size  # every rank computed the whole loss, scaled for backward
-
-
-class BackboneLossTrainerMixin(SequenceParallelTrainerMixin):
-    """:class:`SequenceParallelTrainerMixin` for a trainer that runs its models' backbones itself and adds up a loss
-    over positions (TRL's ``DistillationTrainer``): :mod:`hf_ring.training.distillation` shards those calls and makes
-    each rank's loss its positions' share, scaled by the trainer for DDP's average over every process, so neither the
-    models' calls nor the loss are touched here; an evaluation loss is the sum of the ranks' shares."""
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        return super(SequenceParallelTrainerMixin, self).compute_loss(
-            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        loss, logits, labels = super(SequenceParallelTrainerMixin, self).prediction_step(
-            model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        sp = current()
-        if sp is not None and loss is not None:
-            loss = _sp_sum(loss, sp)  # one value per sp group, for a gather over the dp replicas
-        return loss, logits, labels
-
-
-_MIXINS = {SEQUENCES: SequenceLossTrainerMixin, BACKBONES: BackboneLossTrainerMixin}
-"""The mixin of each kind of loss other than per token (:data:`hf_ring.training.trainers.TRL_TAKEN`)."""
-
-
-def _scaled(out: Any, scale: int, return_outputs: bool) -> Any:
-    return (out[0] * scale, out[1]) if return_outputs else out * scale
-
-
-_CLASSES: Dict[Tuple[type, type], type] = {}
+_CLASSES: Dict[Tuple[type, LossKind], type] = {}
 
 
 _TRAINER_WHY = ("its class gains SequenceParallelTrainerMixin (sharded batches, one sequence's loss over the group, "
                 "sp-aware data loaders and checkpoints); undone by clear_sequence_parallel")
 
 
-def _sequence_parallel_class(cls: type, mixin: type = SequenceParallelTrainerMixin) -> type:
+def _sequence_parallel_class(cls: type, kind: LossKind = TOKENS) -> type:
     if issubclass(cls, SequenceParallelTrainerMixin):
         return cls
-    if (cls, mixin) not in _CLASSES:
-        _CLASSES[cls, mixin] = type(f"SequenceParallel{cls.__name__}", (mixin, cls), {})
-    return _CLASSES[cls, mixin]
+    if (cls, kind) not in _CLASSES:
+        _CLASSES[cls, kind] = type(f"SequenceParallel{cls.__name__}", (SequenceParallelTrainerMixin, cls),
+                                   {"loss_kind": kind})
+    return _CLASSES[cls, kind]
 
 
 def _use_ring_attention(model: torch.nn.Module) -> None:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    base = peft_base(model)
     if not ring_config.runs_ring(base.config):
         base.set_attn_implementation(ring_config.ATTN_IMPLEMENTATION)
 
@@ -420,10 +386,9 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: Optiona
     # The Trainer itself sets accelerate's tp_size from a model sharded at load time: that one is the model's.
     if pc is not None and (pc.cp_enabled or pc.sp_enabled or (pc.tp_enabled and pc.tp_size != tp_size)):
         raise ValueError("prepare_trainer splits sequences itself; remove cp_size/sp_size/tp_size from parallelism_config")
-    base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model  # PEFT
+    base = peft_base(trainer.model)
     kind = loss_kind(trainer, base)
-    if kind == BACKBONES:
-        distillation.check(trainer, tp_size)
+    kind.check(trainer, tp_size)
     unsplit_head = head_error(base)
     if unsplit_head is not None:  # the model's own call is seen unsharded by the guard: refused here instead
         raise unsplit_head
@@ -449,16 +414,14 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: Optiona
                                  tp_size=tp_size)
     if ds_config is not None:
         zero.count_sequences_once(ds_config, sp.sp_size, sp.dp_size)
-    mixin = _MIXINS.get(kind, SequenceParallelTrainerMixin)
-    registry.replace(trainer, "__class__", lambda cls: _sequence_parallel_class(cls, mixin), _TRAINER_WHY)
+    registry.replace(trainer, "__class__", lambda cls: _sequence_parallel_class(cls, kind), _TRAINER_WHY)
     for model in [trainer.model] + _companions(trainer):
         _use_ring_attention(model)
-        if kind != BACKBONES:  # distillation calls its models positionally, through TRL: their backbones are split
+        if kind.shards_calls:  # (distillation calls its models positionally, through TRL: its backbones are split)
             attach_shard_hook(model)
-        if kind == SEQUENCES:
+        if kind.whole_loss:
             attach_sequence_outputs(model)
-    if kind == BACKBONES:
-        distillation.prepare(trainer)
+    kind.prepare(trainer)
     if sampled:
         sampling.prepare(trainer, sp, sampled)
     setattr(trainer, _PREPARED_ATTR, _describe(sp.sp_size, sp.layout, sp.ulysses_size))

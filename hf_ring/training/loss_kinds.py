@@ -1,19 +1,22 @@
-"""Which trainer classes :func:`hf_ring.prepare_trainer` takes, and what each loss reads.
+"""The kinds of loss :func:`hf_ring.prepare_trainer` splits, and which trainer classes it takes with which kind.
 
-Two kinds of loss run under sequence parallelism:
+A kind is a record (:class:`LossKind`) of what differs between losses under
+sequence parallelism; :class:`hf_ring.SequenceParallelTrainerMixin` reads it:
 
-- **per token** (``transformers.Trainer`` on a causal LM, TRL's ``SFTTrainer``):
-  each rank's loss is its shard's share of the batch's token-averaged loss;
-- **per sequence** (TRL's ``DPOTrainer``, ``KTOTrainer``, ``RewardTrainer``,
-  ``GRPOTrainer`` and ``RLOOTrainer``, and any trainer
+- **per token** (:data:`TOKENS`: ``transformers.Trainer`` on a causal LM, TRL's
+  ``SFTTrainer``): each rank's loss is its shard's share of the batch's
+  token-averaged loss;
+- **per sequence** (:data:`SEQUENCES`: TRL's ``DPOTrainer``, ``KTOTrainer``,
+  ``RewardTrainer``, ``GRPOTrainer`` and ``RLOOTrainer``, and any trainer
   given a sequence classifier): the loss is a function of whole sequences (a
   sum of log-probabilities, the score of a row's last token), so every rank is
   handed those values for the whole batch and computes the whole batch's loss
   (:mod:`hf_ring.integration.readout`);
-- **per position, from the backbones** (TRL's ``DistillationTrainer``): the
-  trainer runs its student's and teacher's backbones itself and compares their
-  next-token distributions token by token, so each rank adds up the positions
-  it holds (:mod:`hf_ring.training.distillation`).
+- **per position, from the backbones** (:data:`BACKBONES`: TRL's
+  ``DistillationTrainer``): the trainer runs its student's and teacher's
+  backbones itself and compares their next-token distributions token by
+  token, so each rank adds up the positions it holds
+  (:mod:`hf_ring.training.distillation`).
 
 GRPO, RLOO and distillation sample their completions as well:
 :mod:`hf_ring.training.sampling` makes the ranks of a group sample and score as
@@ -22,21 +25,42 @@ up; a trainer class of the user's own (not TRL's) is taken as its base.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from ..integration.context import CONTEXT_KEY, ShardedForward
 from ..entry.media import MediaForward
+from ..integration.context import CONTEXT_KEY, ShardedForward
 from ..integration.readout import fused_output, is_fused_output, scores_head
+from . import distillation
 
-TOKENS = "tokens"
-SEQUENCES = "sequences"
-BACKBONES = "backbones"
 
-TRL_TAKEN: Dict[str, str] = {"SFTTrainer": TOKENS, "DPOTrainer": SEQUENCES, "KTOTrainer": SEQUENCES,
-                             "RewardTrainer": SEQUENCES, "GRPOTrainer": SEQUENCES, "RLOOTrainer": SEQUENCES,
-                             "DistillationTrainer": BACKBONES}
+def _nothing(*_: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class LossKind:
+    """What differs between losses under sequence parallelism, and what :func:`hf_ring.prepare_trainer` sets up."""
+
+    name: str
+    shards_calls: bool  # the model's own calls shard their batch (their logits come back in global order); else the
+    # trainer runs backbones whose calls hf_ring shards itself
+    whole_loss: bool  # every rank computes the whole batch's loss from per-sequence values handed to every rank
+    eval_parts_add_up: bool  # the ranks' evaluation losses are parts of the group's (else each is the group's mean)
+    check: Callable[[Any, int], None] = _nothing  # (trainer, tp_size): refuses what the kind cannot split, early
+    prepare: Callable[[Any], None] = _nothing  # (trainer): what the kind changes in the trainer
+
+
+TOKENS = LossKind("per token", shards_calls=True, whole_loss=False, eval_parts_add_up=False)
+SEQUENCES = LossKind("per sequence", shards_calls=True, whole_loss=True, eval_parts_add_up=False)
+BACKBONES = LossKind("per position, from the backbones", shards_calls=False, whole_loss=False, eval_parts_add_up=True,
+                     check=distillation.check, prepare=distillation.prepare)
+
+TRL_TAKEN: Dict[str, LossKind] = {"SFTTrainer": TOKENS, "DPOTrainer": SEQUENCES, "KTOTrainer": SEQUENCES,
+                                  "RewardTrainer": SEQUENCES, "GRPOTrainer": SEQUENCES, "RLOOTrainer": SEQUENCES,
+                                  "DistillationTrainer": BACKBONES}
 """TRL trainers prepare_trainer takes, by class name, and the kind of their loss (a subclass TRL defines, such as
 its experimental ``ServerDistillationTrainer``, is a trainer of its own: refused until checked)."""
 
@@ -78,9 +102,9 @@ def sampled_methods(trainer: Any) -> Tuple[str, ...]:
     return () if trl is None else SAMPLING.get(trl.__name__, ())
 
 
-def loss_kind(trainer: Any, model: torch.nn.Module) -> str:
-    """:data:`TOKENS`, :data:`SEQUENCES` or :data:`BACKBONES`: how a trainer :func:`refuse_trainer` lets through computes its loss.
-    ``model``: the trainer's model with any PEFT wrapper taken off."""
+def loss_kind(trainer: Any, model: torch.nn.Module) -> LossKind:
+    """:data:`TOKENS`, :data:`SEQUENCES` or :data:`BACKBONES`: how a trainer :func:`refuse_trainer` lets through
+    computes its loss. ``model``: the trainer's model with any PEFT wrapper taken off."""
     trl = _trl_class(trainer)
     if trl is not None:
         return TRL_TAKEN[trl.__name__]
