@@ -1,17 +1,21 @@
 """What a model needs for sequence-sharded runs (shipped as ``hf_ring.patches``).
 
-Two questions, both answered from the model itself where possible:
+Two questions, both answered from the model itself where possible, once per
+model object (:func:`needs`):
 
 * Can its sequence be split? :func:`check_supported` refuses models whose
-  layers mix tokens other than through attention (state-space and
-  linear-attention hybrids, convolutions, attention outside transformers'
-  interface) with a ValueError naming the model type and the reason.
+  layers mix tokens other than through what hf_ring computes (state-space and
+  linear-attention layers of a family :mod:`.hybrids` does not hook,
+  convolutions, attention outside transformers' interface) with a ValueError
+  naming the model type and the reason.
 * What must change while it is split? Length-dependent RoPE (``dynamic``,
-  ``longrope``) must see the global length: :func:`apply` patches the class of
-  every rotary module of a model (:mod:`.rope`), reversibly. Outside sequence
-  parallelism the patched classes behave exactly like the unpatched ones. A
-  query scale by position (Llama 4's temperature tuning) is moved to the
-  shard's global positions by the backend (:func:`at_global_positions`).
+  ``longrope``) must see the global length, and a hybrid's recurrent layers
+  must pass their state between ranks: :func:`apply`, the one place this is
+  installed, patches the class of every rotary module of a model (:mod:`.rope`)
+  and hooks a hybrid family's decoder layers (:mod:`.hybrids`), reversibly.
+  Outside sequence parallelism the patched classes behave exactly like the
+  unpatched ones. A query scale by position (Llama 4's temperature tuning) is
+  moved to the shard's global positions by the backend (:func:`at_global_positions`).
 
 The tested families (:mod:`.families`) are patched up front by
 :func:`apply_all`, which ``setup_sequence_parallel`` calls before any model is
@@ -19,9 +23,11 @@ loaded; a model of another family is checked the same way, and gets a
 warning that it is untested.
 
 Every change hf_ring makes outside itself (these patches, the import-time
-guard of ``PreTrainedModel.__call__``, a prepared trainer's class) is
-recorded in :mod:`.registry`: :func:`applied` lists them, :func:`revert_all`
-(which ``clear_sequence_parallel`` calls) puts them back by identity.
+guard of ``PreTrainedModel.__call__``, a prepared trainer's class and methods,
+and the scoped ones: a hybrid's kernels for one layer's call, a sampling
+trainer's accelerator while it samples) is recorded in :mod:`.registry`:
+:func:`applied` lists them, :func:`revert_all` (which ``clear_sequence_parallel``
+calls) puts the lasting ones back by identity.
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ import torch
 from hf_ring.integration.context import CONTEXT_KEY, ShardedForward
 
 from . import registry
-from .recurrent import CONV, DELTA, FUSED, MAMBA, MAMBA2, hooked
+from .recurrent import CONV, DELTA, FUSED, MAMBA, MAMBA2, LayerCall, hooked
 
 
 @dataclass(frozen=True)
@@ -167,10 +167,11 @@ def _layer_forward(original: Callable, hybrid: HybridFamily) -> Callable:
 
 @torch.compiler.disable  # collectives and host-side run lists: outside a compiled graph, on purpose
 def _over_shards(original: Callable, hybrid: HybridFamily, context: ShardedForward, layer, args, kwargs):
-    calls: List[str] = []
-    with _kernels_hooked(hybrid, context, calls):
+    mixer = next(child for child in layer.children() if type(child).__name__ in hybrid.mixers)
+    call = LayerCall(context, getattr(mixer, "layer_idx", None))
+    with _kernels_hooked(hybrid, call):
         out = original(layer, *args, **kwargs)
-    if not calls:
+    if not call.calls:
         context.fail(ValueError(
             f"the {type(layer).__name__} layer of {hybrid.model_types[0]!r} ran its mixer without calling the kernels "
             f"hf_ring computes over shards ({', '.join(n for n, _ in hybrid.kernels)}): its forward was replaced (a "
@@ -181,8 +182,8 @@ def _over_shards(original: Callable, hybrid: HybridFamily, context: ShardedForwa
 
 
 @contextlib.contextmanager
-def _kernels_hooked(hybrid: HybridFamily, context: ShardedForward, calls: List[str]) -> Iterator[None]:
-    """The family's kernels bound to their hooks over ``context`` for the length of one decoder layer's call.
+def _kernels_hooked(hybrid: HybridFamily, call: LayerCall) -> Iterator[None]:
+    """The family's kernels bound to their hooks over ``call`` for the length of one decoder layer's call.
 
     The context is bound here, not read from a kernel's call: not every mixer hands the forward's keyword arguments
     on to its kernels (Nemotron-H's ``mamba2_chunk_scan`` and Jamba's ``mamba_selective_scan`` get none).
@@ -190,6 +191,6 @@ def _kernels_hooked(hybrid: HybridFamily, context: ShardedForward, calls: List[s
     module = hybrid.modeling_module()
     with contextlib.ExitStack() as scope:
         for name, kind in hybrid.kernels:
-            hook = hooked(kind, getattr(module, name), context, calls, name)
+            hook = hooked(kind, getattr(module, name), call, name)
             scope.enter_context(registry.scoped(module, name, hook, KERNEL_WHY))
         yield

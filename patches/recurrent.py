@@ -43,11 +43,22 @@ Tensor = torch.Tensor
 CONV, DELTA, MAMBA2, MAMBA, FUSED = "convolution", "delta rule", "Mamba2 scan", "Mamba scan", "fused"
 
 
-def hooked(kind: str, kernel: Callable, context: ShardedForward, calls: Optional[List[str]] = None,
-           name: Optional[str] = None) -> Callable:
-    """``kernel`` (a convolution, delta rule, Mamba2 or Mamba scan: ``kind``) computed over the shards of
-    ``context``, called as the kernel is; ``calls`` records each call by ``name``."""
-    return functools.partial(_HOOKS[kind], kernel, context, [] if calls is None else calls, name or kind)
+@dataclass
+class LayerCall:
+    """One layer's call over the shards of ``context``, as the hooks on its kernels see it: ``layer_idx`` (as the
+    cache counts layers; None: not known) and the kernels it called, by name."""
+
+    context: ShardedForward
+    layer_idx: Optional[int] = None
+    calls: List[str] = field(default_factory=list)
+
+
+def hooked(kind: str, kernel: Callable, call: Any, name: Optional[str] = None) -> Callable:
+    """``kernel`` (a convolution, delta rule, Mamba2 or Mamba scan: ``kind``) computed over the shards of ``call``
+    (a :class:`LayerCall`, or a forward's context for a call of its own), called as the kernel is, and recorded
+    in ``call.calls`` by ``name``."""
+    call = call if isinstance(call, LayerCall) else LayerCall(call)
+    return functools.partial(_HOOKS[kind], kernel, call, name or kind)
 
 
 def _arguments(fn: Callable, args: tuple, kwargs: dict, leading: int) -> Tuple[List[Any], Dict[str, Any]]:
@@ -70,15 +81,20 @@ def _local_runs(context: ShardedForward, rows: int) -> List[Tuple[int, int]]:
     return [(0, rows)] if context.placeholder else context.pieces().local()
 
 
-def _conv(kernel, context: ShardedForward, calls: List[str], name: str, *args, **kwargs):
-    """A causal depthwise convolution over ``(B, C, rows)``: each run convolved after the rows before it."""
-    calls.append(name)
+def _conv(kernel, call: LayerCall, name: str, *args, **kwargs):
+    """A causal depthwise convolution over ``(B, C, rows)``: each run convolved after the rows before it; in a
+    prefill, the sequence's last rows kept as the layer's state, from the same exchange."""
+    context = call.context
+    call.calls.append(name)
     (x,), rest = _arguments(kernel, args, kwargs, 1)
     if rest.get("seq_idx") is not None or rest.get("initial_states") is not None:
         context.fail(ValueError(f"{name} was given seq_idx or initial_states over sequence shards; packed rows and a "
                                 "convolution state to start from are not supported there"))
     width = rest["weight"].shape[-1] - 1
-    halos, every = halo(context.pieces(), context.comm, x, width)
+    awaited = context.awaited_conv_state(call.layer_idx)
+    halos, tail, every = halo(context.pieces(), context.comm, x, width, 0 if awaited is None else awaited[0])
+    if awaited is not None:
+        awaited[1](tail.detach())
     if context.placeholder:
         return tied(kernel(x, **rest), every)
     outs = [kernel(torch.cat([before, x[..., o:o + n]], dim=-1), **rest)[..., width:]
@@ -116,9 +132,10 @@ class Scan:
     finish: Callable[[Tensor, Tensor, bool, Dict[str, Any]], Any]  # (output, end state, asked for it, rest) -> result
 
 
-def _scan(scan: Scan, kernel, context: ShardedForward, calls: List[str], name: str, *args, **kwargs):
+def _scan(scan: Scan, kernel, call: LayerCall, name: str, *args, **kwargs):
     """A scan over the shards: its runs from zero, then :func:`_carry`; returned as the kernel returns it."""
-    calls.append(name)
+    context = call.context
+    call.calls.append(name)
     inputs, rest = _arguments(kernel, args, kwargs, 5)
     want_final = bool(rest.pop(scan.final, False))
     if rest.pop(scan.state, None) is not None or rest.pop(scan.packed, None) is not None:
@@ -268,7 +285,7 @@ SCANS: Dict[str, Scan] = {
 """The scan kinds, by the kind the family table names: transformers' torch paths' keywords."""
 
 
-def _fused(kernel, context: ShardedForward, calls: List[str], name: str, *args, **kwargs):
+def _fused(kernel, call: LayerCall, name: str, *args, **kwargs):
     """A kernel fusing the convolution and the scan: declined over shards (None: the layer takes its split path)."""
     return None
 

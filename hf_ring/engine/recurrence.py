@@ -86,10 +86,11 @@ def carried(pieces: Pieces, ends: Tensor, maps: Tensor, step: Callable[[Tensor, 
     return [starts[i] for i in range(len(pieces.mine))], state
 
 
-def halo_sources(pieces: Pieces, width: int) -> List[List[Optional[Tuple[int, int, int]]]]:
+def halo_sources(pieces: Pieces, width: int, kept: Optional[int] = None) -> List[List[Optional[Tuple[int, int, int]]]]:
     """For each of this rank's runs, where each of the ``width`` rows before it lies in the exchanged tails:
-    ``(rank, run, row of that run's tail)``, or None before position 0. A tail holds a run's last ``width`` rows
-    (fewer for a shorter run, right-aligned)."""
+    ``(rank, run, row of that run's tail)``, or None before position 0. A tail holds a run's last ``kept`` rows
+    (``width`` unless given; fewer for a shorter run, right-aligned)."""
+    kept = width if kept is None else kept
     ends = {}
     for r, runs in enumerate(pieces.runs):
         for i, (a, b) in enumerate(runs):
@@ -102,21 +103,9 @@ def halo_sources(pieces: Pieces, width: int) -> List[List[Optional[Tuple[int, in
                 sources.append(None)
                 continue
             (r, i), (a, b) = next(((key, ab) for key, ab in ends.items() if ab[0] <= p < ab[1]))
-            sources.append((r, i, width - (b - p)))  # a tail is right-aligned: its last row is the run's last
+            sources.append((r, i, kept - (b - p)))  # a tail is right-aligned: its last row is the run's last
         out.append(sources)
     return out
-
-
-def sequence_tail(pieces: Pieces, comm: Optional[RingComm], x: Tensor, width: int) -> Tensor:
-    """The last ``width`` rows of the whole sequence of ``x`` (``(..., rows)``, this rank's rows last), on every
-    rank, zeros before position 0 (a short sequence): what a convolution keeps as its state after a prefill."""
-    end = max(b for runs in pieces.runs for _, b in runs) if any(pieces.runs) else 0
-    beyond = Pieces(pieces.runs + (((end, end + 1),),), len(pieces.runs))  # a run that starts where the rows end
-    every = _tails(pieces, x, width)
-    every = gather(comm, every, "the last rows of the sequence (a convolution's state)")
-    rows = [x.new_zeros(x.shape[:-1]) if s is None else every[s[0]][..., s[1], s[2]]
-            for s in halo_sources(beyond, width)[0]]
-    return torch.stack(rows, dim=-1) if rows else x.new_zeros(x.shape[:-1] + (0,))
 
 
 def _tails(pieces: Pieces, x: Tensor, width: int) -> Tensor:
@@ -129,13 +118,24 @@ def _tails(pieces: Pieces, x: Tensor, width: int) -> Tensor:
     return tails
 
 
-def halo(pieces: Pieces, comm: Optional[RingComm], x: Tensor, width: int) -> Tuple[List[Tensor], Tensor]:
+def _rows_from(every: Tensor, sources: List[Optional[Tuple[int, int, int]]], like: Tensor) -> Tensor:
+    """``(..., len(sources))``: the exchanged rows ``sources`` names, zeros where it names none."""
+    rows = [like.new_zeros(like.shape[:-1]) if s is None else every[s[0]][..., s[1], s[2]] for s in sources]
+    return torch.stack(rows, dim=-1) if rows else like.new_zeros(like.shape[:-1] + (0,))
+
+
+def halo(pieces: Pieces, comm: Optional[RingComm], x: Tensor, width: int,
+         tail: int = 0) -> Tuple[List[Tensor], Optional[Tensor], Tensor]:
     """For each of this rank's runs, the ``width`` rows of ``x`` (``(..., rows)``, this rank's rows last) that come
-    before it in the sequence, ``(..., width)``, zeros before position 0; differentiable (one all-gather, whose
-    result is returned too, for the caller to tie into what it returns: see :func:`tied`)."""
-    every = gather(comm, _tails(pieces, x, width), "the rows before each run (a convolution's halo)", anchor=x)
-    out = []
-    for sources in halo_sources(pieces, width):
-        rows = [x.new_zeros(x.shape[:-1]) if s is None else every[s[0]][..., s[1], s[2]] for s in sources]
-        out.append(torch.stack(rows, dim=-1) if rows else x.new_zeros(x.shape[:-1] + (0,)))
-    return out, every
+    before it in the sequence, ``(..., width)``, zeros before position 0; with ``tail``, also the last ``tail`` rows
+    of the whole sequence on every rank (what a convolution keeps as its state after a prefill; None without).
+    Differentiable: one all-gather, whose result is returned too, for the caller to tie into what it returns (see
+    :func:`hf_ring.engine.gathers.tied`)."""
+    kept = max(width, tail)
+    every = gather(comm, _tails(pieces, x, kept), "the rows before each run (a convolution's halo)", anchor=x)
+    halos = [_rows_from(every, sources, x) for sources in halo_sources(pieces, width, kept)]
+    if not tail:
+        return halos, None, every
+    end = max(b for runs in pieces.runs for _, b in runs) if any(pieces.runs) else 0
+    beyond = Pieces(pieces.runs + (((end, end + 1),),), len(pieces.runs))  # a run that starts where the rows end
+    return halos, _rows_from(every, halo_sources(beyond, tail, kept)[0], x), every

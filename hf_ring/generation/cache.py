@@ -1,4 +1,7 @@
-"""The KV cache of sequence-sharded generation: every rank keeps only its own rows, and only rows still visible.
+"""The KV cache of sequence-sharded generation: every rank keeps only its own K/V rows, and only rows still visible.
+
+(A hybrid's recurrent layers keep transformers' own states instead, the same on every rank: see
+:class:`ShardedCache`.)
 
 Prompt rows stay on the rank the layout gave them. Each generated token goes
 to the rank holding the fewest rows (ties: the lowest rank), so the shards
@@ -29,7 +32,7 @@ from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
 from ..engine.comm import RingComm
 from ..engine.layout import check_layout, check_ulysses, local_positions
-from ..engine.recurrence import Pieces, sequence_tail
+from ..integration.context import ShardedForward
 from .retention import KEEP_ALL, Retention
 from .slots import SlotTable, growth_rows
 
@@ -215,6 +218,7 @@ class ShardedCache(Cache):
         self.comm: Optional[RingComm] = None  # for the exchange after the prefill; attached by generate
         self._sets: Dict[Retention, List[SlotTable]] = {}
         self._prefill = False
+        self._prefill_forward: Optional[ShardedForward] = None  # a sharded prefill's forward, while it runs
         self._reset_sets()
 
     def _reset_sets(self) -> None:
@@ -250,13 +254,14 @@ class ShardedCache(Cache):
 
     def update_conv_state(self, conv_states: Tensor, layer_idx: int, *args, **kwargs) -> Tensor:
         """Keep a recurrent layer's convolution state. In a sharded prefill each rank holds some of the prompt's rows:
-        the state kept is the whole prompt's last rows (one small all-gather), and the rows given are returned as
-        they are, for the layer to convolve (the hooks give each run the rows before it)."""
-        if not self._prefill or self.world_size == 1:
+        the state kept is the whole prompt's last rows, which the hook convolving them over the shards hands over
+        from its own exchange (:meth:`hf_ring.integration.context.ShardedForward.await_conv_state`); the rows given
+        are returned as they are, for the layer to convolve."""
+        if self._prefill_forward is None or self.world_size == 1:
             return super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
         width = kwargs.get("conv_kernel_size") or conv_states.shape[-1]
-        pieces = Pieces.of(self.seq_len, self.world_size, self.layout, self.ulysses, self.rank)
-        super().update_conv_state(sequence_tail(pieces, self.comm, conv_states, width), layer_idx, *args, **kwargs)
+        update = super().update_conv_state
+        self._prefill_forward.await_conv_state(layer_idx, width, lambda tail: update(tail, layer_idx, *args, **kwargs))
         return conv_states
 
     def rule_of(self, layer_idx: int) -> Retention:
@@ -269,8 +274,9 @@ class ShardedCache(Cache):
         """The row sets of layer ``layer_idx`` (one, or one per K/V head)."""
         return self._sets[self.rule_of(layer_idx)]
 
-    def begin_prefill(self, seq_len: int) -> Tensor:
-        """Start a forward over the first ``seq_len`` tokens, sharded by the layout; returns this rank's positions."""
+    def begin_prefill(self, seq_len: int, forward: Optional[ShardedForward] = None) -> Tensor:
+        """Start a forward (``forward``: the sharded prefill's) over the first ``seq_len`` tokens, sharded by the
+        layout; returns this rank's positions."""
         if self.seq_len:
             raise ValueError("a sharded prefill needs an empty cache")
         pos = local_positions(seq_len, self.rank, self.world_size, self.layout, self.ulysses)
@@ -278,7 +284,7 @@ class ShardedCache(Cache):
             for row_set in sets:
                 row_set.begin_prefill(seq_len, pos, self.layout, rebalance=self.world_size > 1, ulysses=self.ulysses)
         self.seq_len = seq_len
-        self._prefill = True
+        self._prefill, self._prefill_forward = True, forward
         return pos
 
     def begin_step(self, num_new: int) -> Tensor:
@@ -288,7 +294,7 @@ class ShardedCache(Cache):
             for row_set in sets:
                 row_set.begin_step(first, num_new)
         self.seq_len += num_new
-        self._prefill = False
+        self._prefill, self._prefill_forward = False, None
         return torch.arange(first, self.seq_len)
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs) -> Tuple[Tensor, Tensor]:

@@ -139,11 +139,11 @@ def _pre_forward(state: Generation):
                     f"this transformers release's generate hands {type(module).__name__} masks it made for the whole "
                     f"prompt ({type(mask).__name__}), which hf_ring cannot split over the ranks; generate it with "
                     "transformers 5.24 (tested), or in one process")
-            pos = cache.begin_prefill(m).to(ids.device)
             # The ranks already agreed on the prompt (_agree), so the batch fingerprint is not needed here.
             prefill = ShardedForward.over(state.sp if state.comm is not None else None, m, cache.layout,
                                           padded=mask is not None and not bool(mask.all()),
                                           left_padding=left_padding(mask))
+            pos = cache.begin_prefill(m, prefill).to(ids.device)
             if has_media(kwargs):  # the towers see whole images; the language model's call is split
                 kwargs[CONTEXT_KEY] = MediaForward(prefill, pos)
             else:

@@ -3,11 +3,14 @@
 transformers hands every keyword argument of ``model(...)`` down to each
 attention call, so a context object put into the forward's kwargs (under
 ``ring_context``) by :func:`hf_ring.shard_batch` or :func:`hf_ring.generate`
-reaches every layer with no module-level state. What is the same for all
-layers (the parsed configuration, the family check, the ranks' agreement,
-which is one collective) is done by the first layer that runs and kept on
-the object; later layers, and the recomputation of gradient checkpointing,
-reuse it.
+reaches every layer: what one forward's layers share travels on that object,
+never in module-level state (the process's one piece of state is the active
+setup, :mod:`hf_ring.integration.groups`). What is the same for all layers
+(the parsed configuration, the family check, the ranks' agreement, which is
+one collective) is done by the first layer that runs and kept on the object;
+later layers, and the recomputation of gradient checkpointing, reuse it. A
+prefill's cache waits on it for what the recurrent layers' hooks exchange
+(:meth:`ShardedForward.await_conv_state`).
 """
 from __future__ import annotations
 
@@ -95,6 +98,7 @@ class ShardedForward(ForwardContext):
     _pieces: Optional[Pieces] = field(default=None, repr=False)
     _mixers: int = field(default=0, repr=False)
     _open_calls: int = field(default=0, repr=False)
+    _conv_states: Dict[int, Tuple[int, Any]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def over(cls, sp: Optional[SequenceParallel], seq_len: int, layout: str, **facts: Any) -> "ShardedForward":
@@ -212,6 +216,16 @@ class ShardedForward(ForwardContext):
 
     def leave_call(self) -> None:
         self._open_calls -= 1
+
+    def await_conv_state(self, layer_idx: int, width: int, keep: Any) -> None:
+        """A prefill's cache waits for the convolution state of layer ``layer_idx``: the last ``width`` rows of the
+        convolution's input over the whole sequence, which the hook computing that convolution over the shards
+        hands to ``keep`` from its own exchange (transformers gives the cache the state before the kernel runs)."""
+        self._conv_states[layer_idx] = (width, keep)
+
+    def awaited_conv_state(self, layer_idx: Optional[int]) -> Optional[Tuple[int, Any]]:
+        """``(width, keep)`` of :meth:`await_conv_state` for layer ``layer_idx``, once; None when nothing waits."""
+        return None if layer_idx is None else self._conv_states.pop(layer_idx, None)
 
     @property
     def collectives(self) -> int:
