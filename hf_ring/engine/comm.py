@@ -140,7 +140,8 @@ _RELEASE_S = 1.0
 
 
 class _Handed:
-    """Tensors handed to a collective, with the references each had before it (see :meth:`released`).
+    """Tensors handed to a finished collective, with the references each has while the work object stands (see
+    :meth:`released`): every one of them is held by the work, so once the work is gone each has fewer.
 
     gloo runs a collective on a worker thread of its process group, which keeps the work, and so its tensors, a
     moment after marking it done. A tensor Python has seen whose last reference goes on that thread needs the
@@ -155,12 +156,13 @@ class _Handed:
         self.counts = [t._use_count() for t in self.tensors]
 
     def released(self, backend: str) -> None:
-        """Return once the backend holds no reference to the tensors (at most :data:`_RELEASE_S`; the worker drops
-        them right after the work completes, so this is microseconds); other backends than gloo return at once."""
+        """Once the caller has dropped its work object: return when the work is gone, so that the backend holds no
+        reference to the tensors (at most :data:`_RELEASE_S`; the worker drops them right after the work completes,
+        so this is microseconds). Other backends than gloo return at once."""
         if backend != "gloo":
             return
         deadline, pause = time.monotonic() + _RELEASE_S, _POLL_MIN_S
-        while any(t._use_count() > n for t, n in zip(self.tensors, self.counts)) and time.monotonic() < deadline:
+        while any(t._use_count() >= n for t, n in zip(self.tensors, self.counts)) and time.monotonic() < deadline:
             time.sleep(pause)
             pause = min(2 * pause, _POLL_MAX_S)
 
@@ -168,10 +170,10 @@ class _Handed:
 def _collective(what: str, timeout: float, backend: str, tensors: Sequence[Tensor], post) -> None:
     """Post a collective over ``tensors`` and finish it: bounded (:func:`wait`), and with gloo's references to the
     tensors dropped (:class:`_Handed`)."""
-    handed = _Handed(tensors)
     work = _post(what, timeout, post)
     wait(work, what, timeout, backend)
-    del work  # the worker's reference, and then ours: what is left is the caller's
+    handed = _Handed(tensors)
+    del work  # ours; the worker's goes when it is done with it
     handed.released(backend)
 
 
@@ -238,19 +240,20 @@ class Pending:
     """Sends and receives in flight; ``wait()`` returns the received tensors."""
 
     def __init__(self, works, sent: List[Tensor], received: List[Tensor], what: str, timeout: float,
-                 backend: str, handed: Optional["_Handed"] = None):
+                 backend: str, collective: bool = False):
         self._works, self._received, self._what = works, received, what
         self._timeout, self._backend = timeout, backend
         self._sent = sent  # keep send buffers alive until their transfer completes
-        self._handed = handed  # a collective's tensors, released by gloo's worker before ours go (see _Handed)
+        self._collective = collective  # a collective's worker thread lets go of its tensors before ours go (_Handed)
 
     def wait(self) -> List[Tensor]:
         for work in self._works:
             wait(work, self._what, self._timeout, self._backend)
+        handed = _Handed(self._sent + self._received) if self._collective else None
         self._works = []
-        if self._handed is not None:
-            self._handed.released(self._backend)
-        self._sent, self._handed = [], None
+        if handed is not None:
+            handed.released(self._backend)
+        self._sent = []
         return self._received
 
 
@@ -333,17 +336,17 @@ def leave(groups: Sequence[dist.ProcessGroup], reason: str, timeout: float) -> L
         seen.add(id(group))
         t = torch.tensor(row, dtype=torch.long, device=device_for(group))
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-        handed = _Handed([t] + parts)
         work = _post(LEAVING, timeout, lambda: dist.all_gather(parts, t, group=group, async_op=True))
-        posted.append((group, work, parts, handed))
+        posted.append((group, work, parts, t))
     deadline, pause = time.monotonic() + timeout, 1e-3
     while posted:
         for item in [p for p in posted if p[1].is_completed()]:
-            group, work, parts, handed = item
+            group, work, parts, t = item
             posted.remove(item)
             work.wait()
+            handed = _Handed([t] + parts)
             del work, item  # the process is ending: gloo's worker must let go of the exchange's tensors first
-            handed.released(carrier(group, parts[0].device))
+            handed.released(carrier(group, t.device))
             elsewhere = [(dist.get_global_rank(group, r), ints_text(p.tolist()[1:])) for r, p in enumerate(parts)
                          if int(p[0]) != _LEAVING_CODE]
             if elsewhere:  # those ranks raise RankLeftError now; the other groups' exits would wait for nothing
@@ -476,10 +479,10 @@ class RingComm:
                         input_splits: Sequence[int], what: str) -> Pending:
         """:meth:`all_to_all` left in flight: ``wait()`` on the result returns ``[output]``."""
         tensor = tensor.contiguous()
-        handed = _Handed([output, tensor])
         work = _post(what, self.timeout, lambda: dist.all_to_all_single(
             output, tensor, list(output_splits), list(input_splits), group=self.group, async_op=True))
-        return Pending([work], [tensor], [output], what, self.timeout, carrier(self.group, output.device), handed)
+        return Pending([work], [tensor], [output], what, self.timeout, carrier(self.group, output.device),
+                       collective=True)
 
     def broadcast(self, tensor: Tensor, src: int, what: str) -> Tensor:
         """``tensor`` of group rank ``src`` on every rank (in place; other ranks pass a buffer of its shape)."""
