@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from hf_ring.engine.gathers import gather, tied
 from hf_ring.engine.merge import accumulator_dtype
-from hf_ring.engine.recurrence import carried, halo
+from hf_ring.engine.recurrence import Segment, carried, fold, halo, keeps, segment_starts, segments
 from hf_ring.integration.context import CONTEXT_KEY, ShardedForward
 
 Tensor = torch.Tensor
@@ -76,14 +76,18 @@ def _arguments(fn: Callable, args: tuple, kwargs: dict, leading: int) -> Tuple[L
     return [found.pop(n) for n in names], found
 
 
-def _local_runs(context: ShardedForward, rows: int) -> List[Tuple[int, int]]:
-    """This rank's runs as (offset, length) in its rows; a placeholder row is run as it is (nothing reads it)."""
-    return [(0, rows)] if context.placeholder else context.pieces().local()
+def _segments(context: ShardedForward, rows: int, batch: int) -> List[Segment]:
+    """What this rank runs, one kernel call each: its runs cut at document starts (:func:`segments`); a placeholder
+    row is run as it is, from zero (nothing reads it)."""
+    if context.placeholder:
+        return [Segment(0, 0, rows, 0, (0,) * batch)]
+    return segments(context.pieces(), context.documents, batch)
 
 
 def _conv(kernel, call: LayerCall, name: str, *args, **kwargs):
-    """A causal depthwise convolution over ``(B, C, rows)``: each run convolved after the rows before it; in a
-    prefill, the sequence's last rows kept as the layer's state, from the same exchange."""
+    """A causal depthwise convolution over ``(B, C, rows)``: each segment convolved after the rows before it, those
+    of an earlier document zeroed (as the layer's own left padding); in a prefill, the sequence's last rows kept as
+    the layer's state, from the same exchange."""
     context = call.context
     call.calls.append(name)
     (x,), rest = _arguments(kernel, args, kwargs, 1)
@@ -92,21 +96,40 @@ def _conv(kernel, call: LayerCall, name: str, *args, **kwargs):
                                 "convolution state to start from are not supported there"))
     width = rest["weight"].shape[-1] - 1
     awaited = context.awaited_conv_state(call.layer_idx)
-    halos, tail, every = halo(context.pieces(), context.comm, x, width, 0 if awaited is None else awaited[0])
+    pieces = context.pieces()
+    halos, tail, every = halo(pieces, context.comm, x, width, 0 if awaited is None else awaited[0])
     if awaited is not None:
         awaited[1](tail.detach())
     if context.placeholder:
         return tied(kernel(x, **rest), every)
-    outs = [kernel(torch.cat([before, x[..., o:o + n]], dim=-1), **rest)[..., width:]
-            for (o, n), before in zip(_local_runs(context, x.shape[-1]), halos)]
+    runs = pieces.local()
+    extended = [torch.cat([before, x[..., o:o + n]], dim=-1) for (o, n), before in zip(runs, halos)]
+    outs = []
+    for seg in _segments(context, x.shape[-1], x.shape[0]):
+        at = seg.offset - runs[seg.run][0]
+        window = extended[seg.run][..., at:at + width + seg.length]
+        outs.append(kernel(_from_document_start(window, seg, width), **rest)[..., width:])
     return tied(torch.cat(outs, dim=-1), every)
+
+
+def _from_document_start(window: Tensor, seg: Segment, width: int) -> Tensor:
+    """``window`` ``(B, C, width + rows)``: the ``width`` rows before a segment, then its rows; the rows before each
+    batch row's document start zeroed, so the convolution reads none of an earlier document."""
+    first = seg.start - width  # the global row of the window's first column
+    if all(origin <= first for origin in seg.origins):
+        return window
+    rows = torch.arange(first, seg.start, device=window.device)
+    origins = torch.tensor(seg.origins, device=window.device)
+    keep = (rows[None, :] >= origins[:, None]).to(window.dtype)[:, None, :]  # (B, 1, width)
+    return torch.cat([window[..., :width] * keep, window[..., width:]], dim=-1)
 
 
 @dataclass
 class Runs:
-    """What a scan's runs gave, each from a zero state, in the order the rank holds them."""
+    """What a scan's segments (:func:`_segments`) gave, each from a zero state, in the order the rank holds them."""
 
-    outs: List[Tensor] = field(default_factory=list)  # the run's output
+    segments: List[Segment]
+    outs: List[Tensor] = field(default_factory=list)  # the segment's output
     bases: List[Any] = field(default_factory=list)  # what its output gains per unit of its start state (None: none)
     ends: List[Tensor] = field(default_factory=list)  # its end state (S_ext)
     maps: List[Tensor] = field(default_factory=list)  # its transition (M): it ends in M·S_in + S_ext from S_in
@@ -128,6 +151,7 @@ class Scan:
     rows_dim: int  # where the rows lie in its output
     runs: Callable[..., Runs]  # (kernel, context, inputs, rest, scan) -> each run from zero
     compose: Callable[[Tensor, Tensor], Tensor]  # (M, S_in) -> M·S_in
+    chain: Callable[[Tensor, Tensor], Tensor]  # (M2, M1) -> the transition of M1, then M2
     correct: Callable[[Tensor, Any, Tensor], Tensor]  # (output from zero, basis, S_in) -> the true output
     finish: Callable[[Tensor, Tensor, bool, Dict[str, Any]], Any]  # (output, end state, asked for it, rest) -> result
 
@@ -147,15 +171,22 @@ def _scan(scan: Scan, kernel, call: LayerCall, name: str, *args, **kwargs):
 
 
 def _carry(context: ShardedForward, runs: Runs, anchor: Tensor, scan: Scan, what: str):
-    """The step every scan shares: every rank's runs' end states and transitions exchanged (one all-gather, in
-    autograd), composed in position order into the state each run starts from, and each run's output corrected for
-    it. Returns the outputs, the sequence's end state, and the exchanged tensor, which the caller ties into what it
-    returns (:func:`hf_ring.engine.gathers.tied`).
+    """The step every scan shares: each of this rank's runs' end state and transition, from its segments' (a
+    document start cuts the state: :func:`hf_ring.engine.recurrence.fold`), exchanged with every rank's (one
+    all-gather, in autograd), composed in position order into the state each run starts from, and each segment's
+    output corrected for the state it starts from. Returns the outputs, the sequence's end state, and the exchanged
+    tensor, which the caller ties into what it returns (:func:`hf_ring.engine.gathers.tied`).
 
     ``anchor`` (a kernel input) ties the exchange into every rank's graph alike, also on a rank whose runs sent
     nothing that needs a gradient (a placeholder row), so every rank joins the exchange's backward.
     """
-    ends, maps = runs.ends, runs.maps
+    kept = [keeps(seg, anchor.device) for seg in runs.segments]
+    by_run: Dict[int, List[int]] = {}
+    for i, seg in enumerate(runs.segments):
+        by_run.setdefault(seg.run, []).append(i)
+    folded = [fold([runs.ends[i] for i in idx], [runs.maps[i] for i in idx], [kept[i] for i in idx], scan.compose,
+                   scan.chain) for idx in by_run.values()]
+    ends, maps = [end for end, _ in folded], [transition for _, transition in folded]
     if context.placeholder:  # its one run is nobody's: it sends zeros, and nothing reads its output
         ends, maps = [ends[0] * 0], [maps[0] * 0]
     pieces = context.pieces()
@@ -164,11 +195,16 @@ def _carry(context: ShardedForward, runs: Runs, anchor: Tensor, scan: Scan, what
     split = ends_t[0].numel()
     every_end = every[:, :, :split].reshape((-1,) + ends_t.shape)
     every_map = every[:, :, split:].reshape((-1,) + maps_t.shape)
-    starts, final = carried(pieces, every_end, every_map, scan.compose)
+    run_starts, final = carried(pieces, every_end, every_map, scan.compose)
     if context.placeholder:
         return runs.outs, final, every
-    outs = [out if basis is None else scan.correct(out, basis, start)
-            for out, basis, start in zip(runs.outs, runs.bases, starts)]
+    outs = list(runs.outs)
+    for run, idx in by_run.items():
+        starts = segment_starts(run_starts[run], [runs.ends[i] for i in idx], [runs.maps[i] for i in idx],
+                                [kept[i] for i in idx], scan.compose)
+        for i, start in zip(idx, starts):
+            if runs.bases[i] is not None:
+                outs[i] = scan.correct(runs.outs[i], runs.bases[i], start)
     return outs, final, every
 
 
@@ -178,24 +214,23 @@ def _padded(parts: List[Tensor], width: int) -> Tensor:
 
 
 def _delta_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Dict[str, Any], scan: Scan) -> Runs:
-    """A delta rule (gated delta rule, KDA) over ``(B, rows, H, d)`` inputs: each run from a zero state, with ``d_k``
-    extra value channels started at the identity, whose outputs and end state give the basis and the transition; the
-    sequence's first rows start from zero, so they need neither."""
+    """A delta rule (gated delta rule, KDA) over ``(B, rows, H, d)`` inputs: each segment from a zero state, with
+    ``d_k`` extra value channels started at the identity, whose outputs and end state give the basis and the
+    transition; a segment every batch row starts a document (or the sequence) at needs neither."""
     q, k, v, g, beta = inputs
     b, rows, heads, dv = v.shape
     dk = k.shape[-1]
     acc = accumulator_dtype(v)
     identity = torch.cat([torch.zeros(b, heads, dk, dv, dtype=acc, device=v.device),
                           torch.eye(dk, dtype=acc, device=v.device).expand(b, heads, dk, dk)], dim=-1)
-    runs = Runs()
-    firsts = [False] if context.placeholder else [start == 0 for start, _ in context.pieces().mine]
-    for (o, n), first in zip(_local_runs(context, rows), firsts):
-        s = slice(o, o + n)
-        if first:
+    runs = Runs(_segments(context, rows, b))
+    for seg in runs.segments:
+        s = slice(seg.offset, seg.offset + seg.length)
+        if all(seg.fresh):
             out, state = kernel(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], **{scan.final: True}, **rest)
             runs.add(out, None, state.to(acc), torch.zeros(b, heads, dk, dk, dtype=acc, device=v.device))
             continue
-        extended = torch.cat([v[:, s], v.new_zeros(b, n, heads, dk)], dim=-1)
+        extended = torch.cat([v[:, s], v.new_zeros(b, seg.length, heads, dk)], dim=-1)
         out, state = kernel(q[:, s], k[:, s], extended, g[:, s], beta[:, s], **{scan.state: identity, scan.final: True},
                             **rest)
         runs.add(out[..., :dv], out[..., dv:], state[..., :dv].to(acc), state[..., dv:].to(acc))
@@ -222,9 +257,9 @@ def _mamba2_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Di
     step = _step_size(dt, rest.get("dt_bias"), bool(rest.get("dt_softplus")), acc)
     log_decay = A.to(acc) * torch.clamp(step, min=low, max=high)  # (B, rows, H)
     query = C.to(acc).repeat_interleave(heads // C.shape[2], dim=2)  # (B, rows, H, N)
-    runs = Runs()
-    for o, n in _local_runs(context, x.shape[1]):
-        s = slice(o, o + n)
+    runs = Runs(_segments(context, x.shape[1], x.shape[0]))
+    for seg in runs.segments:
+        s = slice(seg.offset, seg.offset + seg.length)
         out, state = kernel(x[:, s], dt[:, s], A, B[:, s], C[:, s], **{scan.state: None, scan.final: True}, **rest)
         cum = log_decay[:, s].cumsum(1)
         runs.add(out, cum.exp()[..., None] * query[:, s], state.to(acc), cum[:, -1].exp())
@@ -244,9 +279,9 @@ def _mamba_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Dic
     bias = rest.get("delta_bias")
     step = _step_size(dt, None if bias is None else bias[..., None], bool(rest.get("delta_softplus")), acc)
     ungated = {**rest, "z": None}
-    runs = Runs()
-    for o, n in _local_runs(context, x.shape[-1]):
-        s = slice(o, o + n)
+    runs = Runs(_segments(context, x.shape[-1], x.shape[0]))
+    for seg in runs.segments:
+        s = slice(seg.offset, seg.offset + seg.length)
         out, state = kernel(x[..., s], dt[..., s], A, B[..., s], C[..., s], **{scan.final: True}, **ungated)
         cum = (A.to(acc)[None, :, None, :] * step[..., s, None]).cumsum(2)  # (B, D, rows, N)
         runs.add(out, (C[..., s], cum), state.to(acc), cum[:, :, -1].exp())
@@ -275,12 +310,14 @@ def _mamba_finish(out: Tensor, final: Tensor, want_final: bool, rest: Dict[str, 
 
 SCANS: Dict[str, Scan] = {
     DELTA: Scan(state="initial_state", final="output_final_state", packed="cu_seqlens", rows_dim=1, runs=_delta_runs,
-                compose=lambda m, s: m @ s, correct=_delta_correct, finish=_delta_finish),
+                compose=lambda m, s: m @ s, chain=lambda m2, m1: m2 @ m1, correct=_delta_correct,
+                finish=_delta_finish),
     MAMBA2: Scan(state="initial_states", final="return_final_states", packed="seq_idx", rows_dim=1,
-                 runs=_mamba2_runs, compose=lambda m, s: m[..., None, None] * s, correct=_mamba2_correct,
-                 finish=_mamba2_finish),
+                 runs=_mamba2_runs, compose=lambda m, s: m[..., None, None] * s, chain=lambda m2, m1: m2 * m1,
+                 correct=_mamba2_correct, finish=_mamba2_finish),
     MAMBA: Scan(state="initial_states", final="return_last_state", packed="seq_idx", rows_dim=-1, runs=_mamba_runs,
-                compose=lambda m, s: m * s, correct=_mamba_correct, finish=_mamba_finish),
+                compose=lambda m, s: m * s, chain=lambda m2, m1: m2 * m1, correct=_mamba_correct,
+                finish=_mamba_finish),
 }
 """The scan kinds, by the kind the family table names: transformers' torch paths' keywords."""
 

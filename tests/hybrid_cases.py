@@ -138,6 +138,35 @@ def padded_batch(seed: int = 4, n: int = N) -> Dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+DOCUMENTS = (23, 3, 14, 29)
+"""Lengths of the documents one packed row holds: on 2 and 4 ranks they straddle ranks and runs, one lies inside
+a run, several share a rank (zigzag gives a rank two runs)."""
+
+
+def packed_batch(seed: int = 5, lengths=DOCUMENTS) -> Dict[str, torch.Tensor]:
+    """One row packing the documents as ``DataCollatorWithFlattening`` does: position ids restarting at each, the
+    label of each document's first token -100 (no document predicts the next one's first token)."""
+    import sweep
+
+    ids = sweep.inputs("", batch=1, seed=seed, n=sum(lengths))["input_ids"]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    labels[0, positions[0] == 0] = -100
+    return {"input_ids": ids, "position_ids": positions, "labels": labels}
+
+
+def _documents_apart(model, batch) -> torch.Tensor:
+    """The loss of a packed batch's documents run one by one (each from a zero state, as a model's own first rows),
+    as one process would average its labelled tokens: the sum of every document's, over their count."""
+    starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
+    total, count = 0.0, 0
+    for a, b in zip(starts, starts[1:]):
+        out = model(input_ids=batch["input_ids"][:, a:b], labels=batch["labels"][:, a:b], use_cache=False)
+        total = total + out.loss * (b - a - 1)
+        count += b - a - 1
+    return total / count
+
+
 def _step(model, data):
     import hybrid_models
 
@@ -147,25 +176,45 @@ def _step(model, data):
     return out.loss.detach()
 
 
-def family_reference(model_type: str, n: int = N) -> dict:
+def family_reference(model_type: str, n: int = N, packed: bool = False) -> dict:
     """One process, ``sdpa``, float64: the loss and every gradient of the padded batch (``eager`` fills a padded
-    query row that sees no key with NaN, which the recurrent layers' masking, a product by 0, carries on)."""
+    query row that sees no key with NaN, which the recurrent layers' masking, a product by 0, carries on), or of
+    the packed batch's documents run one by one (``packed``)."""
+    import hybrid_models
     import sweep
 
     model, why = sweep.build(model_type, "sdpa", torch.float64, "hybrid")
     assert model is not None, why
-    loss = _step(model, padded_batch(n=n))
+    if packed:
+        with hybrid_models.model_in_float64(model):
+            loss = _documents_apart(model, packed_batch())
+            loss.backward()
+        loss = loss.detach()
+    else:
+        loss = _step(model, padded_batch(n=n))
     return {"loss": loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
 
 
-def family_case(model_type: str, ulysses: int = 1, n: int = N) -> dict:
-    """The same step with the rows split over the pool's ranks (``ulysses``: head-parallel groups of that size)."""
+def packed_one_process(model_type: str, attn: str = "ring_dilated") -> dict:
+    """The packed batch in one process, as a training loop gives it to a model (no hf_ring call: position ids
+    restarting, no mask, no cache), float64: the loss and every gradient."""
+    import sweep
+
+    model, why = sweep.build(model_type, attn, torch.float64, "hybrid")
+    assert model is not None, why
+    loss = _step(model, dict(packed_batch(), use_cache=False))
+    return {"loss": loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+
+
+def family_case(model_type: str, ulysses: int = 1, n: int = N, packed: bool = False) -> dict:
+    """The same step with the rows split over the pool's ranks (``ulysses``: head-parallel groups of that size);
+    ``packed``: of the packed batch."""
     import sweep
 
     sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses)
     try:
         model, why = sweep.build(model_type, "ring_dilated", torch.float64, "hybrid")
-        loss = _step(model, hf_ring.shard_batch(padded_batch(n=n)))
+        loss = _step(model, hf_ring.shard_batch(packed_batch() if packed else padded_batch(n=n)))
         hf_ring.sync_gradients(model)
         dist.all_reduce(loss, group=sp.sp_group)
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -174,19 +223,12 @@ def family_case(model_type: str, ulysses: int = 1, n: int = N) -> dict:
         hf_ring.clear_sequence_parallel()
 
 
-def packed_case(model_type: str) -> tuple:
-    """A packed row (position ids restarting, no mask) given to a hybrid: what each rank raised."""
-    import sweep
-    from helpers import raises_on_rank
-
-    hf_ring.setup_sequence_parallel(None)
+def packed_or_refused(model_type: str, world: int) -> dict:
+    """The packed batch's step in one process (``world`` 1) or over the pool's ranks, or what was raised."""
     try:
-        model, _ = sweep.build(model_type, "ring_dilated", torch.float32, "hybrid")
-        ids = sweep.inputs(model_type)["input_ids"]
-        positions = torch.cat([torch.arange(30), torch.arange(N - 30)])[None]
-        return raises_on_rank(lambda: model(**hf_ring.shard_batch({"input_ids": ids, "position_ids": positions})))
-    finally:
-        hf_ring.clear_sequence_parallel()
+        return packed_one_process(model_type) if world == 1 else family_case(model_type, packed=True)
+    except (ValueError, NotImplementedError) as err:
+        return {"refused": f"{type(err).__name__}: {err}"}
 
 
 def trainer_case(model_type: str, path: str, sp_size=None, **options) -> dict:

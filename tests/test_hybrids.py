@@ -5,6 +5,8 @@ hooks on 2 ranks against a float64 recurrence on the whole sequence (tests/refer
 every hybrid family on 2 and 4 ranks, padded, with head parallelism, against one process, the scans of both runs
 replaced by the float64 recurrences (hybrid_models.float64_kernels says why).
 """
+import functools
+
 import pytest
 import torch
 
@@ -58,13 +60,31 @@ def test_a_sequence_shorter_than_the_ranks_equals_one_process(pools, model_type)
     check_family(pools(4).run(hybrid_cases.family_case, model_type, 1, 3)[0], want)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
-def test_packed_rows_of_a_hybrid_are_refused_on_every_rank(pools, model_type):
-    errors = pools(2).run(hybrid_cases.packed_case, model_type)
-    for err in errors:
-        assert err is not None and err[0] == "ValueError" and f"(model type {model_type!r})" in err[1], err
-        assert "packed rows" in err[1] and "one document per row" in err[1], err
-    assert errors[0] == errors[1]
+@functools.lru_cache(maxsize=None)
+def documents_apart(model_type):
+    return hybrid_cases.family_reference(model_type, packed=True)
+
+
+@pytest.mark.parametrize("model_type", hybrid_cases.FAMILIES)
+def test_packed_rows_in_one_process_keep_their_documents_apart(model_type):
+    """A row packing four documents (position ids restarting, no mask, no cache) given to a ring_dilated hybrid in
+    one process, as a padding-free training loop gives it: every recurrent layer starts each document from a zero
+    state and its convolution sees no row of the document before; the loss and every gradient equal the documents'
+    run one by one. transformers' own path (sdpa) mixes them, so the comparison can fail."""
+    want = documents_apart(model_type)
+    check_family(hybrid_cases.packed_one_process(model_type), want)
+    mixed = hybrid_cases.packed_one_process(model_type, attn="sdpa")
+    assert rel_err(mixed["loss"], want["loss"]) > 1e3 * TOL or \
+        max(rel_err(mixed["grads"][k], g) for k, g in want["grads"].items()) > 1e3 * TOL
+
+
+@pytest.mark.parametrize("world, ulysses", [(2, 1), (4, 2)], ids=["2-ranks", "4-ranks-heads2"])
+@pytest.mark.parametrize("model_type", hybrid_cases.FAMILIES)
+def test_packed_rows_over_ranks_keep_their_documents_apart(pools, model_type, world, ulysses):
+    """The packed row split over 2 ranks (zigzag: documents across ranks and runs, several on one rank, one inside
+    a run) and over 4 with head parallelism: equal to the documents run one by one."""
+    check_family(pools(world).run(hybrid_cases.family_case, model_type, ulysses, packed=True)[0],
+                 documents_apart(model_type))
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
@@ -90,6 +110,23 @@ def test_sft_trainer_with_prepare_trainer_equals_one_process(pools, model_type):
     path = hybrid_models.saved(model_type, vocab_size=len(sft.char_tokenizer()))
     res = pools(2).run(hybrid_cases.sft_case, model_type, path, 2)[0]
     check_steps(res, hybrid_cases.sft_case(model_type, path))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h", "lfm2"])
+def test_sft_trainer_padding_free_keeps_a_hybrids_rows_apart(pools, model_type):
+    """TRL's SFTTrainer with padding_free=True (each batch one packed row, position ids restarting): in one process
+    (as TRL runs it, and through prepare_trainer) and on 2 ranks through prepare_trainer, every logged loss and every
+    step's gradient equal the same rows padded apart."""
+    pytest.importorskip("trl")
+    import hybrid_models
+    from test_trainer import check_steps
+    from trainer_cases import example
+
+    path = hybrid_models.saved(model_type, vocab_size=len(example("sft").char_tokenizer()))
+    apart = hybrid_cases.sft_case(model_type, path)
+    check_steps(hybrid_cases.sft_case(model_type, path, padding_free=True, attn="ring_dilated"), apart)
+    check_steps(hybrid_cases.sft_case(model_type, path, 1, padding_free=True), apart)
+    check_steps(pools(2).run(hybrid_cases.sft_case, model_type, path, 2, padding_free=True)[0], apart)
 
 
 @pytest.mark.parametrize("world, ulysses", [(2, 1), (4, 2)], ids=["2-ranks", "4-ranks-heads2"])

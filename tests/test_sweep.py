@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+import hybrid_models
 import sweep
 from helpers import gradient_errors, rel_err
 
@@ -97,3 +98,26 @@ def test_image_text_models_on_two_ranks_are_exact_or_refused_alike(pools, model_
         dtype, want = torch.float32, sweep.eager_step(model_type, dtype=torch.float32, head=sweep.IMAGE_TEXT)
     got = pools(2).run(sweep.sharded_step_case, model_type, dtype=dtype, head=sweep.IMAGE_TEXT)
     check_two_ranks(model_type, got, want)
+
+
+@pytest.mark.parametrize("model_type", hybrid_models.hybrid_types())
+def test_a_packed_row_of_every_hybrid_type_is_exact_or_refused(pools, model_type):
+    """One row packing four documents (position ids restarting, no mask, no cache) in one process and on 2 ranks:
+    the loss and every gradient equal the documents run one by one, or every rank refuses naming the type, never a
+    silent mix of the documents."""
+    import hybrid_cases
+    from test_hybrids import check_family
+
+    try:
+        want = hybrid_cases.family_reference(model_type, packed=True)
+    except Exception as err:  # noqa: BLE001 -- a type whose reference does not run tiny has nothing to compare
+        pytest.skip(f"reference: {type(err).__name__}: {str(err)[:200]}")
+    one = hybrid_cases.packed_or_refused(model_type, 1)
+    two = pools(2).run(hybrid_cases.packed_or_refused, model_type, 2)
+    if "refused" in one:
+        assert repr(model_type) in one["refused"] and "packed rows" in one["refused"], one["refused"]
+        assert all("refused" in r and repr(model_type) in r["refused"] for r in two), two
+        assert two[0]["refused"] == two[1]["refused"]
+        return
+    check_family(one, want)
+    check_family(two[0], want)

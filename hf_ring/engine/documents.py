@@ -20,6 +20,10 @@ Tensor = torch.Tensor
 Documents = Tuple[Tuple[int, ...], ...]
 """Per batch row, the ascending global rows where a document starts; always starting with 0."""
 
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+"""Flash-style varlen keys (``DataCollatorWithFlattening``, TRL's padding-free collator): they describe the global
+rows, so hf_ring reads them into the forward's documents and does not pass them on to the model."""
+
 
 def document_starts(position_ids: Tensor) -> Documents:
     """Document starts of global ``position_ids`` ``(B, N)``: row 0 and every row whose id is not its predecessor's + 1."""
@@ -84,12 +88,14 @@ def check_documents(documents, batch: int, seq_len: int) -> Optional[Documents]:
 
 
 def documents_of_call(batch: int, seq_len: int, position_ids: Any, cu_seq_lens_q: Any, cu_seq_lens_k: Any,
-                      masked: bool) -> Optional[Documents]:
-    """Documents packed into the rows of a one-process whole-sequence forward, as transformers marks them.
+                      masked: bool, seq_idx: Any = None) -> Optional[Documents]:
+    """Documents packed into the rows of a batch or a forward, as transformers and its collators mark them.
 
     Runs of ``position_ids`` that increase by one are documents when the
     model was given no attention mask (``masked`` False); flash-style
-    ``cu_seq_lens_q/k`` say the same for a flattened row and must agree with them.
+    ``cu_seq_lens_q/k`` say the same for a flattened row, and ``seq_idx`` (the
+    document of each row, as causal-conv1d and mamba-ssm read it) for every
+    row: what is given must agree, or the batch is refused naming both.
     """
     b, n = batch, seq_len
     found = None
@@ -102,10 +108,20 @@ def documents_of_call(batch: int, seq_len: int, position_ids: Any, cu_seq_lens_q
             raise ValueError(f"cu_seq_lens_q must rise from 0 to the row length {n} of a single flattened row "
                              f"(batch size {b}), got {offsets[:8]}")
         found = (tuple(offsets[:-1]),)
+    if isinstance(seq_idx, torch.Tensor):
+        if seq_idx.shape[-1] != n or seq_idx.dim() > 2:
+            raise ValueError(f"seq_idx must give the document of each of the {n} rows, (batch, rows); got shape "
+                             f"{tuple(seq_idx.shape)}")
+        from_ids = starts_of_ids(seq_idx.reshape(-1, n).expand(b, n))
+        if found is not None and found != from_ids:
+            raise ValueError("cu_seq_lens_q and seq_idx mark different documents; pass the ones the collator made "
+                             "together")
+        found = from_ids
     if not masked and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and position_ids.shape[-1] == n:
         from_positions = document_starts(position_ids.expand(b, n))
         if found is not None and found != from_positions:
-            raise ValueError("position_ids and cu_seq_lens_q mark different documents; pass the ones the collator made")
+            raise ValueError("position_ids and cu_seq_lens_q (or seq_idx) mark different documents; pass the ones the "
+                             "collator made together")
         found = from_positions
     return check_documents(found, b, n)
 

@@ -27,6 +27,7 @@ Everything here is pure index math or torch collectives: no model code.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -84,6 +85,78 @@ def carried(pieces: Pieces, ends: Tensor, maps: Tensor, step: Callable[[Tensor, 
             starts[i] = state
         state = step(maps[r, i], state) + ends[r, i]
     return [starts[i] for i in range(len(pieces.mine))], state
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of this rank's rows that one kernel call runs: one of its runs, or part of one cut at a document
+    start (packed rows). A document start is a run whose incoming state is zero, and a convolution sees no row of an
+    earlier document."""
+
+    run: int  # the index of the run (:meth:`Pieces.local`) it lies in
+    offset: int  # its first row, among this rank's rows
+    length: int
+    start: int  # its first row, in the sequence
+    origins: Tuple[int, ...]  # per batch row: where the document that holds its first row starts (0: the sequence)
+
+    @property
+    def fresh(self) -> Tuple[bool, ...]:
+        """Per batch row: it starts from a zero state (its first row starts a document, or the sequence)."""
+        return tuple(origin == self.start for origin in self.origins)
+
+
+def segments(pieces: Pieces, documents: Optional[Sequence[Sequence[int]]], batch: int,
+             local: Optional[Sequence[Tuple[int, int]]] = None) -> List[Segment]:
+    """This rank's runs cut at every document start of any batch row (``documents``: per batch row, the ascending
+    global rows where a document starts, beginning with 0; None: one sequence per row), in the order it holds them.
+    ``local``: the runs as ``(offset, length)`` in its rows (default :meth:`Pieces.local`)."""
+    starts = [tuple(row) for row in documents] if documents is not None else [(0,)] * batch
+    cuts = sorted({s for row in starts for s in row})
+    out = []
+    for i, ((offset, length), (a, _)) in enumerate(zip(local if local is not None else pieces.local(), pieces.mine)):
+        edges = [a] + [c for c in cuts if a < c < a + length] + [a + length]
+        for lo, hi in zip(edges, edges[1:]):
+            origins = tuple(row[bisect_right(row, lo) - 1] for row in starts)
+            out.append(Segment(i, offset + lo - a, hi - lo, lo, origins))
+    return out
+
+
+def _per_row(keep: Tensor, like: Tensor) -> Tensor:
+    return keep.to(like.dtype).view((-1,) + (1,) * (like.dim() - 1))
+
+
+def keeps(segment: Segment, device) -> Optional[Tensor]:
+    """``(B,)``: 1 for the batch rows that carry their state into ``segment``, 0 for those whose document starts at
+    its first row; None when every row carries it."""
+    fresh = segment.fresh
+    if not any(fresh):
+        return None
+    return torch.tensor([0.0 if f else 1.0 for f in fresh], device=device)
+
+
+def fold(ends: Sequence[Tensor], maps: Sequence[Tensor], kept: Sequence[Optional[Tensor]],
+         step: Callable[[Tensor, Tensor], Tensor], chain: Callable[[Tensor, Tensor], Tensor]) -> Tuple[Tensor, Tensor]:
+    """A run's ``(S_ext, M)`` from its segments', in order: segment ``s`` ends in ``step(maps[s], k_s * S) +
+    ends[s]`` from the state ``S`` the one before it ended in (``k_s``: ``kept[s]``, per batch row; None: all 1),
+    so the run ends in ``step(M, S_in) + S_ext``; ``chain(M2, M1)`` is the transition of ``M1`` then ``M2``."""
+    end, transition = ends[0], maps[0] if kept[0] is None else maps[0] * _per_row(kept[0], maps[0])
+    for e, m, k in zip(ends[1:], maps[1:], kept[1:]):
+        carried_end = end if k is None else end * _per_row(k, end)
+        end = step(m, carried_end) + e
+        transition = chain(m, transition if k is None else transition * _per_row(k, transition))
+    return end, transition
+
+
+def segment_starts(start: Tensor, ends: Sequence[Tensor], maps: Sequence[Tensor], kept: Sequence[Optional[Tensor]],
+                   step: Callable[[Tensor, Tensor], Tensor]) -> List[Tensor]:
+    """The state each segment of a run starts from, the run starting from ``start`` (see :func:`fold`)."""
+    out = []
+    state = start
+    for e, m, k in zip(ends, maps, kept):
+        state = state if k is None else state * _per_row(k, state)
+        out.append(state)
+        state = step(m, state) + e
+    return out
 
 
 def halo_sources(pieces: Pieces, width: int, kept: Optional[int] = None) -> List[List[Optional[Tuple[int, int, int]]]]:

@@ -87,9 +87,6 @@ def refuse_structure(model: Any, kwargs: Mapping[str, Any]) -> None:
     split sequence, before any layer runs."""
     forward = kwargs.get(CONTEXT_KEY)
     error = needs(model).error or head_error(model)
-    if error is None and isinstance(forward, ShardedForward) and forward.documents is not None \
-            and needs(model).hybrid is not None:
-        error = ValueError(packed_recurrent_message(model))
     if error is None:
         return
     error = ValueError(str(error))
@@ -100,12 +97,6 @@ def refuse_structure(model: Any, kwargs: Mapping[str, Any]) -> None:
 
 def _name(model: Any) -> str:
     return f"{type(model).__name__} (model type {getattr(getattr(model, 'config', None), 'model_type', None)!r})"
-
-
-def packed_recurrent_message(model: Any) -> str:
-    return (f"{_name(model)} was given packed rows (several documents in one row), but its recurrent layers would "
-            "carry their state from one document into the next: transformers' torch path of them cannot reset it at "
-            "a document border (its convolution ignores seq_idx). Give one document per row, padded (attention_mask)")
 
 
 def unmixed_message(model: Any) -> str:

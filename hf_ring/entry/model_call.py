@@ -21,17 +21,26 @@ read top to bottom:
    reached hf_ring, is refused on every rank, naming the model.
 
 A decode step of :func:`hf_ring.generate` is refused as a sharded call is,
-and then runs as it is.
+and then runs as it is. A ``ring_dilated`` hybrid given packed rows in one
+process without any hf_ring call (a padding-free training loop: position ids
+restarting and no mask or cache, or ``cu_seq_lens_q`` / ``seq_idx``) gets a
+forward of its own that holds the documents (:func:`packed_forward`), so its
+recurrent layers keep them apart as its attention does; transformers' torch
+kernels would carry each document's state into the next.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from transformers import PreTrainedModel
 
 from ..engine.agreement import UNSHARDED_RANKS
+from ..engine.documents import VARLEN_KEYS, documents_of_call
+from ..integration.config import runs_ring
 from ..integration.context import CONTEXT_KEY, ShardedForward
+from ..integration.groups import current
+from ..integration.seams import cache_argument
 from ..integration.positions import counted_positions
 from ..integration.readout import pool_over_shards
 from ..patches import apply, needs, registry
@@ -43,7 +52,7 @@ def sharded_call(original, model: Any, forward: ShardedForward, args: tuple, kwa
     """``original(model, *args, **kwargs)`` (the model's own call) over the shards of ``forward`` (see the module
     docstring)."""
     _refuse(model, kwargs)
-    if forward.world_size > 1:
+    if forward.world_size > 1 or (forward.documents is not None and needs(model).hybrid is not None):
         apply(model)
     outermost = forward.enter_call()
     try:
@@ -75,9 +84,48 @@ def _enter(model: Any, forward: MediaForward, kwargs: dict) -> dict:
     return enter(model, forward, kwargs)
 
 
+def packed_forward(model: Any, kwargs: dict) -> Optional[ShardedForward]:
+    """For a call of a ``ring_dilated`` hybrid with packed rows in one process and no forward context (see the
+    module docstring), a one-process forward holding its documents; None for every other call. A ``ring_dilated``
+    model hf_ring cannot split (recurrent layers of a family it does not hook) is refused packed rows: its layers
+    would carry their state from one document into the next."""
+    if kwargs.get(CONTEXT_KEY) is not None or not runs_ring(getattr(model, "config", None)):
+        return None
+    sp = current()
+    found = needs(model)
+    if (sp is not None and sp.comm is not None) or (found.hybrid is None and found.error is None):
+        return None  # (over several ranks a whole-sequence forward is refused by the attention, on every rank)
+    ids = kwargs.get("input_ids")
+    tokens = ids if ids is not None else kwargs.get("inputs_embeds")
+    positions = kwargs.get("position_ids")
+    varlen = any(kwargs.get(k) is not None for k in VARLEN_KEYS)
+    if tokens is None or (positions is None and not varlen):
+        return None
+    cached = cache_argument(kwargs) is not None or kwargs.get("use_cache", getattr(model.config, "use_cache", False))
+    masked = kwargs.get("attention_mask") is not None or bool(cached)  # transformers reads no documents then
+    b, n = tokens.shape[:2]
+    documents = documents_of_call(b, n, positions, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"),
+                                  masked, kwargs.get("seq_idx"))
+    if documents is None and not varlen:
+        return None  # (a collator's varlen keys of one document per row would still stop transformers' kernels)
+    if found.error is not None:
+        if documents is None:
+            return None
+        raise ValueError(f"{type(model).__name__} was given packed rows (several documents in one row), which hf_ring "
+                         f"keeps apart only in the layers it computes, and it cannot compute this model's: "
+                         f"{found.error}. Give one document per row, padded (attention_mask)")
+    return ShardedForward.over(None, n, "contiguous", documents=documents, positions=positions,
+                               positions_given=positions is not None)
+
+
 def _guarded(original):
     def __call__(self, *args, **kwargs):
         forward = kwargs.get(CONTEXT_KEY)
+        if forward is None:
+            packed = packed_forward(self, kwargs)
+            if packed is not None:
+                kwargs = {**{k: v for k, v in kwargs.items() if k not in VARLEN_KEYS}, CONTEXT_KEY: packed}
+                forward = packed
         if isinstance(forward, MediaForward):  # a multimodal forward: split where its language model starts
             kwargs = _enter(self, forward, kwargs)
             forward = kwargs.get(CONTEXT_KEY)

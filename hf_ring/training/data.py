@@ -12,7 +12,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from ..engine.comm import all_gather, device_for
-from ..engine.documents import Documents, check_documents, document_starts, left_padding
+from ..engine.documents import VARLEN_KEYS, Documents, documents_of_call, left_padding
 from ..engine.fingerprint import fingerprint
 from ..engine.layout import in_global_order, local_positions, shard_sizes
 from ..engine.relay import fail_together
@@ -33,43 +33,11 @@ def _sp(sp: Optional[SequenceParallel]):
     return sp
 
 
-VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
-"""Flash-style varlen keys (DataCollatorWithFlattening): they describe the global rows, so they become
-the forward's documents and are not passed on to the model."""
-
-
-def _varlen_starts(batch: Mapping[str, Any], b: int, n: int) -> Optional[Documents]:
-    """Document starts from ``cu_seq_lens_q``/``cu_seq_lens_k``, checked; None when the batch has neither."""
-    given = {key: batch[key] for key in ("cu_seq_lens_q", "cu_seq_lens_k") if batch.get(key) is not None}
-    if not given:
-        return None
-    if b != 1:
-        raise ValueError(f"cu_seq_lens_q/k describe one flattened row, but input_ids has batch size {b}")
-    offsets = {key: [int(x) for x in t.reshape(-1).tolist()] for key, t in given.items()}
-    cu = next(iter(offsets.values()))
-    if len(set(map(tuple, offsets.values()))) > 1:
-        raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; packed causal rows need the same offsets for both")
-    if len(cu) < 2 or cu[0] != 0 or cu[-1] != n or any(a >= c for a, c in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seq_lens_q must rise from 0 to the row length {n}, got {cu[:8]}{'...' if len(cu) > 8 else ''}")
-    return (tuple(cu[:-1]),)
-
-
 def _documents(batch: Mapping[str, Any], positions: Optional[torch.Tensor], b: int, n: int) -> Optional[Documents]:
-    """The documents packed into the rows, or None when every row is one sequence.
-
-    As transformers decides: runs of ``position_ids`` that increase by one are
-    documents when no ``attention_mask`` is given; flash-style ``cu_seq_lens``
-    say the same and must agree with the position ids.
-    """
-    from_varlen = _varlen_starts(batch, b, n)
-    from_positions = None
-    if positions is not None and batch.get("attention_mask") is None:
-        from_positions = document_starts(positions)
-    if from_varlen is not None and from_positions is not None and from_varlen != from_positions:
-        raise ValueError(
-            "position_ids and cu_seq_lens_q mark different documents; pass the ones the collator made together"
-        )
-    return check_documents(from_varlen if from_varlen is not None else from_positions, b, n)
+    """The documents packed into the rows, or None when every row is one sequence (as transformers decides: see
+    :func:`hf_ring.engine.documents.documents_of_call`)."""
+    return documents_of_call(b, n, positions, batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k"),
+                             masked=batch.get("attention_mask") is not None, seq_idx=batch.get("seq_idx"))
 
 
 def _shifted_labels(batch: Mapping[str, Any], labels: torch.Tensor, documents: Optional[Documents]) -> torch.Tensor:
