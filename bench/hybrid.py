@@ -14,13 +14,20 @@ The peak resident memory is the busiest rank's above the same process after a
 recurrent layers (their forward and backward, timed by module hooks),
 "exchange share" the part spent in their all-gathers (state passing and
 convolution halos) and the gradients' all-reduces.
+
+``--packed`` trains the same model on 2 ranks on documents of 512 to 4096
+tokens (:data:`DOCUMENTS`, 16K in all) three ways: packed into one row
+(position ids restarting, every recurrent layer starting each document from
+zero), as padded rows (a batch of the documents, each padded to the longest),
+and, for scale, one 16K document. "real tokens/s" counts the documents'
+tokens only (16K whatever the form).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -28,6 +35,10 @@ from .common import clock, command_line, format_table, peak_rss_mb, rss_mb, run_
 from .scale import MODEL
 
 TABLES = {
+    "hybrid_packed": (("form", "form"), ("rows", "rows x tokens"), ("ranks", "ranks"), ("step_s", "step s (median)"),
+                      ("step_spread", "spread"), ("real_tok_s", "real tokens/s"),
+                      ("over_padded", "real tokens/s / padded"), ("over_one_document", "step / one document"),
+                      ("peak_mb", "peak MiB per rank")),
     "hybrid": (("n", "n"), ("attn", "attention"), ("ranks", "ranks"), ("step_s", "step s (median)"),
                ("step_spread", "spread"), ("over_one_process", "/ one process"), ("peak_mb", "peak MiB per rank"),
                ("peak_over_one_process", "peak / one process"), ("recurrent_share", "recurrent share"),
@@ -40,6 +51,31 @@ HYBRID = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_
               head_dim=32)
 """What makes ``bench scale``'s model a Qwen3.5-like hybrid: its layer pattern and linear-attention sizes."""
 MIXER = "Qwen3_5GatedDeltaNet"
+
+DOCUMENTS = (4096, 512, 2048, 1024, 3072, 1536, 2560, 1536)
+"""The documents of ``--packed``: 512 to 4096 tokens, 16384 in all."""
+FORMS = ("packed", "padded", "one document")
+
+
+def documents_batch(form: str, vocab: int) -> Dict[str, torch.Tensor]:
+    """The documents as one packed row (position ids restarting, each document's first label -100), as padded rows
+    (a batch padded on the right to the longest), or one document of their total length."""
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, vocab, (n,), generator=g) for n in DOCUMENTS]
+    if form == "one document":
+        ids = torch.cat(docs)[None]
+        return {"input_ids": ids, "labels": ids}
+    if form == "packed":
+        ids = torch.cat(docs)[None]
+        positions = torch.cat([torch.arange(n) for n in DOCUMENTS])[None]
+        labels = ids.masked_fill(positions == 0, -100)
+        return {"input_ids": ids, "position_ids": positions, "labels": labels}
+    longest = max(DOCUMENTS)
+    ids = torch.zeros(len(docs), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, doc in enumerate(docs):
+        ids[i, :len(doc)], mask[i, :len(doc)] = doc, 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 def _model(attn: str):
@@ -98,9 +134,9 @@ def _timers(model, spent: Dict[str, float]) -> None:
             module.register_forward_hook(post, with_kwargs=True)
 
 
-def measure(attn: str, n: int, repeats: int) -> Dict:
+def measure(attn: str, n: int, repeats: int, form: Optional[str] = None) -> Dict:
     """One rank's step times, peak memory and the seconds per step in the recurrent layers and their exchanges
-    (fn of :func:`run_ranks`)."""
+    (fn of :func:`run_ranks`); ``form``: the documents of ``--packed`` in that form instead of ``n`` tokens."""
     import torch.distributed as dist
 
     from hf_ring.engine.comm import RingComm
@@ -118,7 +154,7 @@ def measure(attn: str, n: int, repeats: int) -> Dict:
 
         step(batch(512))  # kernels, threads and the allocator warmed
         base = rss_mb()
-        data = batch(n)
+        data = batch(n) if form is None else documents_batch(form, MODEL["vocab_size"])
         step(data)  # the untimed warm-up at this size, as every benchmark's
         spent = {"recurrent": 0.0, "exchange": 0.0}
         _timers(model, spent)
@@ -174,14 +210,46 @@ def rows_for(sizes: List[int], repeats: int, rounds: int) -> List[Dict]:
     return rows
 
 
+def packed_rows(repeats: int, rounds: int) -> List[Dict]:
+    """``--packed``: the documents in each form on 2 ranks, interleaved over ``rounds``."""
+    found: Dict[str, List] = {form: [] for form in FORMS}
+    for _ in range(rounds):
+        for form in FORMS:
+            found[form].append(run_ranks(2, measure, "ring_dilated", sum(DOCUMENTS), repeats, form))
+    stats = {}
+    for form, runs in found.items():
+        steps = [max(times) for ranks in runs for times in zip(*(r["steps"] for r in ranks))]
+        stats[form] = {"steps": steps, "peak": max(r["peak_mb"] for ranks in runs for r in ranks)}
+    median = {form: statistics.median(s["steps"]) for form, s in stats.items()}
+    rows = []
+    for form in FORMS:
+        s, batch = stats[form], documents_batch(form, 2)["input_ids"]
+        rows.append({"form": form, "rows": f"{batch.shape[0]} x {batch.shape[1]}", "ranks": 2,
+                     "step_s": round(median[form], 3), "step_spread": f"{min(s['steps']):.3g}-{max(s['steps']):.3g}",
+                     "real_tok_s": round(sum(DOCUMENTS) / median[form], 1),
+                     "over_padded": round(median["padded"] / median[form], 3),
+                     "over_one_document": round(median[form] / median["one document"], 3),
+                     "peak_mb": round(s["peak"], 1), "repeats": len(s["steps"])})
+        print(format_table([rows[-1]], list(rows[-1])), flush=True)
+    return rows
+
+
 def main(argv: List[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench hybrid", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--repeats", type=int, default=2, help="timed steps per configuration and round, after a warm-up")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved sweeps over the configurations")
+    ap.add_argument("--packed", action="store_true", help="documents packed into one row, against padded rows and "
+                    "one document of their length (hybrid_packed.json)")
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
+    if args.packed:
+        rows = packed_rows(args.repeats, args.rounds)
+        print("\n" + format_table(rows, [k for k, _ in TABLES["hybrid_packed"]]))
+        save(args.out, "hybrid_packed", {"config": dict(vars(args), model=dict(MODEL, **HYBRID), documents=DOCUMENTS),
+                                         "rows": rows}, command=command_line("hybrid", argv))
+        return
     rows = rows_for(args.sizes, args.repeats, args.rounds)
     print("\n" + format_table(rows, [k for k, _ in TABLES["hybrid"]]))
     save(args.out, "hybrid", {"config": dict(vars(args), model=dict(MODEL, **HYBRID)), "rows": rows},

@@ -92,8 +92,7 @@ def packed_forward(model: Any, kwargs: dict) -> Optional[ShardedForward]:
     if kwargs.get(CONTEXT_KEY) is not None or not runs_ring(getattr(model, "config", None)):
         return None
     sp = current()
-    found = needs(model)
-    if (sp is not None and sp.comm is not None) or (found.hybrid is None and found.error is None):
+    if sp is not None and sp.comm is not None:
         return None  # (over several ranks a whole-sequence forward is refused by the attention, on every rank)
     ids = kwargs.get("input_ids")
     tokens = ids if ids is not None else kwargs.get("inputs_embeds")
@@ -108,6 +107,9 @@ def packed_forward(model: Any, kwargs: dict) -> Optional[ShardedForward]:
                                   masked, kwargs.get("seq_idx"))
     if documents is None and not varlen:
         return None  # (a collator's varlen keys of one document per row would still stop transformers' kernels)
+    found = needs(model)  # (only now: the check walks every module, and warns of a family it has not tested)
+    if found.hybrid is None and found.error is None:
+        return None
     if found.error is not None:
         if documents is None:
             return None
