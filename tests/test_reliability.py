@@ -112,7 +112,7 @@ def test_a_finished_gloo_collective_waits_until_gloo_lets_go_of_its_tensors(monk
     handed = comm._Handed([t])
     threading.Timer(0.05, held.clear).start()
     started = time.monotonic()
-    handed.released("gloo")
+    assert handed.released("gloo")
     assert t._use_count() == before and time.monotonic() - started >= 0.04
     # other backends keep their own references as they see fit: nothing to wait for; a reference never dropped
     # is waited for only up to the bound
@@ -122,29 +122,42 @@ def test_a_finished_gloo_collective_waits_until_gloo_lets_go_of_its_tensors(monk
     handed.released("nccl")
     assert time.monotonic() - started < 0.01
     monkeypatch.setattr(comm, "_RELEASE_S", 0.05)
-    handed.released("gloo")
+    assert not handed.released("gloo")
     assert 0.05 <= time.monotonic() - started < 1.0
 
 
 def collectives_case(rounds: int = 40) -> int:
     """Every kind of collective hf_ring makes, ``rounds`` times: how often one returned while gloo still held one
-    of its tensors."""
+    of its tensors, or waited for gloo to let go until its bound passed (a reference of its own kept the work
+    standing: every step would stall for the bound)."""
     world = dist.get_world_size()
     comm_ = comm.RingComm(None)
     late = 0
-    for i in range(rounds):
-        t = torch.full((4, 3), float(i + dist.get_rank()))
-        out = torch.empty_like(t)
-        before = t._use_count(), out._use_count()
-        comm_.all_reduce(t, "a test all-reduce")
-        gathered = comm_.all_gather(t, "a test all-gather")
-        comm_.broadcast(t, 0, "a test broadcast")
-        comm_.all_to_all(out, t, [4 // world] * world, [4 // world] * world, "a test all-to-all")
-        late += (t._use_count(), out._use_count()) != before
-        pending = comm_.post_all_to_all(out, t, [4 // world] * world, [4 // world] * world, "a test all-to-all")
-        [received] = pending.wait()
-        late += (t._use_count(), out._use_count()) != before
-        del gathered, received, pending
+    released = comm._Handed.released
+
+    def counted(self, backend):
+        nonlocal late
+        ok = released(self, backend)
+        late += not ok
+        return ok
+
+    comm._Handed.released = counted  # a spy in this rank's process: it counts the bounds that passed
+    try:
+        for i in range(rounds):
+            t = torch.full((4, 3), float(i + dist.get_rank()))
+            out = torch.empty_like(t)
+            before = t._use_count(), out._use_count()
+            comm_.all_reduce(t, "a test all-reduce")
+            gathered = comm_.all_gather(t, "a test all-gather")
+            comm_.broadcast(t, 0, "a test broadcast")
+            comm_.all_to_all(out, t, [4 // world] * world, [4 // world] * world, "a test all-to-all")
+            late += (t._use_count(), out._use_count()) != before
+            pending = comm_.post_all_to_all(out, t, [4 // world] * world, [4 // world] * world, "a test all-to-all")
+            [received] = pending.wait()
+            late += (t._use_count(), out._use_count()) != before
+            del gathered, received, pending
+    finally:
+        comm._Handed.released = released
     return late
 
 

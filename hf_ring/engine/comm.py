@@ -155,16 +155,19 @@ class _Handed:
         self.tensors = list(tensors)
         self.counts = [t._use_count() for t in self.tensors]
 
-    def released(self, backend: str) -> None:
+    def released(self, backend: str) -> bool:
         """Once the caller has dropped its work object: return when the work is gone, so that the backend holds no
         reference to the tensors (at most :data:`_RELEASE_S`; the worker drops them right after the work completes,
-        so this is microseconds). Other backends than gloo return at once."""
+        so this is microseconds). Other backends than gloo return at once. False: the bound passed first."""
         if backend != "gloo":
-            return
+            return True
         deadline, pause = time.monotonic() + _RELEASE_S, _POLL_MIN_S
-        while any(t._use_count() >= n for t, n in zip(self.tensors, self.counts)) and time.monotonic() < deadline:
+        while any(t._use_count() >= n for t, n in zip(self.tensors, self.counts)):
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(pause)
             pause = min(2 * pause, _POLL_MAX_S)
+        return True
 
 
 def _collective(what: str, timeout: float, backend: str, tensors: Sequence[Tensor], post) -> None:
@@ -247,8 +250,8 @@ class Pending:
         self._collective = collective  # a collective's worker thread lets go of its tensors before ours go (_Handed)
 
     def wait(self) -> List[Tensor]:
-        for work in self._works:
-            wait(work, self._what, self._timeout, self._backend)
+        for i in range(len(self._works)):  # no loop name: one left holding the last work would keep it standing
+            wait(self._works[i], self._what, self._timeout, self._backend)
         handed = _Handed(self._sent + self._received) if self._collective else None
         self._works = []
         if handed is not None:
