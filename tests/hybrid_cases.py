@@ -155,6 +155,23 @@ def packed_batch(seed: int = 5, lengths=DOCUMENTS) -> Dict[str, torch.Tensor]:
     return {"input_ids": ids, "position_ids": positions, "labels": labels}
 
 
+def bfd_batch(seed: int = 6, lengths=(23, 3, 14, 29, 10), max_length: int = 40) -> Dict[str, torch.Tensor]:
+    """Documents of ``lengths`` as TRL's ``packing=True`` gives them to a model: packed best-fit decreasing into rows
+    of ``max_length`` (reordered), two of those rows collated padding-free into one (position ids restarting, the
+    first label of each document -100, ``cu_seq_lens_q/k``, ``max_length_q/k`` and ``seq_idx``)."""
+    import sweep
+    from datasets import Dataset
+    from trl.data_utils import pack_dataset
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    ids = sweep.inputs("", batch=1, seed=seed, n=sum(lengths))["input_ids"][0].tolist()
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    documents = Dataset.from_list([{"input_ids": ids[a:a + n]} for a, n in zip(starts, lengths)])
+    rows = pack_dataset(documents, max_length, strategy="bfd")
+    assert len(rows) == 2, len(rows)
+    return dict(DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)([rows[0], rows[1]]))
+
+
 def _documents_apart(model, batch) -> torch.Tensor:
     """The loss of a packed batch's documents run one by one (each from a zero state, as a model's own first rows),
     as one process would average its labelled tokens: the sum of every document's, over their count."""
@@ -176,10 +193,10 @@ def _step(model, data):
     return out.loss.detach()
 
 
-def family_reference(model_type: str, n: int = N, packed: bool = False) -> dict:
+def family_reference(model_type: str, n: int = N, packed: bool = False, batch=None) -> dict:
     """One process, ``sdpa``, float64: the loss and every gradient of the padded batch (``eager`` fills a padded
     query row that sees no key with NaN, which the recurrent layers' masking, a product by 0, carries on), or of
-    the packed batch's documents run one by one (``packed``)."""
+    the packed batch's documents run one by one (``packed``; ``batch``: another packed batch)."""
     import hybrid_models
     import sweep
 
@@ -187,7 +204,7 @@ def family_reference(model_type: str, n: int = N, packed: bool = False) -> dict:
     assert model is not None, why
     if packed:
         with hybrid_models.model_in_float64(model):
-            loss = _documents_apart(model, packed_batch())
+            loss = _documents_apart(model, packed_batch() if batch is None else batch)
             loss.backward()
         loss = loss.detach()
     else:
@@ -195,14 +212,14 @@ def family_reference(model_type: str, n: int = N, packed: bool = False) -> dict:
     return {"loss": loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
 
 
-def packed_one_process(model_type: str, attn: str = "ring_dilated") -> dict:
-    """The packed batch in one process, as a training loop gives it to a model (no hf_ring call: position ids
-    restarting, no mask, no cache), float64: the loss and every gradient."""
+def packed_one_process(model_type: str, attn: str = "ring_dilated", batch=None) -> dict:
+    """The packed batch (or ``batch``) in one process, as a training loop gives it to a model (no hf_ring call:
+    position ids restarting, no mask, no cache), float64: the loss and every gradient."""
     import sweep
 
     model, why = sweep.build(model_type, attn, torch.float64, "hybrid")
     assert model is not None, why
-    loss = _step(model, dict(packed_batch(), use_cache=False))
+    loss = _step(model, dict(packed_batch() if batch is None else batch, use_cache=False))
     return {"loss": loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
 
 

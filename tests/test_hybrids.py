@@ -129,6 +129,17 @@ def test_sft_trainer_padding_free_keeps_a_hybrids_rows_apart(pools, model_type):
     check_steps(pools(2).run(hybrid_cases.sft_case, model_type, path, 2, padding_free=True)[0], apart)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
+def test_trl_packing_keeps_a_hybrids_documents_apart_in_one_process(model_type):
+    """TRL's packing=True (best-fit decreasing, documents reordered into rows, two rows collated padding-free with
+    cu_seq_lens and seq_idx) handed to a ring_dilated hybrid in one process: the loss and every gradient equal the
+    documents run one by one."""
+    pytest.importorskip("trl")
+    batch = hybrid_cases.bfd_batch()
+    want = hybrid_cases.family_reference(model_type, packed=True, batch=batch)
+    check_family(hybrid_cases.packed_one_process(model_type, batch=batch), want)
+
+
 @pytest.mark.parametrize("world, ulysses", [(2, 1), (4, 2)], ids=["2-ranks", "4-ranks-heads2"])
 def test_qwen3_5_with_images_splits_its_hybrid_language_model(pools, world, ulysses):
     """Qwen3.5 as an image-text-to-text model: the towers see whole images, the hybrid language model is split
