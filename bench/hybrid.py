@@ -35,6 +35,8 @@ from .common import clock, command_line, format_table, peak_rss_mb, rss_mb, run_
 from .scale import MODEL
 
 TABLES = {
+    "hybrid_scan_rows": (("n", "rows"), ("scan_rows", "rows per piece"), ("s", "forward + backward s"),
+                         ("us_per_row", "µs per row"), ("over_whole", "/ whole")),
     "hybrid_packed": (("form", "form"), ("rows", "rows x tokens"), ("ranks", "ranks"), ("step_s", "step s (median)"),
                       ("step_spread", "spread"), ("real_tok_s", "real tokens/s"),
                       ("over_padded", "real tokens/s / padded"), ("over_one_document", "step / one document"),
@@ -234,6 +236,46 @@ def packed_rows(repeats: int, rounds: int) -> List[Dict]:
     return rows
 
 
+def scan_time(n: int, scan_rows: Optional[int], repeats: int) -> List[float]:
+    """Seconds of a forward and backward of transformers' torch delta rule over ``n`` rows, one process and one
+    thread, at the benchmark model's width (8 heads of 32 channels): whole (``scan_rows`` None), or as hf_ring runs
+    it in pieces of at most ``scan_rows`` rows, each starting from the state the one before ended in."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from hf_ring.integration.context import ShardedForward
+    from hf_ring.patches.recurrent import DELTA, hooked
+
+    torch.set_num_threads(1)
+    kernel = modeling_qwen3_5.torch_chunk_gated_delta_rule
+    if scan_rows is not None:
+        kernel = hooked(DELTA, kernel, ShardedForward.over(None, n, "contiguous", scan_rows=scan_rows))
+    g = torch.Generator().manual_seed(n)
+    heads, width = HYBRID["linear_num_value_heads"], HYBRID["linear_key_head_dim"]
+    times = []
+    for _ in range(repeats + 1):
+        q, k, v = (torch.randn(1, n, heads, width, generator=g).requires_grad_() for _ in range(3))
+        decay = (-torch.rand(1, n, heads, generator=g)).requires_grad_()
+        beta = torch.rand(1, n, heads, generator=g).requires_grad_()
+        t0 = time.perf_counter()
+        out, final = kernel(q, k, v, decay, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        (out.sum() + final.sum()).backward()
+        times.append(time.perf_counter() - t0)
+    return times[1:]  # the first warms the allocator
+
+
+def scan_rows_table(sizes: List[int], lengths: List[int], repeats: int) -> List[Dict]:
+    """``--scan-rows``: the delta rule's time per row, whole and in pieces of each length, side by side per size."""
+    rows = []
+    for n in sizes:
+        whole = statistics.median(scan_time(n, None, repeats))
+        for length in [None] + [x for x in lengths if x < n]:
+            t = whole if length is None else statistics.median(scan_time(n, length, repeats))
+            rows.append({"n": n, "scan_rows": "whole" if length is None else length, "s": round(t, 3),
+                         "us_per_row": round(1e6 * t / n, 1), "over_whole": round(t / whole, 3)})
+            print(format_table([rows[-1]], list(rows[-1])), flush=True)
+    return rows
+
+
 def main(argv: List[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench hybrid", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -243,7 +285,16 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--packed", action="store_true", help="documents packed into one row, against padded rows and "
                     "one document of their length (hybrid_packed.json)")
     ap.add_argument("--out", default="bench_results")
+    ap.add_argument("--scan-rows", type=int, nargs="*", default=None,
+                    help="time the torch delta rule over --sizes rows whole and in pieces of these lengths "
+                         "(hybrid_scan_rows.json)")
     args = ap.parse_args(argv)
+    if args.scan_rows is not None:
+        rows = scan_rows_table(args.sizes, args.scan_rows or [1024, 2048, 4096], max(args.repeats, 3))
+        print("\n" + format_table(rows, [k for k, _ in TABLES["hybrid_scan_rows"]]))
+        save(args.out, "hybrid_scan_rows", {"config": dict(vars(args), model=dict(MODEL, **HYBRID)), "rows": rows},
+             command=command_line("hybrid", argv))
+        return
     if args.packed:
         rows = packed_rows(args.repeats, args.rounds)
         print("\n" + format_table(rows, [k for k, _ in TABLES["hybrid_packed"]]))

@@ -157,8 +157,8 @@ def apply(hybrid: HybridFamily) -> None:
 def _layer_forward(original: Callable, hybrid: HybridFamily) -> Callable:
     def forward(self, *args, **kwargs):
         context = kwargs.get(CONTEXT_KEY)
-        if not isinstance(context, ShardedForward) or not hybrid.recurrent(self) or \
-                (context.world_size == 1 and context.documents is None):
+        if not isinstance(context, ShardedForward) or not hybrid.recurrent(self) or (
+                context.world_size == 1 and context.documents is None and not context.long):
             return original(self, *args, **kwargs)  # one process holds the whole sequence: the layer as it is
         return _over_shards(original, hybrid, context, self, args, kwargs)
 

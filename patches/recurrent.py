@@ -76,12 +76,19 @@ def _arguments(fn: Callable, args: tuple, kwargs: dict, leading: int) -> Tuple[L
     return [found.pop(n) for n in names], found
 
 
-def _segments(context: ShardedForward, rows: int, batch: int) -> List[Segment]:
-    """What this rank runs, one kernel call each: its runs cut at document starts (:func:`segments`); a placeholder
-    row is run as it is, from zero (nothing reads it)."""
+LINEAR_KERNELS = ("fla.", "mamba_ssm.")
+"""Modules whose scan kernels are linear in their rows (flash-linear-attention's, mamba-ssm's): run whole."""
+
+
+def _segments(context: ShardedForward, rows: int, batch: int, kernel: Optional[Callable] = None) -> List[Segment]:
+    """What this rank runs, one kernel call each: its runs cut at document starts (:func:`segments`), and for a scan
+    ``kernel`` every ``context.scan_rows`` rows, unless it is one of :data:`LINEAR_KERNELS` (transformers' torch
+    paths are not linear: :data:`hf_ring.engine.recurrence.SCAN_ROWS`); a placeholder row is run as it is, from
+    zero (nothing reads it)."""
     if context.placeholder:
         return [Segment(0, 0, rows, 0, (0,) * batch)]
-    return segments(context.pieces(), context.documents, batch)
+    linear = kernel is None or getattr(kernel, "__module__", "").startswith(LINEAR_KERNELS)
+    return segments(context.pieces(), context.documents, batch, limit=None if linear else context.scan_rows)
 
 
 def _conv(kernel, call: LayerCall, name: str, *args, **kwargs):
@@ -223,12 +230,16 @@ def _delta_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Dic
     acc = accumulator_dtype(v)
     identity = torch.cat([torch.zeros(b, heads, dk, dv, dtype=acc, device=v.device),
                           torch.eye(dk, dtype=acc, device=v.device).expand(b, heads, dk, dk)], dim=-1)
-    runs = Runs(_segments(context, rows, b))
+    runs = Runs(_segments(context, rows, b, kernel))
+    known = None  # in one process: the state the segment before ended in, which the next starts from
     for seg in runs.segments:
         s = slice(seg.offset, seg.offset + seg.length)
-        if all(seg.fresh):
-            out, state = kernel(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], **{scan.final: True}, **rest)
+        if all(seg.fresh) or known is not None:
+            start = None if all(seg.fresh) else _kept(seg, known)
+            out, state = kernel(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], **{scan.state: start, scan.final: True},
+                                **rest)
             runs.add(out, None, state.to(acc), torch.zeros(b, heads, dk, dk, dtype=acc, device=v.device))
+            known = state if context.world_size == 1 else None
             continue
         extended = torch.cat([v[:, s], v.new_zeros(b, seg.length, heads, dk)], dim=-1)
         out, state = kernel(q[:, s], k[:, s], extended, g[:, s], beta[:, s], **{scan.state: identity, scan.final: True},
@@ -257,13 +268,25 @@ def _mamba2_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Di
     step = _step_size(dt, rest.get("dt_bias"), bool(rest.get("dt_softplus")), acc)
     log_decay = A.to(acc) * torch.clamp(step, min=low, max=high)  # (B, rows, H)
     query = C.to(acc).repeat_interleave(heads // C.shape[2], dim=2)  # (B, rows, H, N)
-    runs = Runs(_segments(context, x.shape[1], x.shape[0]))
+    runs = Runs(_segments(context, x.shape[1], x.shape[0], kernel))
+    known = None  # in one process: the state the segment before ended in, which the next starts from
     for seg in runs.segments:
         s = slice(seg.offset, seg.offset + seg.length)
-        out, state = kernel(x[:, s], dt[:, s], A, B[:, s], C[:, s], **{scan.state: None, scan.final: True}, **rest)
+        start = None if known is None or all(seg.fresh) else _kept(seg, known)
+        out, state = kernel(x[:, s], dt[:, s], A, B[:, s], C[:, s], **{scan.state: start, scan.final: True}, **rest)
+        known = state if context.world_size == 1 else None
+        if known is not None:  # its start is known: it needs no correction
+            runs.add(out, None, state.to(acc), torch.zeros_like(log_decay[:, 0]))
+            continue
         cum = log_decay[:, s].cumsum(1)
         runs.add(out, cum.exp()[..., None] * query[:, s], state.to(acc), cum[:, -1].exp())
     return runs
+
+
+def _kept(seg: Segment, state: Tensor) -> Tensor:
+    """``state`` (batch rows first) zeroed for the batch rows whose document starts at ``seg``."""
+    kept = keeps(seg, state.device)
+    return state if kept is None else state * kept.to(state.dtype).view((-1,) + (1,) * (state.dim() - 1))
 
 
 def _mamba2_correct(out: Tensor, basis: Tensor, start: Tensor) -> Tensor:
@@ -279,7 +302,7 @@ def _mamba_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Dic
     bias = rest.get("delta_bias")
     step = _step_size(dt, None if bias is None else bias[..., None], bool(rest.get("delta_softplus")), acc)
     ungated = {**rest, "z": None}
-    runs = Runs(_segments(context, x.shape[-1], x.shape[0]))
+    runs = Runs(_segments(context, x.shape[-1], x.shape[0], kernel))
     for seg in runs.segments:
         s = slice(seg.offset, seg.offset + seg.length)
         out, state = kernel(x[..., s], dt[..., s], A, B[..., s], C[..., s], **{scan.final: True}, **ungated)

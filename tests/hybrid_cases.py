@@ -1,6 +1,7 @@
 """Rank functions of the hybrid tests (module-level so they pickle)."""
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Dict, Tuple
 
@@ -74,8 +75,9 @@ def whole_kernel(kind: str, real: bool):
     return getattr(reference, ref)
 
 
-def kernel_case(kind: str) -> dict:
-    """This rank's rows of the hooked real kernel's output, its end state (every rank's), and the gradients."""
+def kernel_case(kind: str, scan_rows=None) -> dict:
+    """This rank's rows of the hooked real kernel's output, its end state (every rank's), and the gradients;
+    ``scan_rows``: the most rows one kernel call runs (None: each run whole)."""
     from hf_ring.integration.context import CONTEXT_KEY
     from hf_ring.patches.recurrent import hooked
 
@@ -83,6 +85,7 @@ def kernel_case(kind: str) -> dict:
     try:
         args, kwargs = kernel_inputs(kind)
         context = hf_ring.shard_batch({"input_ids": torch.zeros(1, N, dtype=torch.long)})[CONTEXT_KEY]
+        context.scan_rows = scan_rows
         rows = context.rows(torch.device("cpu"))
         fn = hooked(KERNELS[kind][2], whole_kernel(kind, real=True), context)
         leaves = [a.clone().requires_grad_() for a in args]
@@ -223,15 +226,46 @@ def packed_one_process(model_type: str, attn: str = "ring_dilated", batch=None) 
     return {"loss": loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
 
 
-def family_case(model_type: str, ulysses: int = 1, n: int = N, packed: bool = False) -> dict:
-    """The same step with the rows split over the pool's ranks (``ulysses``: head-parallel groups of that size);
-    ``packed``: of the packed batch."""
+def long_row(model_type: str, attn: str, rows: int) -> dict:
+    """One row of ``rows`` tokens in one process with no hf_ring call and no cache, float64 (the scans' float64
+    recurrences): the loss, every gradient, and how many calls the layers made to their scan kernels."""
+    import hybrid_models
     import sweep
+    from hf_ring.patches.hybrids import HYBRIDS
+
+    model, why = sweep.build(model_type, attn, torch.float64, "hybrid")
+    assert model is not None, why
+    ids = sweep.inputs("", batch=1, seed=3, n=rows)["input_ids"]
+    family = HYBRIDS[model_type]
+    module = importlib.import_module(family.modeling)
+    calls = []
+    with hybrid_models.model_in_float64(model):
+        scans = {name: getattr(module, name) for name, kind in family.kernels if kind in hybrid_models.REFERENCE_KERNELS}
+        for name, scan in scans.items():  # counted where the layers look them up (hf_ring's hooks call them too)
+            setattr(module, name, functools.wraps(scan)(lambda *a, _scan=scan, **k: calls.append(1) or _scan(*a, **k)))
+        try:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+        finally:
+            for name, scan in scans.items():
+                setattr(module, name, scan)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": loss.detach(), "grads": grads, "calls": len(calls)}
+
+
+def family_case(model_type: str, ulysses: int = 1, n: int = N, packed: bool = False, scan_rows=None) -> dict:
+    """The same step with the rows split over the pool's ranks (``ulysses``: head-parallel groups of that size);
+    ``packed``: of the packed batch; ``scan_rows``: the most rows one scan kernel call runs (None: the default)."""
+    import sweep
+    from hf_ring.integration.context import CONTEXT_KEY
 
     sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses)
     try:
         model, why = sweep.build(model_type, "ring_dilated", torch.float64, "hybrid")
-        loss = _step(model, hf_ring.shard_batch(packed_batch() if packed else padded_batch(n=n)))
+        batch = hf_ring.shard_batch(packed_batch() if packed else padded_batch(n=n))
+        if scan_rows is not None:
+            batch[CONTEXT_KEY].scan_rows = scan_rows
+        loss = _step(model, batch)
         hf_ring.sync_gradients(model)
         dist.all_reduce(loss, group=sp.sp_group)
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

@@ -19,10 +19,13 @@ TOL = 1e-5
 # kernels ATEN_CPU_CAPABILITY=default, AVX2 with two threads), Nemotron-H under the Trainer.
 
 
+@pytest.mark.parametrize("scan_rows", [None, 7], ids=["runs-whole", "runs-of-7"])
 @pytest.mark.parametrize("kind", list(hybrid_cases.KERNELS))
-def test_a_hooked_kernel_over_two_ranks_equals_the_float64_recurrence(pools, kind):
+def test_a_hooked_kernel_over_two_ranks_equals_the_float64_recurrence(pools, kind, scan_rows):
+    """transformers' torch path of each kernel under its hook on 2 ranks, each run whole or cut into pieces of at
+    most 7 rows whose states compose (as long runs are): output, end state and every gradient."""
     want = hybrid_cases.reference_kernel(kind)
-    got = pools(2).run(hybrid_cases.kernel_case, kind)
+    got = pools(2).run(hybrid_cases.kernel_case, kind, scan_rows)
     out = torch.zeros_like(want["out"])
     for res in got:
         index = [slice(None)] * out.dim()
@@ -51,6 +54,31 @@ def test_a_hybrid_family_step_with_padded_rows_equals_one_process(pools, model_t
     runs head-parallel in groups of 2 with the ring across them, the recurrent layers pass their state over all 4."""
     want = hybrid_cases.family_reference(model_type)
     check_family(pools(world).run(hybrid_cases.family_case, model_type, ulysses)[0], want)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "kimi_linear", "nemotron_h", "jamba"])
+def test_runs_cut_into_short_pieces_equal_one_process(pools, model_type, packed):
+    """Each rank's runs cut every 5 rows (as a long sequence's are, every SCAN_ROWS rows), beside the document
+    starts of a packed row: every piece's state composed with the others', equal to one process (the padded
+    batch) or to the documents run one by one (the packed row); one layer kind each: delta rule, KDA, Mamba2,
+    Mamba."""
+    want = documents_apart(model_type) if packed else hybrid_cases.family_reference(model_type)
+    check_family(pools(2).run(hybrid_cases.family_case, model_type, packed=packed, scan_rows=5)[0], want)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
+def test_a_long_row_in_one_process_runs_its_scans_in_pieces(model_type):
+    """A row longer than SCAN_ROWS given to a ring_dilated hybrid in one process (no hf_ring call, no cache): every
+    scan runs in pieces of at most SCAN_ROWS rows, each from the state the one before ended in, and the loss and
+    every gradient equal transformers' own forward over the whole row."""
+    from hf_ring.engine.recurrence import SCAN_ROWS
+
+    rows = SCAN_ROWS + 37
+    want = hybrid_cases.long_row(model_type, "sdpa", rows)
+    got = hybrid_cases.long_row(model_type, "ring_dilated", rows)
+    assert got["calls"] == 2 * want["calls"] > 0, (got["calls"], want["calls"])  # two pieces per scan call
+    check_family(got, want)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "jamba"])

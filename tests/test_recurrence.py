@@ -54,18 +54,24 @@ DOCUMENTS = ((0, 23, 26, 40), (0, 7, 50))
 """Two batch rows, each its own documents (packed rows), over 61 rows."""
 
 
+@pytest.mark.parametrize("limit", [None, 1, 5, 16])
 @pytest.mark.parametrize("n, world, layout, ulysses", CASES[:4])
-def test_segments_cut_the_runs_at_every_document_start_and_know_each_rows_document(n, world, layout, ulysses):
+def test_segments_cut_the_runs_at_every_document_start_and_know_each_rows_document(n, world, layout, ulysses, limit):
     """Every segment lies in one run and holds no document start of any batch row but at its first row; its
-    origin per batch row is the start of the document holding its first row; the segments cover each run once."""
+    origin per batch row is the start of the document holding its first row; the segments cover each run once;
+    with a ``limit``, none is longer, and only a document start or the limit cuts a run."""
     from hf_ring.engine.recurrence import segments
 
     for rank in range(world):
         pieces = Pieces.of(n, world, layout, ulysses, rank)
-        found = segments(pieces, DOCUMENTS, 2)
+        found = segments(pieces, DOCUMENTS, 2, limit=limit)
         covered = {}
         for seg in found:
             offset, length = pieces.local()[seg.run]
+            run_start = pieces.mine[seg.run][0]
+            assert seg.start == run_start or seg.start in {s for row in DOCUMENTS for s in row} or \
+                (limit is not None and (seg.start - run_start) % limit == 0)
+            assert limit is None or seg.length <= limit
             assert offset <= seg.offset and seg.offset + seg.length <= offset + length
             assert seg.start == pieces.mine[seg.run][0] + seg.offset - offset
             for row, starts in enumerate(DOCUMENTS):

@@ -87,6 +87,14 @@ def carried(pieces: Pieces, ends: Tensor, maps: Tensor, step: Callable[[Tensor, 
     return [starts[i] for i in range(len(pieces.mine))], state
 
 
+SCAN_ROWS = 1024
+"""The most rows one call of a torch-path scan kernel runs in a hybrid's recurrent layer under hf_ring.
+transformers' torch delta rule is not linear in its rows (its time per row grows with the row), and Mamba2's
+torch chunk scan relates every pair of its chunks; in pieces of 512 to 1024 rows, each starting from the state the
+one before ended in, the delta rule's time per row stays flat at every length (``python -m bench hybrid
+--scan-rows``). The pieces' states compose exactly, so the layer's time grows linearly with its rows."""
+
+
 @dataclass(frozen=True)
 class Segment:
     """A stretch of this rank's rows that one kernel call runs: one of its runs, or part of one cut at a document
@@ -106,15 +114,19 @@ class Segment:
 
 
 def segments(pieces: Pieces, documents: Optional[Sequence[Sequence[int]]], batch: int,
-             local: Optional[Sequence[Tuple[int, int]]] = None) -> List[Segment]:
+             local: Optional[Sequence[Tuple[int, int]]] = None, limit: Optional[int] = None) -> List[Segment]:
     """This rank's runs cut at every document start of any batch row (``documents``: per batch row, the ascending
     global rows where a document starts, beginning with 0; None: one sequence per row), in the order it holds them.
-    ``local``: the runs as ``(offset, length)`` in its rows (default :meth:`Pieces.local`)."""
+    ``local``: the runs as ``(offset, length)`` in its rows (default :meth:`Pieces.local`); ``limit``: also cut
+    every ``limit`` rows from each run's start (None: no such cut), so no segment is longer."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit={limit}: a segment holds at least one row; pass a positive length, or None")
     starts = [tuple(row) for row in documents] if documents is not None else [(0,)] * batch
     cuts = sorted({s for row in starts for s in row})
     out = []
     for i, ((offset, length), (a, _)) in enumerate(zip(local if local is not None else pieces.local(), pieces.mine)):
-        edges = [a] + [c for c in cuts if a < c < a + length] + [a + length]
+        bounded = [] if limit is None else list(range(a + limit, a + length, limit))
+        edges = [a] + sorted(set(c for c in cuts if a < c < a + length) | set(bounded)) + [a + length]
         for lo, hi in zip(edges, edges[1:]):
             origins = tuple(row[bisect_right(row, lo) - 1] for row in starts)
             out.append(Segment(i, offset + lo - a, hi - lo, lo, origins))

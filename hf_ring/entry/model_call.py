@@ -21,12 +21,17 @@ read top to bottom:
    reached hf_ring, is refused on every rank, naming the model.
 
 A decode step of :func:`hf_ring.generate` is refused as a sharded call is,
-and then runs as it is. A ``ring_dilated`` hybrid given packed rows in one
-process without any hf_ring call (a padding-free training loop: position ids
-restarting and no mask or cache, or ``cu_seq_lens_q`` / ``seq_idx``) gets a
-forward of its own that holds the documents (:func:`packed_forward`), so its
-recurrent layers keep them apart as its attention does; transformers' torch
-kernels would carry each document's state into the next.
+and then runs as it is. A ``ring_dilated`` hybrid called in one process
+without any hf_ring call gets a forward of its own
+(:func:`one_process_forward`) when its recurrent layers need one: given packed
+rows (a padding-free training loop: position ids restarting and no mask or
+cache, or ``cu_seq_lens_q`` / ``seq_idx``), the forward holds the documents,
+so its recurrent layers keep them apart as its attention does (transformers'
+torch kernels would carry each document's state into the next); given rows
+longer than :data:`~hf_ring.engine.recurrence.SCAN_ROWS` with no padding and
+no cache, its recurrent layers run them in pieces of at most that many rows,
+each starting from the state the one before ended in, so their time grows
+linearly with the rows.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from transformers import PreTrainedModel
 
 from ..engine.agreement import UNSHARDED_RANKS
 from ..engine.documents import VARLEN_KEYS, documents_of_call
+from ..engine.recurrence import SCAN_ROWS
 from ..integration.config import runs_ring
 from ..integration.context import CONTEXT_KEY, ShardedForward
 from ..integration.groups import current
@@ -44,6 +50,7 @@ from ..integration.seams import cache_argument
 from ..integration.positions import counted_positions
 from ..integration.readout import pool_over_shards
 from ..patches import apply, needs, registry
+from ..patches.hybrids import family
 from .guard import dropped_context_message, refuse, unmixed_message
 from .media import MediaForward, enter
 
@@ -52,7 +59,7 @@ def sharded_call(original, model: Any, forward: ShardedForward, args: tuple, kwa
     """``original(model, *args, **kwargs)`` (the model's own call) over the shards of ``forward`` (see the module
     docstring)."""
     _refuse(model, kwargs)
-    if forward.world_size > 1 or (forward.documents is not None and needs(model).hybrid is not None):
+    if forward.world_size > 1 or ((forward.documents is not None or forward.long) and needs(model).hybrid is not None):
         apply(model)
     outermost = forward.enter_call()
     try:
@@ -84,11 +91,12 @@ def _enter(model: Any, forward: MediaForward, kwargs: dict) -> dict:
     return enter(model, forward, kwargs)
 
 
-def packed_forward(model: Any, kwargs: dict) -> Optional[ShardedForward]:
-    """For a call of a ``ring_dilated`` hybrid with packed rows in one process and no forward context (see the
-    module docstring), a one-process forward holding its documents; None for every other call. A ``ring_dilated``
-    model hf_ring cannot split (recurrent layers of a family it does not hook) is refused packed rows: its layers
-    would carry their state from one document into the next."""
+def one_process_forward(model: Any, kwargs: dict) -> Optional[ShardedForward]:
+    """For a call of a ``ring_dilated`` hybrid in one process with no forward context and no cache (see the module
+    docstring), a one-process forward when its recurrent layers need one: for packed rows (holding the documents),
+    or for rows longer than :data:`~hf_ring.engine.recurrence.SCAN_ROWS` and no padding (cut into pieces); None
+    for every other call. A ``ring_dilated`` model hf_ring cannot split (recurrent layers of a family it does not
+    hook) is refused packed rows: its layers would carry their state from one document into the next."""
     if kwargs.get(CONTEXT_KEY) is not None or not runs_ring(getattr(model, "config", None)):
         return None
     sp = current()
@@ -96,16 +104,19 @@ def packed_forward(model: Any, kwargs: dict) -> Optional[ShardedForward]:
         return None  # (over several ranks a whole-sequence forward is refused by the attention, on every rank)
     ids = kwargs.get("input_ids")
     tokens = ids if ids is not None else kwargs.get("inputs_embeds")
+    if tokens is None:
+        return None
     positions = kwargs.get("position_ids")
     varlen = any(kwargs.get(k) is not None for k in VARLEN_KEYS)
-    if tokens is None or (positions is None and not varlen):
-        return None
     cached = cache_argument(kwargs) is not None or kwargs.get("use_cache", getattr(model.config, "use_cache", False))
-    masked = kwargs.get("attention_mask") is not None or bool(cached)  # transformers reads no documents then
+    mask = kwargs.get("attention_mask")
+    masked = mask is not None or bool(cached)  # transformers reads no documents then
     b, n = tokens.shape[:2]
-    documents = documents_of_call(b, n, positions, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"),
-                                  masked, kwargs.get("seq_idx"))
-    if documents is None and not varlen:
+    documents = None if positions is None and not varlen else documents_of_call(
+        b, n, positions, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), masked, kwargs.get("seq_idx"))
+    long = documents is None and not varlen and not cached and n > SCAN_ROWS and _unpadded(mask) and \
+        family(getattr(model.config, "model_type", None)) is not None
+    if documents is None and not varlen and not long:
         return None  # (a collator's varlen keys of one document per row would still stop transformers' kernels)
     found = needs(model)  # (only now: the check walks every module, and warns of a family it has not tested)
     if found.hybrid is None and found.error is None:
@@ -120,14 +131,20 @@ def packed_forward(model: Any, kwargs: dict) -> Optional[ShardedForward]:
                                positions_given=positions is not None)
 
 
+def _unpadded(mask: Any) -> bool:
+    """No attention mask, or a 2-D one that masks nothing (a whole batch of long rows, as a collator gives it)."""
+    return mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all()))
+
+
 def _guarded(original):
     def __call__(self, *args, **kwargs):
         forward = kwargs.get(CONTEXT_KEY)
         if forward is None:
-            packed = packed_forward(self, kwargs)
-            if packed is not None:
-                kwargs = {**{k: v for k, v in kwargs.items() if k not in VARLEN_KEYS}, CONTEXT_KEY: packed}
-                forward = packed
+            own = one_process_forward(self, kwargs)
+            if own is not None:
+                dropped = VARLEN_KEYS + (("attention_mask",) if _unpadded(kwargs.get("attention_mask")) else ())
+                kwargs = {**{k: v for k, v in kwargs.items() if k not in dropped}, CONTEXT_KEY: own}
+                forward = own
         if isinstance(forward, MediaForward):  # a multimodal forward: split where its language model starts
             kwargs = _enter(self, forward, kwargs)
             forward = kwargs.get(CONTEXT_KEY)

@@ -23,7 +23,7 @@ from ..engine.agreement import agree_table, facts, global_length, unsharded_erro
 from ..engine.comm import RingComm
 from ..engine.documents import Documents, check_documents, chunk_ids, document_ids, starts_of_ids
 from ..engine.layout import local_positions, shard_sizes
-from ..engine.recurrence import Pieces
+from ..engine.recurrence import SCAN_ROWS, Pieces
 from ..engine.spec import AttentionSpec
 from ..engine.ulysses import group_rows
 from .groups import SequenceParallel
@@ -74,7 +74,9 @@ class ShardedForward(ForwardContext):
     the batch brought its own position ids (else :func:`hf_ring.shard_batch`
     counted them, and a model that counts its own is given what it would count);
     ``shift_given``: the batch brought its own ``shift_labels`` (per-token
-    outputs then keep the last row, as one process's do).
+    outputs then keep the last row, as one process's do); ``scan_rows``: the
+    most rows one call of a recurrent layer's torch-path scan kernel runs
+    (:data:`hf_ring.engine.recurrence.SCAN_ROWS`; None: each run whole).
     """
 
     seq_len: int
@@ -91,6 +93,7 @@ class ShardedForward(ForwardContext):
     positions: Optional[Tensor] = None
     positions_given: bool = False
     shift_given: bool = False
+    scan_rows: Optional[int] = SCAN_ROWS
     _chunks: Dict[Tuple[int, bool], Optional[Documents]] = field(default_factory=dict, repr=False)
     _agreed: Dict[Tuple, bool] = field(default_factory=dict, repr=False)
     _group_masks: List[Tuple[Tensor, Tensor]] = field(default_factory=list, repr=False)
@@ -138,6 +141,12 @@ class ShardedForward(ForwardContext):
                 found = local_positions(self.seq_len, rank, self.world_size, self.layout, self.ulysses).to(device)
             self._rows[str(device)] = found
         return found
+
+    @property
+    def long(self) -> bool:
+        """Longer than one call of a torch-path scan kernel runs (``scan_rows``): a hybrid's recurrent layers cut it
+        into pieces, in one process too."""
+        return self.scan_rows is not None and self.seq_len > self.scan_rows
 
     def pieces(self) -> Pieces:
         """The runs of the sequence every rank of the group holds, for the layers that carry a state along it;
