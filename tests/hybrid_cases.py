@@ -253,6 +253,51 @@ def long_row(model_type: str, attn: str, rows: int) -> dict:
     return {"loss": loss.detach(), "grads": grads, "calls": len(calls)}
 
 
+PATTERN = {"segment_lengths": [8, 16, 64], "dilation_rates": [1, 2, 4]}
+"""A dilated pattern for a hybrid's attention layers: three branches, the last at least as long as the rows."""
+
+REFERENCE_ATTENTION = "float64_dilated_reference"
+
+
+def _dilated_reference(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention of :data:`PATTERN` as :mod:`reference` computes it (float64, dense, every branch's
+    multiplicity as a bias), for one process: transformers' attention-function signature, ``(B, n, H, D)`` out."""
+    import reference
+
+    branches = tuple(zip(PATTERN["segment_lengths"], PATTERN["dilation_rates"]))
+    out = reference.dilated_attention(query, key, value, branches=branches, scale=scaling)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def dilated_step(model_type: str, n: int = N) -> dict:
+    """One row of ``n`` tokens through the hybrid with :data:`PATTERN` on its attention layers, float64 (the scans'
+    float64 recurrences): in one process with the reference attention, or split over the pool's ranks with
+    ``ring_dilated``; the loss and every gradient."""
+    import sweep
+    from transformers import AttentionInterface
+
+    split = dist.is_initialized()
+    if not split:
+        AttentionInterface.register(REFERENCE_ATTENTION, _dilated_reference)
+    sp = hf_ring.setup_sequence_parallel(None) if split else None
+    try:
+        model, why = sweep.build(model_type, "ring_dilated" if split else REFERENCE_ATTENTION, torch.float64, "hybrid")
+        assert model is not None, why
+        if split:
+            hf_ring.configure(model, pattern=PATTERN)
+        ids = sweep.inputs("", batch=1, seed=8, n=n)["input_ids"]
+        data = {"input_ids": ids, "labels": ids}
+        loss = _step(model, hf_ring.shard_batch(data) if split else dict(data, use_cache=False))
+        if split:
+            hf_ring.sync_gradients(model)
+            dist.all_reduce(loss, group=sp.sp_group)
+        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        return {"loss": loss, "grads": grads}
+    finally:
+        if split:
+            hf_ring.clear_sequence_parallel()
+
+
 def family_case(model_type: str, ulysses: int = 1, n: int = N, packed: bool = False, scan_rows=None) -> dict:
     """The same step with the rows split over the pool's ranks (``ulysses``: head-parallel groups of that size);
     ``packed``: of the packed batch; ``scan_rows``: the most rows one scan kernel call runs (None: the default)."""

@@ -81,6 +81,14 @@ def test_a_long_row_in_one_process_runs_its_scans_in_pieces(model_type):
     check_family(got, want)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
+def test_a_hybrid_with_dilated_attention_on_two_ranks_equals_the_reference(pools, model_type):
+    """A dilated pattern on the hybrid's attention layers (three branches), its recurrent layers exact beside them:
+    on 2 ranks, the loss and every gradient equal one process whose attention is the float64 dilated reference."""
+    want = hybrid_cases.dilated_step(model_type)
+    check_family(pools(2).run(hybrid_cases.dilated_step, model_type)[0], want)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "jamba"])
 def test_a_sequence_shorter_than_the_ranks_equals_one_process(pools, model_type):
     """3 tokens on 4 ranks: one rank holds no row and runs a placeholder row; it still joins every exchange."""
