@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from hf_ring.engine.gathers import gather, tied
 from hf_ring.engine.merge import accumulator_dtype
-from hf_ring.engine.recurrence import Segment, carried, fold, halo, keeps, segment_starts, segments
+from hf_ring.engine.recurrence import Segment, carried, fold, halo, keeps, restarted, segment_starts, segments
 from hf_ring.integration.context import CONTEXT_KEY, ShardedForward
 
 Tensor = torch.Tensor
@@ -235,7 +235,7 @@ def _delta_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Dic
     for seg in runs.segments:
         s = slice(seg.offset, seg.offset + seg.length)
         if all(seg.fresh) or known is not None:
-            start = None if all(seg.fresh) else _kept(seg, known)
+            start = None if all(seg.fresh) else restarted(seg, known)
             out, state = kernel(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], **{scan.state: start, scan.final: True},
                                 **rest)
             runs.add(out, None, state.to(acc), torch.zeros(b, heads, dk, dk, dtype=acc, device=v.device))
@@ -272,7 +272,7 @@ def _mamba2_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Di
     known = None  # in one process: the state the segment before ended in, which the next starts from
     for seg in runs.segments:
         s = slice(seg.offset, seg.offset + seg.length)
-        start = None if known is None or all(seg.fresh) else _kept(seg, known)
+        start = None if known is None or all(seg.fresh) else restarted(seg, known)
         out, state = kernel(x[:, s], dt[:, s], A, B[:, s], C[:, s], **{scan.state: start, scan.final: True}, **rest)
         known = state if context.world_size == 1 else None
         if known is not None:  # its start is known: it needs no correction
@@ -281,12 +281,6 @@ def _mamba2_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Di
         cum = log_decay[:, s].cumsum(1)
         runs.add(out, cum.exp()[..., None] * query[:, s], state.to(acc), cum[:, -1].exp())
     return runs
-
-
-def _kept(seg: Segment, state: Tensor) -> Tensor:
-    """``state`` (batch rows first) zeroed for the batch rows whose document starts at ``seg``."""
-    kept = keeps(seg, state.device)
-    return state if kept is None else state * kept.to(state.dtype).view((-1,) + (1,) * (state.dim() - 1))
 
 
 def _mamba2_correct(out: Tensor, basis: Tensor, start: Tensor) -> Tensor:

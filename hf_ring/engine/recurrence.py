@@ -146,6 +146,13 @@ def keeps(segment: Segment, device) -> Optional[Tensor]:
     return torch.tensor([0.0 if f else 1.0 for f in fresh], device=device)
 
 
+def restarted(segment: Segment, state: Tensor) -> Tensor:
+    """``state`` (batch rows first), the state a known segment before ``segment`` ended in, as ``segment`` starts
+    from it: zeroed for the batch rows whose document starts at its first row."""
+    kept = keeps(segment, state.device)
+    return state if kept is None else state * _per_row(kept, state)
+
+
 def fold(ends: Sequence[Tensor], maps: Sequence[Tensor], kept: Sequence[Optional[Tensor]],
          step: Callable[[Tensor, Tensor], Tensor], chain: Callable[[Tensor, Tensor], Tensor]) -> Tuple[Tensor, Tensor]:
     """A run's ``(S_ext, M)`` from its segments', in order: segment ``s`` ends in ``step(maps[s], k_s * S) +

@@ -23,7 +23,7 @@ read top to bottom:
 A decode step of :func:`hf_ring.generate` is refused as a sharded call is,
 and then runs as it is. A ``ring_dilated`` hybrid called in one process
 without any hf_ring call gets a forward of its own
-(:func:`one_process_forward`) when its recurrent layers need one: given packed
+(:func:`one_process_call`) when its recurrent layers need one: given packed
 rows (a padding-free training loop: position ids restarting and no mask or
 cache, or ``cu_seq_lens_q`` / ``seq_idx``), the forward holds the documents,
 so its recurrent layers keep them apart as its attention does (transformers'
@@ -91,12 +91,14 @@ def _enter(model: Any, forward: MediaForward, kwargs: dict) -> dict:
     return enter(model, forward, kwargs)
 
 
-def one_process_forward(model: Any, kwargs: dict) -> Optional[ShardedForward]:
+def one_process_call(model: Any, kwargs: dict) -> Optional[dict]:
     """For a call of a ``ring_dilated`` hybrid in one process with no forward context and no cache (see the module
-    docstring), a one-process forward when its recurrent layers need one: for packed rows (holding the documents),
-    or for rows longer than :data:`~hf_ring.engine.recurrence.SCAN_ROWS` and no padding (cut into pieces); None
-    for every other call. A ``ring_dilated`` model hf_ring cannot split (recurrent layers of a family it does not
-    hook) is refused packed rows: its layers would carry their state from one document into the next."""
+    docstring), the call's keyword arguments with a one-process forward of its own when its recurrent layers need
+    one: for packed rows (holding the documents), or for rows longer than
+    :data:`~hf_ring.engine.recurrence.SCAN_ROWS` and no padding (cut into pieces); the collator's varlen keys and a
+    mask that masks nothing are dropped (the forward holds what they say). None for every other call. A
+    ``ring_dilated`` model hf_ring cannot split (recurrent layers of a family it does not hook) is refused packed
+    rows: its layers would carry their state from one document into the next."""
     if kwargs.get(CONTEXT_KEY) is not None or not runs_ring(getattr(model, "config", None)):
         return None
     sp = current()
@@ -114,8 +116,8 @@ def one_process_forward(model: Any, kwargs: dict) -> Optional[ShardedForward]:
     b, n = tokens.shape[:2]
     documents = None if positions is None and not varlen else documents_of_call(
         b, n, positions, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), masked, kwargs.get("seq_idx"))
-    long = documents is None and not varlen and not cached and n > SCAN_ROWS and _unpadded(mask) and \
-        family(getattr(model.config, "model_type", None)) is not None
+    long = documents is None and not varlen and not cached and n > SCAN_ROWS and \
+        family(getattr(model.config, "model_type", None)) is not None and _unpadded(mask)
     if documents is None and not varlen and not long:
         return None  # (a collator's varlen keys of one document per row would still stop transformers' kernels)
     found = needs(model)  # (only now: the check walks every module, and warns of a family it has not tested)
@@ -127,8 +129,10 @@ def one_process_forward(model: Any, kwargs: dict) -> Optional[ShardedForward]:
         raise ValueError(f"{type(model).__name__} was given packed rows (several documents in one row), which hf_ring "
                          f"keeps apart only in the layers it computes, and it cannot compute this model's: "
                          f"{found.error}. Give one document per row, padded (attention_mask)")
-    return ShardedForward.over(None, n, "contiguous", documents=documents, positions=positions,
-                               positions_given=positions is not None)
+    own = ShardedForward.over(None, n, "contiguous", documents=documents, positions=positions,
+                              positions_given=positions is not None)
+    dropped = VARLEN_KEYS + (("attention_mask",) if long or _unpadded(mask) else ())
+    return {**{k: v for k, v in kwargs.items() if k not in dropped}, CONTEXT_KEY: own}
 
 
 def _unpadded(mask: Any) -> bool:
@@ -140,11 +144,9 @@ def _guarded(original):
     def __call__(self, *args, **kwargs):
         forward = kwargs.get(CONTEXT_KEY)
         if forward is None:
-            own = one_process_forward(self, kwargs)
+            own = one_process_call(self, kwargs)
             if own is not None:
-                dropped = VARLEN_KEYS + (("attention_mask",) if _unpadded(kwargs.get("attention_mask")) else ())
-                kwargs = {**{k: v for k, v in kwargs.items() if k not in dropped}, CONTEXT_KEY: own}
-                forward = own
+                kwargs, forward = own, own[CONTEXT_KEY]
         if isinstance(forward, MediaForward):  # a multimodal forward: split where its language model starts
             kwargs = _enter(self, forward, kwargs)
             forward = kwargs.get(CONTEXT_KEY)
