@@ -26,6 +26,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from hf_ring.integration.context import CONTEXT_KEY, ShardedForward
+from hf_ring.integration.seams import as_layer_forward, layer_forward_inside
 
 from . import registry
 from .recurrent import CONV, DELTA, FUSED, MAMBA, MAMBA2, LayerCall, hooked
@@ -43,6 +44,7 @@ class HybridFamily:
     layer_types: Tuple[str, ...]  # the config's names for the mixers' layers
     state: str  # how the state crosses ranks (the README's table)
     attention: Tuple[str, ...] = ()  # attention classes whose names read like a mixer's (Kimi's MLA)
+    tiled: Tuple[str, ...] = ()  # CausalLM, MLP, RMSNorm and gated norm classes the sequence tiling fits (empty: none)
 
     @property
     def known(self) -> Tuple[str, ...]:
@@ -79,7 +81,8 @@ _MAMBA2_STATE = "Mamba2: each run's end state and decay per head, one all-gather
 HYBRIDS: Dict[str, HybridFamily] = {t: family for family in (
     HybridFamily(model_types=("qwen3_5_text", "qwen3_5"), module="qwen3_5", layers=("Qwen3_5DecoderLayer",),
                  mixers=("Qwen3_5GatedDeltaNet",), kernels=GATED_DELTA_NET, layer_types=("linear_attention",),
-                 state=_GDN_STATE),
+                 state=_GDN_STATE, tiled=("Qwen3_5ForCausalLM", "Qwen3_5MLP", "Qwen3_5RMSNorm",
+                                                         "Qwen3_5RMSNormGated")),
     HybridFamily(model_types=("qwen3_5_moe_text", "qwen3_5_moe"), module="qwen3_5_moe",
                  layers=("Qwen3_5MoeDecoderLayer",), mixers=("Qwen3_5MoeGatedDeltaNet",), kernels=GATED_DELTA_NET,
                  layer_types=("linear_attention",), state=_GDN_STATE),
@@ -155,15 +158,18 @@ def apply(hybrid: HybridFamily) -> None:
 
 
 def _layer_forward(original: Callable, hybrid: HybridFamily) -> Callable:
+    # Inside activation checkpointing, so that a layer's recomputation in the backward binds the kernels again.
+    inside = layer_forward_inside(original)
+
     def forward(self, *args, **kwargs):
         context = kwargs.get(CONTEXT_KEY)
         if not isinstance(context, ShardedForward) or not hybrid.recurrent(self) or (
                 context.world_size == 1 and context.documents is None and not context.long):
-            return original(self, *args, **kwargs)  # one process holds the whole sequence: the layer as it is
-        return _over_shards(original, hybrid, context, self, args, kwargs)
+            return inside(self, *args, **kwargs)  # one process holds the whole sequence: the layer as it is
+        return _over_shards(inside, hybrid, context, self, args, kwargs)
 
-    forward.__wrapped__ = original
-    return forward
+    forward.__wrapped__ = inside
+    return as_layer_forward(forward)
 
 
 @torch.compiler.disable  # collectives and host-side run lists: outside a compiled graph, on purpose

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from hf_ring.engine.gathers import gather, tied
 from hf_ring.engine.merge import accumulator_dtype
@@ -80,6 +81,10 @@ LINEAR_KERNELS = ("fla.", "mamba_ssm.")
 """Modules whose scan kernels are linear in their rows (flash-linear-attention's, mamba-ssm's): run whole."""
 
 
+def _linear(kernel: Optional[Callable]) -> bool:
+    return kernel is None or getattr(kernel, "__module__", "").startswith(LINEAR_KERNELS)
+
+
 def _segments(context: ShardedForward, rows: int, batch: int, kernel: Optional[Callable] = None) -> List[Segment]:
     """What this rank runs, one kernel call each: its runs cut at document starts (:func:`segments`), and for a scan
     ``kernel`` every ``context.scan_rows`` rows, unless it is one of :data:`LINEAR_KERNELS` (transformers' torch
@@ -87,8 +92,22 @@ def _segments(context: ShardedForward, rows: int, batch: int, kernel: Optional[C
     zero (nothing reads it)."""
     if context.placeholder:
         return [Segment(0, 0, rows, 0, (0,) * batch)]
-    linear = kernel is None or getattr(kernel, "__module__", "").startswith(LINEAR_KERNELS)
-    return segments(context.pieces(), context.documents, batch, limit=None if linear else context.scan_rows)
+    return segments(context.pieces(), context.documents, batch, limit=None if _linear(kernel) else context.scan_rows)
+
+
+def _piece_call(context: ShardedForward, rows: int, kernel: Callable, scan: bool = True,
+                fn: Optional[Callable] = None) -> Callable:
+    """How ``kernel`` (or ``fn``, which calls it) is called on each segment of this rank's ``rows``: as it is, or,
+    over more rows than
+    ``context.scan_rows`` with gradients on, checkpointed, so that what it keeps for the backward beyond its inputs
+    (a scan's several row-sized tensors per head, a convolution's output before its activation) exists for one
+    segment at a time, recomputed in the backward. ``scan``: a scan kernel, whose :data:`LINEAR_KERNELS` run whole
+    and keep little, so they are called as they are."""
+    fn = kernel if fn is None else fn
+    long = context.scan_rows is not None and rows > context.scan_rows and torch.is_grad_enabled()
+    if not long or (scan and _linear(kernel)):
+        return fn
+    return functools.partial(checkpoint, fn, use_reentrant=False)
 
 
 def _conv(kernel, call: LayerCall, name: str, *args, **kwargs):
@@ -111,11 +130,12 @@ def _conv(kernel, call: LayerCall, name: str, *args, **kwargs):
         return tied(kernel(x, **rest), every)
     runs = pieces.local()
     extended = [torch.cat([before, x[..., o:o + n]], dim=-1) for (o, n), before in zip(runs, halos)]
+    convolve = _piece_call(context, x.shape[-1], kernel, scan=False)
     outs = []
     for seg in _segments(context, x.shape[-1], x.shape[0]):
         at = seg.offset - runs[seg.run][0]
         window = extended[seg.run][..., at:at + width + seg.length]
-        outs.append(kernel(_from_document_start(window, seg, width), **rest)[..., width:])
+        outs.append(convolve(_from_document_start(window, seg, width), **rest)[..., width:])
     return tied(torch.cat(outs, dim=-1), every)
 
 
@@ -231,21 +251,32 @@ def _delta_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Dic
     identity = torch.cat([torch.zeros(b, heads, dk, dv, dtype=acc, device=v.device),
                           torch.eye(dk, dtype=acc, device=v.device).expand(b, heads, dk, dk)], dim=-1)
     runs = Runs(_segments(context, rows, b, kernel))
+    call = _piece_call(context, rows, kernel)
+    call_extended = _piece_call(context, rows, kernel, fn=functools.partial(_delta_extended, kernel, scan, rest))
     known = None  # in one process: the state the segment before ended in, which the next starts from
     for seg in runs.segments:
         s = slice(seg.offset, seg.offset + seg.length)
         if all(seg.fresh) or known is not None:
             start = None if all(seg.fresh) else restarted(seg, known)
-            out, state = kernel(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], **{scan.state: start, scan.final: True},
+            out, state = call(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], **{scan.state: start, scan.final: True},
                                 **rest)
             runs.add(out, None, state.to(acc), torch.zeros(b, heads, dk, dk, dtype=acc, device=v.device))
             known = state if context.world_size == 1 else None
             continue
-        extended = torch.cat([v[:, s], v.new_zeros(b, seg.length, heads, dk)], dim=-1)
-        out, state = kernel(q[:, s], k[:, s], extended, g[:, s], beta[:, s], **{scan.state: identity, scan.final: True},
-                            **rest)
-        runs.add(out[..., :dv], out[..., dv:], state[..., :dv].to(acc), state[..., dv:].to(acc))
+        out, basis, state = call_extended(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], identity)
+        runs.add(out, basis, state[..., :dv].to(acc), state[..., dv:].to(acc))
     return runs
+
+
+def _delta_extended(kernel, scan: Scan, rest: Dict[str, Any], q: Tensor, k: Tensor, v: Tensor, g: Tensor,
+                    beta: Tensor, identity: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """A delta rule's segment from a zero state with ``d_k`` extra value channels of zero input started at the
+    identity: its output, their outputs (the basis) and the end state of both. The extended values are made here
+    and the parts come back apart, so a checkpointed call keeps neither the extension nor the whole output."""
+    b, rows, heads, dv = v.shape
+    extended = torch.cat([v, v.new_zeros(b, rows, heads, k.shape[-1])], dim=-1)
+    out, state = kernel(q, k, extended, g, beta, **{scan.state: identity, scan.final: True}, **rest)
+    return out[..., :dv].contiguous(), out[..., dv:].contiguous(), state
 
 
 def _delta_correct(out: Tensor, basis: Tensor, start: Tensor) -> Tensor:
@@ -269,11 +300,12 @@ def _mamba2_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Di
     log_decay = A.to(acc) * torch.clamp(step, min=low, max=high)  # (B, rows, H)
     query = C.to(acc).repeat_interleave(heads // C.shape[2], dim=2)  # (B, rows, H, N)
     runs = Runs(_segments(context, x.shape[1], x.shape[0], kernel))
+    call = _piece_call(context, x.shape[1], kernel)
     known = None  # in one process: the state the segment before ended in, which the next starts from
     for seg in runs.segments:
         s = slice(seg.offset, seg.offset + seg.length)
         start = None if known is None or all(seg.fresh) else restarted(seg, known)
-        out, state = kernel(x[:, s], dt[:, s], A, B[:, s], C[:, s], **{scan.state: start, scan.final: True}, **rest)
+        out, state = call(x[:, s], dt[:, s], A, B[:, s], C[:, s], **{scan.state: start, scan.final: True}, **rest)
         known = state if context.world_size == 1 else None
         if known is not None:  # its start is known: it needs no correction
             runs.add(out, None, state.to(acc), torch.zeros_like(log_decay[:, 0]))
@@ -297,9 +329,10 @@ def _mamba_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Dic
     step = _step_size(dt, None if bias is None else bias[..., None], bool(rest.get("delta_softplus")), acc)
     ungated = {**rest, "z": None}
     runs = Runs(_segments(context, x.shape[-1], x.shape[0], kernel))
+    call = _piece_call(context, x.shape[-1], kernel)
     for seg in runs.segments:
         s = slice(seg.offset, seg.offset + seg.length)
-        out, state = kernel(x[..., s], dt[..., s], A, B[..., s], C[..., s], **{scan.final: True}, **ungated)
+        out, state = call(x[..., s], dt[..., s], A, B[..., s], C[..., s], **{scan.final: True}, **ungated)
         cum = (A.to(acc)[None, :, None, :] * step[..., s, None]).cumsum(2)  # (B, D, rows, N)
         runs.add(out, (C[..., s], cum), state.to(acc), cum[:, :, -1].exp())
     return runs

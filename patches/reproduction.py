@@ -27,14 +27,15 @@ _VERDICTS: Dict[Tuple[type, Any, str], Optional[str]] = {}
 
 
 def _tiny_model(cls: type, config: Any, own_key: str) -> nn.Module:
-    """A float32 ``cls`` of one small layer with ``config``'s other settings, eager attention and weights large
+    """A float32 ``cls`` of small layers, one of each kind ``config.layer_types`` names, with its other settings, eager attention and weights large
     enough that every logit transformation (caps, scales) changes the loss."""
     config = config if config is not None else cls.config_class()
     values = config.to_dict()
     values.update(_CHECK_SIZES)
     values.update({k: v for k, v in LOSS_SWITCHES.items() if k in values})
-    if isinstance(values.get("layer_types"), list):
-        values["layer_types"] = values["layer_types"][:1]
+    if isinstance(values.get("layer_types"), list):  # one layer of each kind, in their order
+        kinds = list(dict.fromkeys(values["layer_types"]))
+        values["layer_types"], values["num_hidden_layers"] = kinds, len(kinds)
     values.pop(own_key, None)
     for key in [k for k in values if k.endswith("_token_id")]:
         values[key] = None  # the released ids lie outside the tiny vocabulary

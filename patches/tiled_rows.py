@@ -39,89 +39,100 @@ def _replayed_rng(ctx, x: torch.Tensor):
         yield
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
 class _TiledRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, chunk, x, *params):
-        # The parameters are inputs so that autograd routes their gradients; fn
-        # reads them itself, so they are kept on ctx rather than saved.
-        ctx.fn, ctx.chunk, ctx.params = fn, chunk, params
+    def forward(ctx, fn, chunk, inputs, *tensors):
+        # ``tensors``: the ``inputs`` row-aligned inputs, then the parameters. The parameters are inputs so that
+        # autograd routes their gradients; fn reads them itself, so they are kept on ctx rather than saved.
+        rows, params = tensors[:inputs], tensors[inputs:]
+        ctx.fn, ctx.chunk, ctx.inputs, ctx.params = fn, chunk, inputs, params
+        x = rows[0]
         ctx.rng = torch.get_rng_state(), (torch.cuda.get_rng_state(x.device) if x.is_cuda else None)
-        flat = x.reshape(-1, x.shape[-1])
+        flats = [_flat(t) for t in rows]
         out = None
-        for s in range(0, flat.shape[0], chunk):
-            y = fn(flat[s:s + chunk])
+        for s in range(0, flats[0].shape[0], chunk):
+            y = fn(*(f[s:s + chunk] for f in flats))
             if out is None:
-                out = y.new_empty((flat.shape[0],) + tuple(y.shape[1:]))
+                out = y.new_empty((flats[0].shape[0],) + tuple(y.shape[1:]))
             out[s:s + chunk] = y
             del y
-        ctx.save_for_backward(x)
+        ctx.save_for_backward(*rows)
         ctx.out_tail = tuple(out.shape[1:])
         return out.reshape(tuple(x.shape[:-1]) + ctx.out_tail)
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x,) = ctx.saved_tensors
-        params = [p for p, need in zip(ctx.params, ctx.needs_input_grad[3:]) if need]
-        flat = x.reshape(-1, x.shape[-1])
-        grad_flat = grad_out.reshape((flat.shape[0],) + ctx.out_tail)
-        grad_x = torch.empty_like(flat) if ctx.needs_input_grad[2] else None
+        rows = ctx.saved_tensors
+        needs_rows, needs_params = ctx.needs_input_grad[3:3 + ctx.inputs], ctx.needs_input_grad[3 + ctx.inputs:]
+        params = [p for p, need in zip(ctx.params, needs_params) if need]
+        flats = [_flat(t) for t in rows]
+        grad_flat = grad_out.reshape((flats[0].shape[0],) + ctx.out_tail)
+        grad_rows = [torch.empty_like(f) if need else None for f, need in zip(flats, needs_rows)]
         grads: List[Optional[torch.Tensor]] = [None] * len(params)
-        with _replayed_rng(ctx, x):
-            for s in range(0, flat.shape[0], ctx.chunk):
-                xc = flat[s:s + ctx.chunk].detach().requires_grad_(grad_x is not None)
+        with _replayed_rng(ctx, rows[0]):
+            for s in range(0, flats[0].shape[0], ctx.chunk):
+                chunks = [f[s:s + ctx.chunk].detach().requires_grad_(need) for f, need in zip(flats, needs_rows)]
                 with torch.enable_grad():
-                    y = ctx.fn(xc)
-                inputs = ([xc] if grad_x is not None else []) + params
-                got = torch.autograd.grad(y, inputs, grad_flat[s:s + ctx.chunk], allow_unused=True)
+                    y = ctx.fn(*chunks)
+                wanted = [c for c, need in zip(chunks, needs_rows) if need]
+                got = torch.autograd.grad(y, wanted + params, grad_flat[s:s + ctx.chunk], allow_unused=True)
                 del y
-                if grad_x is not None:
-                    grad_x[s:s + ctx.chunk] = got[0]
-                    got = got[1:]
-                for i, g in enumerate(got):
+                for g_rows, g in zip([g for g in grad_rows if g is not None], got):
+                    g_rows[s:s + ctx.chunk] = 0 if g is None else g
+                for i, g in enumerate(got[len(wanted):]):
                     if g is not None:
                         grads[i] = g if grads[i] is None else grads[i].add_(g)
         it = iter(grads)
-        param_grads = [next(it) if need else None for need in ctx.needs_input_grad[3:]]
-        return (None, None, None if grad_x is None else grad_x.view_as(x), *param_grads)
+        param_grads = [next(it) if need else None for need in needs_params]
+        row_grads = [None if g is None else g.view_as(t) for g, t in zip(grad_rows, rows)]
+        return (None, None, None, *row_grads, *param_grads)
 
 
 class _TiledRowsZero3(torch.autograd.Function):
     """:class:`_TiledRows` for parameters DeepSpeed ZeRO-3 partitions (see :func:`tiled_rows`)."""
 
     @staticmethod
-    def forward(ctx, fn, chunk, x, params):
-        return _TiledRows.forward(ctx, fn, chunk, x, *params)
+    def forward(ctx, fn, chunk, inputs, params, *rows):
+        return _TiledRows.forward(ctx, fn, chunk, len(rows), *rows, *params)
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x,) = ctx.saved_tensors
+        rows = ctx.saved_tensors
+        needs_rows = ctx.needs_input_grad[4:]
         params = [p for p in ctx.params if p.requires_grad]
-        flat = x.reshape(-1, x.shape[-1])
-        grad_flat = grad_out.reshape((flat.shape[0],) + ctx.out_tail)
-        grad_x = torch.empty_like(flat) if ctx.needs_input_grad[2] else None
-        starts = range(0, flat.shape[0], ctx.chunk)
+        flats = [_flat(t) for t in rows]
+        grad_flat = grad_out.reshape((flats[0].shape[0],) + ctx.out_tail)
+        grad_rows = [torch.empty_like(f) if need else None for f, need in zip(flats, needs_rows)]
+        starts = range(0, flats[0].shape[0], ctx.chunk)
         try:
-            with _replayed_rng(ctx, x):
+            with _replayed_rng(ctx, rows[0]):
                 for s in starts:
                     for p in params:  # ZeRO-3 reduces a parameter's gradient once, after the last chunk added to it
                         p.ds_grad_is_ready = s == starts[-1]
-                    xc = flat[s:s + ctx.chunk].detach().requires_grad_(grad_x is not None)
+                    chunks = [f[s:s + ctx.chunk].detach().requires_grad_(need) for f, need in zip(flats, needs_rows)]
                     with torch.enable_grad():
-                        y = ctx.fn(xc)
+                        y = ctx.fn(*chunks)
                     if y.requires_grad:
                         torch.autograd.backward(y, grad_flat[s:s + ctx.chunk])
-                    if grad_x is not None:
-                        grad_x[s:s + ctx.chunk] = 0 if xc.grad is None else xc.grad
+                    for g_rows, c in zip(grad_rows, chunks):
+                        if g_rows is not None:
+                            g_rows[s:s + ctx.chunk] = 0 if c.grad is None else c.grad
         finally:
             for p in params:
                 p.ds_grad_is_ready = True
-        return None, None, None if grad_x is None else grad_x.view_as(x), None
+        row_grads = [None if g is None else g.view_as(t) for g, t in zip(grad_rows, rows)]
+        return (None, None, None, None, *row_grads)
 
 
 @torch.compiler.disable  # an autograd Function that recomputes its chunks in the backward
-def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor],
-               chunk_rows: Optional[int] = None) -> torch.Tensor:
-    """``fn(x)`` computed ``chunk_rows`` rows of ``x`` at a time (all leading dims flattened into rows).
+def tiled_rows(fn: Callable[..., torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor],
+               chunk_rows: Optional[int] = None, others: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """``fn(x, *others)`` computed ``chunk_rows`` rows of ``x`` (and of each of ``others``, of ``x``'s leading
+    shape) at a time, all leading dims flattened into rows.
 
     ``params`` are the tensors ``fn`` reads that may need gradients (a module's
     parameters). Exact when ``fn`` acts on each row alone; random draws inside
@@ -130,10 +141,14 @@ def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, para
     chunk = ROW_CHUNK_ROWS if chunk_rows is None else chunk_rows
     positive_int(chunk, "chunk_rows")
     if x.dim() < 2 or x[..., 0].numel() <= chunk:
-        return fn(x)
+        return fn(x, *others)
+    for t in others:
+        if t.shape[:-1] != x.shape[:-1]:
+            raise ValueError(f"tiled_rows: every input has the rows of the first, {tuple(x.shape[:-1])}; got one of "
+                             f"{tuple(t.shape[:-1])}")
     if zero3_partitioned(params):
         # ZeRO-3 gathers a module's parameters only around its calls and checks their gradients against the
         # partitioned shapes, so they cannot be inputs whose gradients the backward returns: the backward adds
         # them up in place, chunk by chunk, as DeepSpeed's own tiled MLP does.
-        return _TiledRowsZero3.apply(fn, chunk, x, list(params))
-    return _TiledRows.apply(fn, chunk, x, *params)
+        return _TiledRowsZero3.apply(fn, chunk, 1 + len(others), list(params), x, *others)
+    return _TiledRows.apply(fn, chunk, 1 + len(others), x, *others, *params)

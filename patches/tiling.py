@@ -45,6 +45,7 @@ from hf_ring.integration.groups import current
 
 from . import registry, reproduction
 from .families import FAMILIES
+from .hybrids import HYBRIDS
 from .tiled_loss import tiled_causal_lm_loss
 from .tiled_rows import tiled_rows, zero3_partitioned
 
@@ -57,9 +58,10 @@ _CONFIG_REF = "_hf_ring_tiling_config"
 it too): the model config holding their settings."""
 
 TILED: Dict[str, Tuple[str, str, str, str]] = {
-    name: (family.modeling, *family.tiled) for name, family in FAMILIES.items() if family.tiled}
+    name: (family.modeling, *family.tiled) for table in (FAMILIES, HYBRIDS) for name, family in table.items()
+    if family.tiled}
 """Families whose CausalLM forward, MLP and norm are known to fit the tiled versions (module, class names),
-from the one family table."""
+from the family tables (a hybrid's own table: its recurrent layers are computed apart)."""
 
 _WARNED: set = set()
 """(class, reason) pairs already warned about: a family that stands down says so once per process."""
@@ -118,9 +120,9 @@ def configure(model: nn.Module, *, loss: Optional[bool] = None, mlp: Optional[bo
 
 def _point_rows_at_config(model: nn.Module) -> None:
     """Give the model's MLP and norm modules its config: norms carry none of their own."""
-    _, mlp_cls, norm_cls = _classes(model)
+    _, mlp_cls, norms = _classes(model)
     for module in model.modules():
-        if type(module) in (mlp_cls, norm_cls):
+        if type(module) is mlp_cls or type(module) in norms:
             setattr(module, _CONFIG_REF, model.config)
 
 
@@ -229,15 +231,21 @@ def _tiled_causal_lm_forward(original):
     return forward
 
 
+def _row_aligned(x: Any, args: tuple) -> bool:
+    """Whether every positional argument after ``x`` is a tensor of its rows (a gated norm's gate)."""
+    return all(isinstance(a, torch.Tensor) and a.shape[:-1] == x.shape[:-1] for a in args)
+
+
 def _tiled_rows_forward(switch: str):
     def make(original):
         def forward(self, x, *args, **kwargs):
             config = getattr(self, _CONFIG_REF, None) or getattr(self, "config", None)
             opts = settings(config)
-            if args or kwargs or not _on(opts[switch], config):
+            if kwargs or not _row_aligned(x, args) or not _on(opts[switch], config):
                 return original(self, x, *args, **kwargs)
             params = [p for p in self.parameters() if p.requires_grad]
-            return tiled_rows(lambda rows: original(self, rows), x, params, opts["row_chunk_rows"])
+            return tiled_rows(lambda rows, *more: original(self, rows, *more), x, params, opts["row_chunk_rows"],
+                              others=args)
 
         forward.__wrapped__ = original
         return forward
@@ -253,31 +261,34 @@ def _unpatch(cls: type) -> None:
     registry.restore(cls, "forward")
 
 
-def _classes(model_or_class: Any) -> Tuple[type, Optional[type], Optional[type]]:
-    """The CausalLM class, its MLP class and its RMSNorm class, from a model, a CausalLM class or a family name."""
+def _classes(model_or_class: Any) -> Tuple[type, Optional[type], Tuple[type, ...]]:
+    """The CausalLM class, its MLP class and its norm classes (the RMSNorm, then any gated norm of a hybrid's
+    recurrent layers the table names), from a model, a CausalLM class or a family name."""
     if isinstance(model_or_class, str):
         if model_or_class not in TILED:
             raise ValueError(f"no tiling entry for model type {model_or_class!r}; known: {', '.join(sorted(TILED))}")
-        module, causal, mlp, norm = TILED[model_or_class]
+        module, causal, mlp, *norms = TILED[model_or_class]
         mod = importlib.import_module(module)
-        return getattr(mod, causal), getattr(mod, mlp), getattr(mod, norm)
+        return getattr(mod, causal), getattr(mod, mlp), tuple(getattr(mod, n) for n in norms)
     cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
-    mlp_cls = norm_cls = None
+    mlp_cls, norms = None, ()
+    entry = next((e for e in TILED.values() if cls.__name__ == e[1] and cls.__module__ == e[0]), None)
     if isinstance(model_or_class, nn.Module):
         layers = getattr(getattr(model_or_class, "model", None), "layers", None)
         if layers is not None and len(layers):
             mlp_cls = type(getattr(layers[0], "mlp", None))
-            norm_cls = type(getattr(layers[0], "input_layernorm", None))
-    else:
-        for module, causal, mlp, norm in TILED.values():
-            if cls.__name__ == causal and cls.__module__ == module:
-                mod = importlib.import_module(module)
-                mlp_cls, norm_cls = getattr(mod, mlp), getattr(mod, norm)
-    return cls, (mlp_cls if mlp_cls is not type(None) else None), (norm_cls if norm_cls is not type(None) else None)
+            norms = (type(getattr(layers[0], "input_layernorm", None)),)
+        if entry is not None and norms and norms[0] is not type(None):
+            mod = importlib.import_module(entry[0])
+            norms += tuple(getattr(mod, n) for n in entry[4:])
+    elif entry is not None:
+        mod = importlib.import_module(entry[0])
+        mlp_cls, norms = getattr(mod, entry[2]), tuple(getattr(mod, n) for n in entry[3:])
+    return cls, (mlp_cls if mlp_cls is not type(None) else None), tuple(n for n in norms if n is not type(None))
 
 
 def _check_rowwise(cls: type, kind: str, index: int) -> None:
-    known = {entry[index] for entry in TILED.values()}
+    known = {name for entry in TILED.values() for name in entry[index:index + 1 if index == 2 else None]}
     if cls.__name__ not in known:
         raise TypeError(f"{cls.__name__} is not a known row-wise {kind} (known: {', '.join(sorted(known))}); "
                         f"tiling it could change its result (e.g. a mixture of experts); pass {kind.lower()}=False")
@@ -291,16 +302,16 @@ def apply(model_or_class: Any, *, loss: Optional[bool] = True, mlp: bool = True,
     and the transformers release where it is not, ``loss=None`` warns once and leaves that loss untiled,
     ``loss=False`` leaves it alone.
     """
-    cls, mlp_cls, norm_cls = _classes(model_or_class)
+    cls, mlp_cls, norms = _classes(model_or_class)
     config = getattr(model_or_class, "config", None) if isinstance(model_or_class, nn.Module) else None
     why = None if loss is False else reproduction_problem(cls, config)
     if why is not None and loss is True:
         raise _refusal(cls, config, why)
     mlp_cls = mlp_cls if mlp else None
-    norm_cls = norm_cls if norm else None
+    norms = norms if norm else ()
     if mlp_cls is not None:
         _check_rowwise(mlp_cls, "MLP", 2)
-    if norm_cls is not None:
+    for norm_cls in norms:
         _check_rowwise(norm_cls, "Norm", 3)
     if why is not None:
         _stand_down(cls, config, why)
@@ -308,7 +319,7 @@ def apply(model_or_class: Any, *, loss: Optional[bool] = True, mlp: bool = True,
         _patch(cls, _tiled_causal_lm_forward)
     if mlp_cls is not None:
         _patch(mlp_cls, _tiled_rows_forward("mlp"))
-    if norm_cls is not None:
+    for norm_cls in norms:
         _patch(norm_cls, _tiled_rows_forward("norm"))
 
 
@@ -321,9 +332,10 @@ def _stand_down(cls: type, config: Any, why: str) -> None:
 
 def revert(model_or_class: Any) -> None:
     """Undo :func:`apply` for a model, class or family name."""
-    for cls in _classes(model_or_class):
-        if cls is not None:
-            _unpatch(cls)
+    cls, mlp_cls, norms = _classes(model_or_class)
+    for patched in (cls, mlp_cls, *norms):
+        if patched is not None:
+            _unpatch(patched)
 
 
 def is_applied(model_or_class: Any) -> bool:

@@ -228,7 +228,8 @@ def packed_one_process(model_type: str, attn: str = "ring_dilated", batch=None) 
 
 def long_row(model_type: str, attn: str, rows: int) -> dict:
     """One row of ``rows`` tokens in one process with no hf_ring call and no cache, float64 (the scans' float64
-    recurrences): the loss, every gradient, and how many calls the layers made to their scan kernels."""
+    recurrences): the loss, every gradient, and the rows of each call the layers made to their scan kernels in the
+    forward (``calls``) and in the backward (``recomputed``: a checkpointed piece runs again there)."""
     import hybrid_models
     import sweep
     from hf_ring.patches.hybrids import HYBRIDS
@@ -242,7 +243,9 @@ def long_row(model_type: str, attn: str, rows: int) -> dict:
     with hybrid_models.model_in_float64(model):
         scans = {name: getattr(module, name) for name, kind in family.kernels if kind in hybrid_models.REFERENCE_KERNELS}
         for name, scan in scans.items():  # counted where the layers look them up (hf_ring's hooks call them too)
-            setattr(module, name, functools.wraps(scan)(lambda *a, _scan=scan, **k: calls.append(1) or _scan(*a, **k)))
+            setattr(module, name, functools.wraps(scan)(
+                lambda *a, _scan=scan, **k: calls.append((a[0].shape[1], torch._C._current_graph_task_id() != -1))
+                or _scan(*a, **k)))
         try:
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
@@ -250,7 +253,8 @@ def long_row(model_type: str, attn: str, rows: int) -> dict:
             for name, scan in scans.items():
                 setattr(module, name, scan)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return {"loss": loss.detach(), "grads": grads, "calls": len(calls)}
+    return {"loss": loss.detach(), "grads": grads, "calls": [n for n, backward in calls if not backward],
+            "recomputed": [n for n, backward in calls if backward]}
 
 
 PATTERN = {"segment_lengths": [8, 16, 64], "dilation_rates": [1, 2, 4]}
@@ -298,15 +302,35 @@ def dilated_step(model_type: str, n: int = N) -> dict:
             hf_ring.clear_sequence_parallel()
 
 
-def family_case(model_type: str, ulysses: int = 1, n: int = N, packed: bool = False, scan_rows=None) -> dict:
+MEMORY_CHUNKS = {"loss_chunk_rows": 5, "row_chunk_rows": 4}
+"""Chunks for the tiled loss, MLP and norms of ``family_case(memory=True)``: not dividing a rank's rows."""
+
+
+def family_case(model_type: str, ulysses: int = 1, n: int = N, packed: bool = False, scan_rows=None,
+                memory: bool = False) -> dict:
     """The same step with the rows split over the pool's ranks (``ulysses``: head-parallel groups of that size);
-    ``packed``: of the packed batch; ``scan_rows``: the most rows one scan kernel call runs (None: the default)."""
+    ``packed``: of the packed batch; ``scan_rows``: the most rows one scan kernel call runs (None: the default);
+    ``memory``: with what a long step runs with, activation checkpointing with the layer inputs offloaded and the
+    loss, MLP and norms tiled over :data:`MEMORY_CHUNKS` (the MLP and norms where the family's are row-wise), and
+    how many times the recurrent mixers ran for how many there are (twice each when checkpointing recomputes)."""
     import sweep
     from hf_ring.integration.context import CONTEXT_KEY
+    from hf_ring.integration.seams import enable_checkpointing
+    from hf_ring.patches.hybrids import HYBRIDS
 
     sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses)
     try:
         model, why = sweep.build(model_type, "ring_dilated", torch.float64, "hybrid")
+        if memory:
+            model.train()
+            enable_checkpointing(model)
+            hf_ring.offload_checkpoints(model)
+            rows = bool(HYBRIDS[model_type].tiled)
+            hf_ring.configure_tiling(model, loss=True, mlp=rows, norm=rows, **MEMORY_CHUNKS)
+        mixers = [m for m in model.modules() if type(m).__name__ in HYBRIDS[model_type].mixers]
+        calls = []
+        for mixer in mixers:
+            mixer.register_forward_pre_hook(lambda *_: calls.append(1))
         batch = hf_ring.shard_batch(packed_batch() if packed else padded_batch(n=n))
         if scan_rows is not None:
             batch[CONTEXT_KEY].scan_rows = scan_rows
@@ -314,7 +338,7 @@ def family_case(model_type: str, ulysses: int = 1, n: int = N, packed: bool = Fa
         hf_ring.sync_gradients(model)
         dist.all_reduce(loss, group=sp.sp_group)
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        return {"loss": loss, "grads": grads if dist.get_rank() == 0 else None}
+        return {"loss": loss, "grads": grads if dist.get_rank() == 0 else None, "mixer_runs": (len(calls), len(mixers))}
     finally:
         hf_ring.clear_sequence_parallel()
 

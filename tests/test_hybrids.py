@@ -70,15 +70,29 @@ def test_runs_cut_into_short_pieces_equal_one_process(pools, model_type, packed)
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
 def test_a_long_row_in_one_process_runs_its_scans_in_pieces(model_type):
     """A row longer than SCAN_ROWS given to a ring_dilated hybrid in one process (no hf_ring call, no cache): every
-    scan runs in pieces of at most SCAN_ROWS rows, each from the state the one before ended in, and the loss and
-    every gradient equal transformers' own forward over the whole row."""
+    scan runs in pieces of at most SCAN_ROWS rows, each from the state the one before ended in, each piece run again
+    in the backward (checkpointed: what the kernel keeps exists for one piece at a time), and the loss and every
+    gradient equal transformers' own forward over the whole row."""
     from hf_ring.engine.recurrence import SCAN_ROWS
 
     rows = SCAN_ROWS + 37
     want = hybrid_cases.long_row(model_type, "sdpa", rows)
     got = hybrid_cases.long_row(model_type, "ring_dilated", rows)
-    assert got["calls"] == 2 * want["calls"] > 0, (got["calls"], want["calls"])  # two pieces per scan call
+    assert want["calls"] and set(want["calls"]) == {rows} and not want["recomputed"], want
+    assert got["calls"] == [SCAN_ROWS, 37] * len(want["calls"]), got["calls"]  # two pieces per scan call
+    assert sorted(got["recomputed"]) == sorted(got["calls"]), got["recomputed"]
     check_family(got, want)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
+def test_a_hybrid_step_with_tiling_checkpointing_and_offload_equals_one_process(pools, model_type):
+    """What a long step runs with: the loss (both), the MLP and norms (Qwen3.5) tiled over chunks that do not divide
+    a rank's rows, checkpointed layers recomputing their recurrent layers' exchanges, their inputs offloaded."""
+    want = hybrid_cases.family_reference(model_type)
+    got = pools(2).run(hybrid_cases.family_case, model_type, memory=True)[0]
+    check_family(got, want)
+    runs, mixers = got["mixer_runs"]
+    assert mixers and runs == 2 * mixers, got["mixer_runs"]  # each recurrent layer recomputed in the backward
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])

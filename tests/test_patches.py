@@ -182,10 +182,11 @@ def _tiled_and_rotary_classes():
     from hf_ring.patches import tiling
 
     found = set()
-    for model_type, family in patches.FAMILIES.items():
+    for family in patches.FAMILIES.values():
         found.update(family.rotary_classes())
-        if model_type in tiling.TILED:
-            found.update(c for c in tiling._classes(model_type) if c is not None)
+    for model_type in tiling.TILED:  # the hybrids' tiled classes too
+        cls, mlp_cls, norms = tiling._classes(model_type)
+        found.update(c for c in (cls, mlp_cls, *norms) if c is not None)
     return found
 
 

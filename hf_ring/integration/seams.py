@@ -24,6 +24,11 @@ activation checkpointing  ``activation_checkpointing_enable`` and      5.17 - 5.
                           ``TrainingArguments(activation_checkpointing``
                           from 5.23 (``gradient_...`` deprecated),
                           ``gradient_checkpointing...`` before
+where a layer is          a ``GradientCheckpointingLayer``'s           5.17 - 5.24
+checkpointed              ``forward`` is wrapped when its class is
+                          made from 5.23 (the wrapper checkpoints
+                          only as the class's own ``forward``); its
+                          ``__call__`` checkpoints before
 ========================  ===========================================  ===================
 
 The other internals hf_ring imports are the same on every supported release
@@ -32,7 +37,7 @@ and each is imported by one module: ``AttentionInterface`` and
 ``modeling_rope_utils.dynamic_rope_update`` (patches.rope),
 ``MODEL_FOR_CAUSAL_LM_MAPPING`` (patches.structure), ``ForCausalLMLoss``,
 ``CausalLMOutputWithPast`` and ``can_return_tuple`` (patches.tiling),
-``GradientCheckpointingLayer`` (offload), accelerate's
+``GradientCheckpointingLayer`` (offload, and here), accelerate's
 ``DataLoaderDispatcher`` and ``recursively_apply`` (trainer).
 """
 from __future__ import annotations
@@ -43,6 +48,7 @@ from typing import Any, Dict, Optional
 import transformers
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, TrainingArguments
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..versions import parse
@@ -124,3 +130,30 @@ def peft_base(model: Any) -> Any:
     """The model under a PEFT wrapper (``get_base_model()``), or ``model`` itself when there is none: the module
     whose config, attention and forward hf_ring reads (a PEFT model's generate and forward call that one)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _wrapped_at_class_creation() -> bool:
+    class Probe(GradientCheckpointingLayer):
+        def forward(self) -> None:
+            return None
+
+    return "__wrapped__" in Probe.__dict__["forward"].__dict__
+
+
+CHECKPOINTS_FORWARD = _wrapped_at_class_creation()
+"""Whether this release checkpoints a layer by wrapping its class's ``forward`` when the class is made (5.23 on; the
+wrapper checkpoints only while it is the class's own ``forward``), rather than in ``__call__``."""
+
+
+def layer_forward_inside(forward: Any) -> Any:
+    """What a checkpointed layer class's ``forward`` runs inside transformers' checkpointing: the forward as the
+    modeling file wrote it where this release wraps it (:data:`CHECKPOINTS_FORWARD`), else ``forward`` itself."""
+    return forward.__wrapped__ if CHECKPOINTS_FORWARD else forward
+
+
+def as_layer_forward(forward: Any) -> Any:
+    """``forward`` made fit to replace a checkpointed layer class's ``forward``: wrapped as this release wraps one
+    when the class is made (by making a class with it), so a replaced forward still runs inside the checkpoint."""
+    if not CHECKPOINTS_FORWARD:
+        return forward
+    return type("ReplacedForward", (GradientCheckpointingLayer,), {"forward": forward}).__dict__["forward"]
