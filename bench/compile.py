@@ -20,7 +20,7 @@ from typing import Dict, List
 import torch
 
 from .common import command_line, format_table, run_ranks, save
-from .scale import MODEL
+from .configs import MODEL
 
 TABLES = {
     "compile": (("n", "n"), ("world", "ranks"), ("eager_step_s", "eager step s"),

@@ -31,7 +31,7 @@ from typing import Dict, List
 import torch
 
 from .common import clock, command_line, format_table, ratio_range, run_ranks, save, timed
-from .scale import MODEL as SCALE
+from .configs import MODEL as SCALE
 
 MODEL = dict(SCALE, vocab_size=1024)
 

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .common import clock, command_line, format_table, peak_rss_mb, rss_mb, run_ranks, save, split_for
-from .scale import MODEL
+from .configs import HYBRID, MIXER, MODEL, hybrid_config
 
 TABLES = {
     "hybrid_scan_rows": (("n", "rows"), ("scan_rows", "rows per piece"), ("s", "forward + backward s"),
@@ -48,11 +48,6 @@ TABLES = {
 }
 """The columns of this benchmark's tables in the docs: (JSON key, header), in order (see :mod:`bench.tables`)."""
 
-HYBRID = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=4,
-              linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-              head_dim=32)
-"""What makes ``bench scale``'s model a Qwen3.5-like hybrid: its layer pattern and linear-attention sizes."""
-MIXER = "Qwen3_5GatedDeltaNet"
 
 DOCUMENTS = (4096, 512, 2048, 1024, 3072, 1536, 2560, 1536)
 """The documents of ``--packed``: 512 to 4096 tokens, 16384 in all."""
@@ -82,11 +77,9 @@ def documents_batch(form: str, vocab: int) -> Dict[str, torch.Tensor]:
 
 def _model(attn: str):
     from transformers import AutoModelForCausalLM
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-    config = Qwen3_5TextConfig(**{k: v for k, v in MODEL.items() if k != "max_position_embeddings"}, **HYBRID,
-                               max_position_embeddings=1 << 20)
     torch.manual_seed(0)
+    config = hybrid_config(max_position_embeddings=1 << 20)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32).train()
 
 
@@ -104,11 +97,12 @@ class _Mark(torch.autograd.Function):
         return grad, None
 
 
-def _timers(model, spent: Dict[str, float]) -> None:
+def recurrent_timers(model, spent: Dict[str, float]) -> None:
     """Add the seconds each recurrent layer spends in its forward and in its backward to ``spent["recurrent"]``.
 
     The layers take their input by keyword, which module backward hooks do not see; marks on the input and the
-    output time the backward instead: from the gradient reaching the output to its leaving the input.
+    output time the backward instead: from the gradient reaching the output to its leaving the input. A forward
+    that checkpointing reruns inside the backward falls in that span already, so it is not timed again.
     """
     started: Dict[int, float] = {}
 
@@ -118,13 +112,20 @@ def _timers(model, spent: Dict[str, float]) -> None:
     def end(key):
         spent["recurrent"] += time.perf_counter() - started.pop(key)
 
+    def in_backward() -> bool:
+        return torch._C._current_graph_task_id() != -1
+
     def pre(module, args, kwargs):
+        if in_backward():
+            return None
         begin(id(module))
         if torch.is_grad_enabled() and kwargs.get("hidden_states") is not None:
             kwargs = dict(kwargs, hidden_states=_Mark.apply(kwargs["hidden_states"], lambda: end(-id(module))))
         return args, kwargs
 
     def post(module, args, kwargs, out):
+        if in_backward():
+            return None
         end(id(module))
         if torch.is_grad_enabled() and out.requires_grad:
             return _Mark.apply(out, lambda: begin(-id(module)))
@@ -159,7 +160,7 @@ def measure(attn: str, n: int, repeats: int, form: Optional[str] = None) -> Dict
         data = batch(n) if form is None else documents_batch(form, MODEL["vocab_size"])
         step(data)  # the untimed warm-up at this size, as every benchmark's
         spent = {"recurrent": 0.0, "exchange": 0.0}
-        _timers(model, spent)
+        recurrent_timers(model, spent)
         clock(RingComm, "all_gather", "exchange", spent)
         clock(RingComm, "all_reduce", "exchange", spent)
         times, shares = [], []

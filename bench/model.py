@@ -21,7 +21,7 @@ from . import race
 from .common import ROOT, command_line, commit, format_table, run_ranks, save
 from .rowfile import RECORDED, RowFile, add_replace_unrecorded
 from hf_ring.integration.seams import enable_checkpointing
-from .scale import MODEL
+from .configs import MODEL
 
 TABLES = {
     "model": (("n", "n"), ("checkpointing", "checkpointing"), ("sdpa_step_s", "sdpa step s"),

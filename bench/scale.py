@@ -12,6 +12,13 @@ above the model-and-warm-up baseline). Peak memory per rank is fitted as
 largest n of each group the step runs under a tensor tracker that records the
 live tensors at their peak, by where they were made (phase, module, op).
 
+``--hybrid`` trains the Qwen3.5-like hybrid of ``bench hybrid`` instead (three
+gated delta rule layers to one attention layer, the attention layer on the
+same dilated pattern) and reports beside each step the seconds spent in its
+recurrent layers, forward, recomputation and backward, on the slowest rank,
+and the growth per doubling of n of both (2.0 is linear), in
+scale_hybrid.json.
+
 Every row joins the file as soon as its processes end, in the place of the
 row with the same settings or after the others (see :mod:`bench.rowfile`),
 and the fits are made again from all the rows: lengths run at different times
@@ -20,6 +27,7 @@ and the fits are made again from all the rows: lengths run at different times
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections import defaultdict
 from typing import Callable, Dict, List, Optional, Tuple
@@ -31,17 +39,20 @@ from torch.utils._pytree import tree_flatten
 
 from hf_ring.integration.seams import enable_checkpointing
 from .common import ROOT, command_line, commit, finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks
+from .configs import HYBRID, MODEL, hybrid_config
+from .hybrid import recurrent_timers
 from .rowfile import RECORDED, RowFile, add_replace_unrecorded
 
-MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, max_position_embeddings=1 << 22, attention_dropout=0.0,
-             tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
 TRACK_BYTES = 1 << 20
 """Tensors below this size are left out of the breakdown (their sum is negligible at these lengths)."""
 
 TABLES = {
     "scale": (("n", "n"), ("world", "ranks"), ("attention", "attention"), ("tiling", "tiled"), ("step_s", "step s"),
               ("peak_mb", "peak MB per rank"), ("fit_mb", "fit MB"), ("fit_off", "fit off by")),
+    "scale_hybrid": (("n", "n"), ("world", "ranks"), ("attention", "attention"), ("tiling", "tiled"),
+                     ("step_s", "step s"), ("step_growth", "step growth per doubling"),
+                     ("recurrent_s", "recurrent layers s"), ("recurrent_growth", "recurrent growth per doubling"),
+                     ("peak_mb", "peak MB per rank"), ("fit_mb", "fit MB"), ("fit_off", "fit off by")),
 }
 """The columns of this benchmark's tables in the docs: (JSON key, header), in order (see :mod:`bench.tables`)."""
 
@@ -160,8 +171,11 @@ def _step(cfg: Dict) -> Dict:
     if world > 1:
         hf_ring.setup_sequence_parallel(None, layout=cfg["layout"])
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg["model"]), attn_implementation="ring_dilated",
-                                             dtype=torch.float32)
+    config = hybrid_config(**cfg["model"]) if cfg["hybrid"] else LlamaConfig(**cfg["model"])
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="ring_dilated", dtype=torch.float32)
+    spent = {"recurrent": 0.0}
+    if cfg["hybrid"]:
+        recurrent_timers(model, spent)
     model.train()
     enable_checkpointing(model)
     parts = cfg["parts"] if cfg["tiling"] == "on" else ()
@@ -177,6 +191,7 @@ def _step(cfg: Dict) -> Dict:
         del ids
         if world > 1:
             dist.barrier()
+        spent["recurrent"] = 0.0
         t0 = time.perf_counter()
         if tracker is None:
             model(**batch).loss.backward()
@@ -197,7 +212,8 @@ def _step(cfg: Dict) -> Dict:
     elapsed = step(cfg["n"], tracker)
     out = {"step_s": elapsed, "peak_mb": peak_rss_mb(), "peak_above_base_mb": peak_rss_mb() - base,
            "base_mb": base,
-           "param_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20}
+           "param_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
+           "recurrent_s": spent["recurrent"]}
     if tracker is not None:
         out["breakdown"] = tracker.report()
     hf_ring.clear_sequence_parallel()
@@ -225,7 +241,8 @@ def run(args, keep: Callable[[Dict, Dict, Optional[Dict]], None]) -> None:
             sizes = [n for n in args.sizes if attention == "dilated" or n <= args.dense_max]
             for n in sizes:
                 for world in args.ranks:
-                    cfg = {"model": model, "n": n, "attention": attention, "tiling": tiling, "layout": args.layout,
+                    cfg = {"model": model, "hybrid": args.hybrid, "n": n, "attention": attention, "tiling": tiling,
+                           "layout": args.layout,
                            "threads": args.threads, "min_segment": args.min_segment,
                            "loss_chunk_rows": args.loss_chunk_rows, "parts": args.parts, "row_chunk_rows": args.row_chunk_rows,
                            "breakdown": args.breakdown == "all" or (args.breakdown == "largest" and n == sizes[-1])}
@@ -237,14 +254,23 @@ def run(args, keep: Callable[[Dict, Dict, Optional[Dict]], None]) -> None:
                            "peak_mb": round(worst["peak_mb"], 1),
                            "peak_above_base_mb": round(max(r["peak_above_base_mb"] for r in res), 1),
                            "base_mb": round(worst["base_mb"], 1), "breakdown": "yes" if cfg["breakdown"] else ""}
+                    if args.hybrid:
+                        slowest = max(res, key=lambda r: r["step_s"])
+                        row["recurrent_s"] = round(slowest["recurrent_s"], 2)
                     print(format_table([row], list(row)), flush=True)
                     keep(row, worst["breakdown"] if cfg["breakdown"] else None)
 
 
 def run_model(args) -> Dict:
-    """The model config a run of ``args`` trains."""
+    """The model config a run of ``args`` trains (for ``--hybrid`` the sizes :func:`bench.configs.hybrid_config`
+    turns into the hybrid)."""
     return dict(MODEL, vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                 num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
+
+
+def written_model(args) -> Dict:
+    """What the file records as the model a run of ``args`` trained."""
+    return dict(run_model(args), **HYBRID) if args.hybrid else run_model(args)
 
 
 SETTINGS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "min_segment", "layout",
@@ -263,16 +289,37 @@ def derive(payload: Dict) -> Dict:
     """What scale.json makes from all its rows: their order (by group, length, ranks), each group's fit, and the
     breakdowns of the rows that have one (a row run again without one takes its old breakdown with it)."""
     rows = sorted(payload["rows"], key=lambda r: (r["attention"], r["tiling"], r["n"], r["world"]))
+    growth(rows)
     tracked = {breakdown_key(r) for r in rows if r["breakdown"] == "yes"}
     breakdowns = {k: v for k, v in payload.get("breakdowns", {}).items() if k in tracked}
     return {"rows": rows, "fits": fit_groups(rows), "breakdowns": breakdowns}
 
 
-WRITES = {"scale": {"rows": ("n", "world", "attention", "tiling", "step_s", "peak_mb", "peak_above_base_mb", "base_mb",
-                             "breakdown") + RECORDED}}
-"""Every field a row of scale.json can hold (``bench tables --check`` holds the file to them)."""
-BESIDE = {"scale": ("model", "fits", "breakdowns")}
-"""What scale.json holds beside its rows: the model of its last run, the fits, the breakdowns by row."""
+def growth(rows: List[Dict]) -> None:
+    """Give each row after the shortest of its (attention, tiling, ranks) group the growth per doubling of n of its
+    step time (and of its recurrent layers' time, where measured) from the row before it: (t / t_before) ** (1 /
+    log2(n / n_before)); 2.0 is linear."""
+    groups: Dict[Tuple, List[Dict]] = defaultdict(list)
+    for r in rows:
+        for key in ("step_growth", "recurrent_growth"):
+            r.pop(key, None)
+        groups[r["attention"], r["tiling"], r["world"]].append(r)
+    for group in groups.values():
+        group.sort(key=lambda r: r["n"])
+        for before, r in zip(group, group[1:]):
+            doublings = math.log2(r["n"] / before["n"])
+            for key, out in (("step_s", "step_growth"), ("recurrent_s", "recurrent_growth")):
+                if before.get(key) and r.get(key):
+                    r[out] = round((r[key] / before[key]) ** (1 / doublings), 2)
+
+
+_ROW = ("n", "world", "attention", "tiling", "step_s", "peak_mb", "peak_above_base_mb", "base_mb", "breakdown")
+WRITES = {"scale": {"rows": _ROW + ("step_growth",) + RECORDED},
+          "scale_hybrid": {"rows": _ROW + ("recurrent_s", "step_growth", "recurrent_growth") + RECORDED}}
+"""Every field a row of scale.json (and of ``--hybrid``'s scale_hybrid.json) can hold (``bench tables --check``
+holds the files to them)."""
+BESIDE = {"scale": ("model", "fits", "breakdowns"), "scale_hybrid": ("model", "fits", "breakdowns")}
+"""What the files hold beside their rows: the model of the last run, the fits, the breakdowns by row."""
 
 
 def fit_groups(rows: List[Dict]) -> Dict[str, Dict]:
@@ -317,8 +364,12 @@ def _plot(rows: List[Dict], fits: Dict[str, Dict]):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench scale", description=__doc__)
-    ap.add_argument("--sizes", type=int, nargs="+", default=[16384, 65536, 262144, 1048576])
-    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--hybrid", action="store_true",
+                    help="train the Qwen3.5-like hybrid of bench hybrid (three gated delta rule layers to one attention "
+                         "layer, repeated to --layers) instead of the Llama; its rows go to scale_hybrid.json")
+    ap.add_argument("--sizes", type=int, nargs="+", default=None,
+                    help="default: 16K, 64K, 256K, 1M; with --hybrid 128K, 256K, 512K, 1M")
+    ap.add_argument("--ranks", type=int, nargs="+", default=None, help="default: 1 and 2; with --hybrid 2")
     ap.add_argument("--attention", nargs="+", choices=["dilated", "dense"], default=["dilated"])
     ap.add_argument("--tiling", nargs="+", choices=["on", "off"], default=["on"],
                     help="on: tile the --parts; off: the plain model (rows say which)")
@@ -340,16 +391,22 @@ def main(argv=None) -> None:
                     help="run the step under the live-tensor tracker at the largest n of each group")
     ap.add_argument("--out", default="bench_results",
                     help="where NAME.json goes; each row joins it in the place of the row run with the same settings")
-    ap.add_argument("--name", default="scale", help="output file stem")
+    ap.add_argument("--name", default=None, help="output file stem (default: scale, or scale_hybrid with --hybrid)")
     add_replace_unrecorded(ap)
     args = ap.parse_args(argv)
-    sink = RowFile(args.out, args.name, WRITES["scale"], vars(args), command_line("scale", argv), commit(ROOT),
-                   keys={"rows": (SETTINGS, OWN)}, beside=BESIDE["scale"],
+    if args.sizes is None:
+        args.sizes = [1 << 17, 1 << 18, 1 << 19, 1 << 20] if args.hybrid else [1 << 14, 1 << 16, 1 << 18, 1 << 20]
+    if args.ranks is None:
+        args.ranks = [2] if args.hybrid else [1, 2]
+    kind = "scale_hybrid" if args.hybrid else "scale"
+    args.name = args.name or kind
+    sink = RowFile(args.out, args.name, WRITES[kind], vars(args), command_line("scale", argv), commit(ROOT),
+                   keys={"rows": (SETTINGS, OWN)}, beside=BESIDE[kind],
                    replace_unrecorded=args.replace_unrecorded, derive=derive,
                    plot=lambda payload: _plot(payload["rows"], payload["fits"]))
 
     def keep(row: Dict, breakdown: Optional[Dict]) -> None:
-        found = {"model": run_model(args)}
+        found = {"model": written_model(args)}
         if breakdown is not None:
             found["breakdowns"] = {breakdown_key(row): breakdown}
             print(f"\nlive tensors at their peak ({breakdown_key(row)}): {breakdown['peak_tracked_mb']} MB tracked")

@@ -106,7 +106,7 @@ def _cell(value) -> str:
 def render(name: str, payload: Dict) -> str:
     """The markdown table of one benchmark's JSON."""
     rows: List[Dict] = [dict(r) for r in payload["rows"]]
-    if name == "scale":
+    if "fits" in payload:  # bench scale's files: each row beside its group's fit
         for r in rows:
             f = payload.get("fits", {}).get(f"{r['attention']} tiling={r['tiling']}")
             if f:
@@ -115,8 +115,8 @@ def render(name: str, payload: Dict) -> str:
     cols = [(k, h) for k, h in COLUMNS[name] if any(k in r for r in rows)]
     lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     lines += ["| " + " | ".join(_cell(r.get(k)) for k, _ in cols) + " |" for r in rows]
-    if name == "scale":
-        for key, f in payload.get("fits", {}).items():
+    if "fits" in payload:
+        for key, f in payload["fits"].items():
             # the worst point as the "fit off by" column counts it (against the fit), so the two always agree
             offs = [abs(r["peak_mb"] - (f["a_mb"] + f["b_mb_per_token"] * r["n"] / r["world"]))
                     / (f["a_mb"] + f["b_mb_per_token"] * r["n"] / r["world"])
