@@ -2,7 +2,7 @@
 ``bench scale --hybrid``."""
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1 << 22, attention_dropout=0.0,
@@ -29,3 +29,15 @@ def hybrid_config(**sizes: Any):
         raise ValueError(f"num_hidden_layers must be a multiple of {len(HYBRID['layer_types'])}, got {layers}")
     hybrid = dict(HYBRID, layer_types=HYBRID["layer_types"] * (layers // len(HYBRID["layer_types"])))
     return Qwen3_5TextConfig(**model, **hybrid)
+
+
+def dilated_pattern(n: int, first: int = 2048) -> Dict[str, List[int]]:
+    """The benchmarks' linear dilated pattern: segments first, 2·first, ... below n, then n itself; rates 1, 2, 4,
+    ... (one per segment), so every query of a branch sees about ``first`` keys."""
+    segs = []
+    w = first
+    while w < n:
+        segs.append(w)
+        w *= 2
+    segs.append(n)
+    return {"segment_lengths": segs, "dilation_rates": [1 << i for i in range(len(segs))]}

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from . import model as model_bench
 from . import routes as route_check
 from .common import command_line, format_table, ratio_range, run_ranks, save
-from .scale import dilated_pattern
+from .configs import dilated_pattern
 
 SIZES = [8192, 16384, 32768, 65536]
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128

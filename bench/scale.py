@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten
 
 from hf_ring.integration.seams import enable_checkpointing
 from .common import ROOT, command_line, commit, finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks
-from .configs import HYBRID, MODEL, hybrid_config
+from .configs import HYBRID, MODEL, dilated_pattern, hybrid_config
 from .hybrid import recurrent_timers
 from .rowfile import RECORDED, RowFile, add_replace_unrecorded
 
@@ -55,17 +55,6 @@ TABLES = {
                      ("peak_mb", "peak MB per rank"), ("fit_mb", "fit MB"), ("fit_off", "fit off by")),
 }
 """The columns of this benchmark's tables in the docs: (JSON key, header), in order (see :mod:`bench.tables`)."""
-
-
-def dilated_pattern(n: int, first: int = 2048) -> Dict:
-    """Segments first, 2·first, ... below n, then n itself; rates 1, 2, 4, ... (one per segment)."""
-    segs = []
-    w = first
-    while w < n:
-        segs.append(w)
-        w *= 2
-    segs.append(n)
-    return {"segment_lengths": segs, "dilation_rates": [1 << i for i in range(len(segs))]}
 
 
 class LiveTensors(TorchDispatchMode):
