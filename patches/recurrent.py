@@ -139,6 +139,17 @@ def _conv(kernel, call: LayerCall, name: str, *args, **kwargs):
     return tied(torch.cat(outs, dim=-1), every)
 
 
+def _by_segment(segments: List[Segment], dim: int, *tensors: Tensor) -> List[Tuple[Tensor, ...]]:
+    """Each of ``tensors``' rows (along ``dim``) of each segment. One split per tensor where the segments tile its
+    rows in order (they do: a rank's runs, cut): a split's backward joins the pieces' gradients once, where a slice
+    per piece adds each into a zero tensor of all the rows, a time that grows with the square of the rows."""
+    lengths = [seg.length for seg in segments]
+    if all(seg.offset == sum(lengths[:i]) for i, seg in enumerate(segments)) and \
+            all(sum(lengths) == t.shape[dim] for t in tensors):
+        return list(zip(*(t.split(lengths, dim=dim) for t in tensors)))
+    return [tuple(t.narrow(dim, seg.offset, seg.length) for t in tensors) for seg in segments]
+
+
 def _from_document_start(window: Tensor, seg: Segment, width: int) -> Tensor:
     """``window`` ``(B, C, width + rows)``: the ``width`` rows before a segment, then its rows; the rows before each
     batch row's document start zeroed, so the convolution reads none of an earlier document."""
@@ -254,16 +265,14 @@ def _delta_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Dic
     call = _piece_call(context, rows, kernel)
     call_extended = _piece_call(context, rows, kernel, fn=functools.partial(_delta_extended, kernel, scan, rest))
     known = None  # in one process: the state the segment before ended in, which the next starts from
-    for seg in runs.segments:
-        s = slice(seg.offset, seg.offset + seg.length)
+    for seg, inputs in zip(runs.segments, _by_segment(runs.segments, 1, q, k, v, g, beta)):
         if all(seg.fresh) or known is not None:
             start = None if all(seg.fresh) else restarted(seg, known)
-            out, state = call(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], **{scan.state: start, scan.final: True},
-                                **rest)
+            out, state = call(*inputs, **{scan.state: start, scan.final: True}, **rest)
             runs.add(out, None, state.to(acc), torch.zeros(b, heads, dk, dk, dtype=acc, device=v.device))
             known = state if context.world_size == 1 else None
             continue
-        out, basis, state = call_extended(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], identity)
+        out, basis, state = call_extended(*inputs, identity)
         runs.add(out, basis, state[..., :dv].to(acc), state[..., dv:].to(acc))
     return runs
 
@@ -302,16 +311,16 @@ def _mamba2_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Di
     runs = Runs(_segments(context, x.shape[1], x.shape[0], kernel))
     call = _piece_call(context, x.shape[1], kernel)
     known = None  # in one process: the state the segment before ended in, which the next starts from
-    for seg in runs.segments:
-        s = slice(seg.offset, seg.offset + seg.length)
+    for seg, (x_s, dt_s, b_s, c_s, decay_s, query_s) in zip(
+            runs.segments, _by_segment(runs.segments, 1, x, dt, B, C, log_decay, query)):
         start = None if known is None or all(seg.fresh) else restarted(seg, known)
-        out, state = call(x[:, s], dt[:, s], A, B[:, s], C[:, s], **{scan.state: start, scan.final: True}, **rest)
+        out, state = call(x_s, dt_s, A, b_s, c_s, **{scan.state: start, scan.final: True}, **rest)
         known = state if context.world_size == 1 else None
         if known is not None:  # its start is known: it needs no correction
             runs.add(out, None, state.to(acc), torch.zeros_like(log_decay[:, 0]))
             continue
-        cum = log_decay[:, s].cumsum(1)
-        runs.add(out, cum.exp()[..., None] * query[:, s], state.to(acc), cum[:, -1].exp())
+        cum = decay_s.cumsum(1)
+        runs.add(out, cum.exp()[..., None] * query_s, state.to(acc), cum[:, -1].exp())
     return runs
 
 
@@ -330,11 +339,10 @@ def _mamba_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Dic
     ungated = {**rest, "z": None}
     runs = Runs(_segments(context, x.shape[-1], x.shape[0], kernel))
     call = _piece_call(context, x.shape[-1], kernel)
-    for seg in runs.segments:
-        s = slice(seg.offset, seg.offset + seg.length)
-        out, state = call(x[..., s], dt[..., s], A, B[..., s], C[..., s], **{scan.final: True}, **ungated)
-        cum = (A.to(acc)[None, :, None, :] * step[..., s, None]).cumsum(2)  # (B, D, rows, N)
-        runs.add(out, (C[..., s], cum), state.to(acc), cum[:, :, -1].exp())
+    for x_s, dt_s, b_s, c_s, step_s in _by_segment(runs.segments, -1, x, dt, B, C, step):
+        out, state = call(x_s, dt_s, A, b_s, c_s, **{scan.final: True}, **ungated)
+        cum = (A.to(acc)[None, :, None, :] * step_s[..., None]).cumsum(2)  # (B, D, rows, N)
+        runs.add(out, (c_s, cum), state.to(acc), cum[:, :, -1].exp())
     return runs
 
 
