@@ -205,10 +205,11 @@ def test_qwen3_5_with_images_splits_its_hybrid_language_model(pools, world, ulys
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h", "jamba", "lfm2"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h", "jamba", "lfm2", "kimi_linear"])
 def test_generate_gives_model_generate_tokens(pools, model_type, world):
     """The prefill split over the ranks, each recurrent layer's end state (its convolution's last rows, its scan's
-    state) on every rank, the attention's cache sharded; then every rank decodes the same tokens."""
+    state) on every rank, the attention's cache sharded; then every rank decodes the same tokens. Kimi Linear's
+    attention layers are multi-head latent attention: value heads narrower than its query and key heads."""
     import hybrid_models
 
     path = hybrid_models.saved(model_type)

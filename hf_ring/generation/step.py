@@ -96,6 +96,18 @@ class DecodeStep(ForwardContext):
         rule = cache.rule_of(layer_idx)
         branches = spec.branches
         sets = cache.layer_rows(layer_idx)
+        _, k_first, v_first = sets[0]  # what the layer's cache update returned the layer: its first row set
+        if k_first.shape[3] != key.shape[3] or v_first.shape[3] != value.shape[3] or (
+                len(sets) == 1 and k_first.shape[1] != key.shape[1]):
+            # The cache holds what the layer makes its keys and values from (multi-head latent attention caches its
+            # compressed latents): attend over the keys and values it made, one per cached row, in the cache's order.
+            if len(sets) != 1 or sets[0][0].numel() != key.shape[2]:
+                raise ValueError(
+                    f"layer {layer_idx} caches rows of another shape than the keys and values it attends over (its "
+                    "cache holds what they are made from, as multi-head latent attention's does), and the sharded "
+                    "cache keeps its rows per K/V head or evicted some; pass past_key_values=hf_ring.ShardedCache("
+                    "rank, world, layout, evict=False)")
+            sets = [(sets[0][0], key, value)]
         hq, hkv = query.shape[1], sum(k_rows.shape[1] for _, k_rows, _ in sets)
         if rule is not KEEP_ALL and rule != rule_for(spec.window, branches, hq, hkv):
             raise ValueError(
