@@ -147,9 +147,9 @@ def tiling_spy():
         counts["loss"] += 1
         return loss(*args, **kwargs)
 
-    def counted_rows(fn, x, params, chunk_rows=None):
+    def counted_rows(fn, x, params, chunk_rows=None, others=()):
         counts["rows"] += chunk_rows is not None and x[..., 0].numel() > chunk_rows
-        return rows(fn, x, params, chunk_rows)
+        return rows(fn, x, params, chunk_rows, others)
 
     tiling.tiled_causal_lm_loss, tiling.tiled_rows = counted_loss, counted_rows
     try:
