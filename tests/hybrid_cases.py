@@ -327,7 +327,8 @@ def family_case(model_type: str, ulysses: int = 1, n: int = N, packed: bool = Fa
             hf_ring.offload_checkpoints(model)
             rows = bool(HYBRIDS[model_type].tiled)
             hf_ring.configure_tiling(model, loss=True, mlp=rows, norm=rows, **MEMORY_CHUNKS)
-        mixers = [m for m in model.modules() if type(m).__name__ in HYBRIDS[model_type].mixers]
+        hooked = HYBRIDS[model_type].mixers if model_type in HYBRIDS else ()  # a refused type has none
+        mixers = [m for m in model.modules() if type(m).__name__ in hooked]
         calls = []
         for mixer in mixers:
             mixer.register_forward_pre_hook(lambda *_: calls.append(1))
