@@ -169,7 +169,7 @@ def _layer_forward(original: Callable, hybrid: HybridFamily) -> Callable:
         return _over_shards(inside, hybrid, context, self, args, kwargs)
 
     forward.__wrapped__ = inside
-    return as_layer_forward(forward)
+    return as_layer_forward(forward, original)
 
 
 @torch.compiler.disable  # collectives and host-side run lists: outside a compiled graph, on purpose

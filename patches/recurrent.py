@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -98,8 +99,8 @@ def _segments(context: ShardedForward, rows: int, batch: int, kernel: Optional[C
 def _piece_call(context: ShardedForward, rows: int, kernel: Callable, scan: bool = True,
                 fn: Optional[Callable] = None) -> Callable:
     """How ``kernel`` (or ``fn``, which calls it) is called on each segment of this rank's ``rows``: as it is, or,
-    over more rows than
-    ``context.scan_rows`` with gradients on, checkpointed, so that what it keeps for the backward beyond its inputs
+    over more rows than ``context.scan_rows`` with gradients on, checkpointed, so that what it keeps for the backward
+    beyond its inputs
     (a scan's several row-sized tensors per head, a convolution's output before its activation) exists for one
     segment at a time, recomputed in the backward. ``scan``: a scan kernel, whose :data:`LINEAR_KERNELS` run whole
     and keep little, so they are called as they are."""
@@ -144,8 +145,9 @@ def _by_segment(segments: List[Segment], dim: int, *tensors: Tensor) -> List[Tup
     rows in order (they do: a rank's runs, cut): a split's backward joins the pieces' gradients once, where a slice
     per piece adds each into a zero tensor of all the rows, a time that grows with the square of the rows."""
     lengths = [seg.length for seg in segments]
-    if all(seg.offset == sum(lengths[:i]) for i, seg in enumerate(segments)) and \
-            all(sum(lengths) == t.shape[dim] for t in tensors):
+    starts = [0, *itertools.accumulate(lengths)]
+    if all(seg.offset == start for seg, start in zip(segments, starts)) and \
+            all(starts[-1] == t.shape[dim] for t in tensors):
         return list(zip(*(t.split(lengths, dim=dim) for t in tensors)))
     return [tuple(t.narrow(dim, seg.offset, seg.length) for t in tensors) for seg in segments]
 

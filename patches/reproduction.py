@@ -27,8 +27,9 @@ _VERDICTS: Dict[Tuple[type, Any, str], Optional[str]] = {}
 
 
 def _tiny_model(cls: type, config: Any, own_key: str) -> nn.Module:
-    """A float32 ``cls`` of small layers, one of each kind ``config.layer_types`` names, with its other settings, eager attention and weights large
-    enough that every logit transformation (caps, scales) changes the loss."""
+    """A float32 ``cls`` of small layers, one of each kind ``config.layer_types`` names, with ``config``'s other
+    settings, eager attention and weights large enough that every logit transformation (caps, scales) changes the
+    loss."""
     config = config if config is not None else cls.config_class()
     values = config.to_dict()
     values.update(_CHECK_SIZES)

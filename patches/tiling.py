@@ -287,8 +287,12 @@ def _classes(model_or_class: Any) -> Tuple[type, Optional[type], Tuple[type, ...
     return cls, (mlp_cls if mlp_cls is not type(None) else None), tuple(n for n in norms if n is not type(None))
 
 
-def _check_rowwise(cls: type, kind: str, index: int) -> None:
-    known = {name for entry in TILED.values() for name in entry[index:index + 1 if index == 2 else None]}
+_MLPS = {entry[2] for entry in TILED.values()}
+_NORMS = {name for entry in TILED.values() for name in entry[3:]}
+"""The MLP and norm class names of :data:`TILED`: the row-wise ones tiling takes."""
+
+
+def _check_rowwise(cls: type, kind: str, known: set) -> None:
     if cls.__name__ not in known:
         raise TypeError(f"{cls.__name__} is not a known row-wise {kind} (known: {', '.join(sorted(known))}); "
                         f"tiling it could change its result (e.g. a mixture of experts); pass {kind.lower()}=False")
@@ -310,9 +314,9 @@ def apply(model_or_class: Any, *, loss: Optional[bool] = True, mlp: bool = True,
     mlp_cls = mlp_cls if mlp else None
     norms = norms if norm else ()
     if mlp_cls is not None:
-        _check_rowwise(mlp_cls, "MLP", 2)
+        _check_rowwise(mlp_cls, "MLP", _MLPS)
     for norm_cls in norms:
-        _check_rowwise(norm_cls, "Norm", 3)
+        _check_rowwise(norm_cls, "Norm", _NORMS)
     if why is not None:
         _stand_down(cls, config, why)
     elif loss is not False:

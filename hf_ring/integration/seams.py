@@ -43,6 +43,7 @@ and each is imported by one module: ``AttentionInterface`` and
 from __future__ import annotations
 
 import dataclasses
+from types import CodeType
 from typing import Any, Dict, Optional
 
 import transformers
@@ -132,28 +133,34 @@ def peft_base(model: Any) -> Any:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _wrapped_at_class_creation() -> bool:
+def _checkpointing_wrapper() -> Optional[CodeType]:
     class Probe(GradientCheckpointingLayer):
         def forward(self) -> None:
             return None
 
-    return "__wrapped__" in Probe.__dict__["forward"].__dict__
+    forward = Probe.__dict__["forward"]
+    return forward.__code__ if "__wrapped__" in forward.__dict__ else None
 
 
-CHECKPOINTS_FORWARD = _wrapped_at_class_creation()
-"""Whether this release checkpoints a layer by wrapping its class's ``forward`` when the class is made (5.23 on; the
-wrapper checkpoints only while it is the class's own ``forward``), rather than in ``__call__``."""
+CHECKPOINTING_WRAPPER = _checkpointing_wrapper()
+"""The code of the wrapper this release puts around a checkpointed layer class's ``forward`` when the class is made
+(5.23 on; it checkpoints only while it is the class's own ``forward``); None where ``__call__`` checkpoints."""
+
+
+def _checkpointing(forward: Any) -> bool:
+    return CHECKPOINTING_WRAPPER is not None and getattr(forward, "__code__", None) is CHECKPOINTING_WRAPPER
 
 
 def layer_forward_inside(forward: Any) -> Any:
-    """What a checkpointed layer class's ``forward`` runs inside transformers' checkpointing: the forward as the
-    modeling file wrote it where this release wraps it (:data:`CHECKPOINTS_FORWARD`), else ``forward`` itself."""
-    return forward.__wrapped__ if CHECKPOINTS_FORWARD else forward
+    """What a layer class's ``forward`` runs inside transformers' checkpointing: the forward as the modeling file
+    wrote it where ``forward`` is that checkpointing's wrapper, else ``forward`` itself."""
+    return forward.__wrapped__ if _checkpointing(forward) else forward
 
 
-def as_layer_forward(forward: Any) -> Any:
-    """``forward`` made fit to replace a checkpointed layer class's ``forward``: wrapped as this release wraps one
-    when the class is made (by making a class with it), so a replaced forward still runs inside the checkpoint."""
-    if not CHECKPOINTS_FORWARD:
+def as_layer_forward(forward: Any, replaced: Any) -> Any:
+    """``forward``, made to replace the layer class's ``forward`` ``replaced``: wrapped in transformers'
+    checkpointing as ``replaced`` was (by making a class with it), so a replaced forward still runs inside the
+    checkpoint; itself where ``replaced`` was not wrapped."""
+    if not _checkpointing(replaced):
         return forward
     return type("ReplacedForward", (GradientCheckpointingLayer,), {"forward": forward}).__dict__["forward"]
