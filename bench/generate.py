@@ -22,6 +22,7 @@ import torch
 from hf_ring.generation.cache import cache_nbytes
 from hf_ring.integration.seams import CACHE_KEYWORD
 from .common import (clock, command_line, finish_figure, format_table, peak_rss_mb, rss_mb, run_ranks, save, spread, summary, timed)
+from .hybrid import generate_file
 
 MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1 << 20, attention_dropout=0.0,
@@ -356,7 +357,7 @@ def _plot(rows: List[Dict]):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench generate", description=__doc__)
-    ap.add_argument("--sizes", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    ap.add_argument("--sizes", type=int, nargs="+", default=None, help="default: 8K to 64K; with --hybrid 64K and 256K")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
     ap.add_argument("--no-reference", action="store_true", help="skip the single-process SDPA generate")
@@ -366,8 +367,18 @@ def main(argv=None) -> None:
     ap.add_argument("--evict", nargs="+", choices=sorted(EVICT_MODELS), metavar="MODEL",
                     help="instead: compare the sharded cache evicting and keeping every row, in the same runs, for "
                          f"these configurations ({', '.join(sorted(EVICT_MODELS))}); saved as generate_evict")
+    ap.add_argument("--hybrid", action="store_true",
+                    help="instead: the Qwen3.5-like hybrid of bench hybrid (its attention layer on the linear dilated "
+                         "pattern) on 2 ranks and in one process: time to first token and decode tokens/s "
+                         "(--sizes default 64K and 256K; saved as generate_hybrid)")
+    ap.add_argument("--one-process-max", type=int, default=1 << 18,
+                    help="with --hybrid: the longest prompt also run in one process")
     args = ap.parse_args(argv)
+    args.sizes = args.sizes or ([1 << 16, 1 << 18] if args.hybrid else [8192, 16384, 32768, 65536])
     command = command_line("generate", argv)
+    if args.hybrid:
+        generate_file(args, command)
+        return
     if args.evict:
         rows = run_evict(args.evict, args.sizes, args.new_tokens, args.layout, args.repeats)
         cols = ["model", "n", "world", "cache_mb_kept", "cache_mb_evicted", "cache_ratio", "decode_tok_s_kept",

@@ -9,11 +9,16 @@ the attention through the ring, the recurrent layers by state passing. Each
 configuration runs in fresh one-thread processes, ``--repeats`` timed steps
 after a warm-up, in each of ``--rounds`` interleaved sweeps; a step is timed
 at its slowest rank, and the table gives the median and spread of all of them.
-The peak resident memory is the busiest rank's above the same process after a
+"/ one process in pieces" compares with the same model on ``ring_dilated`` in
+one process, whose long row runs the torch kernels in pieces as each rank does:
+what the splitting alone gives. The peak resident memory is the busiest rank's above the same process after a
 512-token warm-up. "recurrent share" is the part of a step spent in the
 recurrent layers (their forward and backward, timed by module hooks),
 "exchange share" the part spent in their all-gathers (state passing and
 convolution halos) and the gradients' all-reduces.
+
+``python -m bench generate --hybrid`` generates from the same model with its
+attention layer on the linear dilated pattern (:func:`generate_file`).
 
 ``--packed`` trains the same model on 2 ranks on documents of 512 to 4096
 tokens (:data:`DOCUMENTS`, 16K in all) three ways: packed into one row
@@ -31,8 +36,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .common import clock, command_line, format_table, peak_rss_mb, rss_mb, run_ranks, save, split_for
-from .configs import HYBRID, MIXER, MODEL, hybrid_config
+from .common import clock, command_line, format_table, peak_rss_mb, rss_mb, run_ranks, save, split_for, spread, summary
+from .configs import HYBRID, MIXER, MODEL, dilated_pattern, hybrid_config
 
 TABLES = {
     "hybrid_scan_rows": (("n", "rows"), ("scan_rows", "rows per piece"), ("s", "forward + backward s"),
@@ -41,8 +46,13 @@ TABLES = {
                       ("step_spread", "spread"), ("real_tok_s", "real tokens/s"),
                       ("over_padded", "real tokens/s / padded"), ("over_one_document", "step / one document"),
                       ("peak_mb", "peak MiB per rank")),
+    "generate_hybrid": (("n", "prompt"), ("world", "ranks"), ("ttft_s", "time to first token s"),
+                        ("ttft_spread", "spread"), ("ttft_ratio", "/ one process"), ("decode_tok_s", "decode tok/s"),
+                        ("decode_spread", "spread"), ("decode_ratio", "/ one process"),
+                        ("peak_mb", "peak MiB per rank"), ("same_tokens", "tokens = one process's")),
     "hybrid": (("n", "n"), ("attn", "attention"), ("ranks", "ranks"), ("step_s", "step s (median)"),
-               ("step_spread", "spread"), ("over_one_process", "/ one process"), ("peak_mb", "peak MiB per rank"),
+               ("step_spread", "spread"), ("over_one_process", "/ one process"),
+               ("over_one_process_in_pieces", "/ one process in pieces"), ("peak_mb", "peak MiB per rank"),
                ("peak_over_one_process", "peak / one process"), ("recurrent_share", "recurrent share"),
                ("exchange_share", "exchange share")),
 }
@@ -175,7 +185,9 @@ def measure(attn: str, n: int, repeats: int, form: Optional[str] = None) -> Dict
         return {"steps": times, "shares": shares, "peak_mb": peak_rss_mb() - base}
 
 
-CONFIGS = (("sdpa", 1), ("ring_dilated", 2))
+CONFIGS = (("sdpa", 1), ("ring_dilated", 1), ("ring_dilated", 2))
+"""One process on ``sdpa`` (transformers' torch kernels over whole rows), one process on ``ring_dilated`` (the same
+kernels in pieces: hf_ring's one-process forward of a long row) and 2 ranks."""
 
 
 def rows_for(sizes: List[int], repeats: int, rounds: int) -> List[Dict]:
@@ -197,14 +209,18 @@ def rows_for(sizes: List[int], repeats: int, rounds: int) -> List[Dict]:
                     exchange.append(share["exchange"] / times[slowest])
                 peaks.append(max(r["peak_mb"] for r in ranks))
             stats[cfg] = {"steps": steps, "recurrent": recurrent, "exchange": exchange, "peak": max(peaks)}
-        one = stats[CONFIGS[0]]
+        one, pieces = stats[CONFIGS[0]], stats[CONFIGS[1]]
         for (attn, world), s in stats.items():
             step = statistics.median(s["steps"])
+            in_pieces = statistics.median(pieces["steps"])
             row = {"n": n, "attn": attn, "ranks": world, "step_s": round(step, 3),
                    "step_spread": f"{min(s['steps']):.3g}-{max(s['steps']):.3g}",
                    "over_one_process": round(step / statistics.median(one["steps"]), 3),
                    "over_one_process_spread": (f"{min(s['steps']) / max(one['steps']):.3f}-"
                                                f"{max(s['steps']) / min(one['steps']):.3f}"),
+                   "over_one_process_in_pieces": round(step / in_pieces, 3),
+                   "over_one_process_in_pieces_spread": (f"{min(s['steps']) / max(pieces['steps']):.3f}-"
+                                                         f"{max(s['steps']) / min(pieces['steps']):.3f}"),
                    "peak_mb": round(s["peak"], 1), "peak_over_one_process": round(s["peak"] / one["peak"], 3),
                    "recurrent_share": round(statistics.median(s["recurrent"]), 3),
                    "exchange_share": round(statistics.median(s["exchange"]), 3), "repeats": len(s["steps"])}
@@ -275,6 +291,80 @@ def scan_rows_table(sizes: List[int], lengths: List[int], repeats: int) -> List[
                          "us_per_row": round(1e6 * t / n, 1), "over_whole": round(t / whole, 3)})
             print(format_table([rows[-1]], list(rows[-1])), flush=True)
     return rows
+
+
+GENERATE_WARMUP = 4096
+"""The prompt of the untimed warm-up call of ``generate --hybrid`` (threads, allocator, kernels): short, since at
+these lengths a call's time is in its linear work, not in what a first call sets up."""
+
+
+def _generate(n: int, new_tokens: int, repeats: int) -> Dict:
+    """On this rank: ``hf_ring.generate`` calls on the hybrid with the linear dilated pattern on its attention layer;
+    per timed call the time to the first token (the prefill forward and the first token's) and the seconds per
+    later token, the peak resident memory above the built model, and the tokens."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import hf_ring
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        hf_ring.setup_sequence_parallel(None)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hybrid_config(max_position_embeddings=max(n, 1 << 20)),
+                                             attn_implementation="ring_dilated", dtype=torch.float32).eval()
+    hf_ring.configure(model, pattern=dilated_pattern(n))
+    base = rss_mb()
+    first, later, tokens = [], [], []
+    for length in [GENERATE_WARMUP] + [n] * repeats:
+        # Token 0 is the pad token: keep it out of the prompt, or generate would infer padding and mask it.
+        ids = torch.randint(1, MODEL["vocab_size"], (1, length), generator=torch.Generator().manual_seed(1))
+        starts: List[float] = []
+        hook = model.register_forward_pre_hook(lambda m, a: starts.append(time.perf_counter()))
+        if world > 1:
+            dist.barrier()
+        with torch.no_grad():
+            out = hf_ring.generate(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                   do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+        starts.append(time.perf_counter())
+        hook.remove()
+        if length == n and len(starts) > 2:
+            first.append(starts[2] - starts[0])  # the prefill, then the first token's forward
+            later.append((starts[-1] - starts[2]) / (len(starts) - 3))
+            tokens = out.sequences[0, n:].tolist()
+    hf_ring.clear_sequence_parallel()
+    return {"first": first, "later": later, "peak_mb": peak_rss_mb() - base, "tokens": tokens}
+
+
+def generate_rows(sizes: List[int], new_tokens: int, repeats: int, one_process_max: int) -> List[Dict]:
+    """``generate --hybrid``: each prompt on 2 ranks and, up to ``one_process_max``, in one process."""
+    rows = []
+    for n in sizes:
+        one = None
+        for world in ((1, 2) if n <= one_process_max else (2,)):
+            res = run_ranks(world, _generate, n, new_tokens, repeats, exact_peak=False)
+            ttft, later = summary([r["first"] for r in res]), summary([r["later"] for r in res])
+            got = {"ttft": ttft, "tok_s": 1 / later["median"], "tokens": res[0]["tokens"]}
+            one = one or (got if world == 1 else None)
+            row = {"n": n, "world": world, "ttft_s": round(ttft["median"], 2), "ttft_spread": spread(ttft),
+                   "decode_tok_s": round(got["tok_s"], 1),
+                   "decode_spread": f"{1 / later['max']:.3g}-{1 / later['min']:.3g}",
+                   "peak_mb": round(max(r["peak_mb"] for r in res), 1), "repeats": ttft["runs"]}
+            if one is not None:
+                row.update(ttft_ratio=round(ttft["median"] / one["ttft"]["median"], 3),
+                           decode_ratio=round(got["tok_s"] / one["tok_s"], 3),
+                           same_tokens=all(r["tokens"] == one["tokens"] for r in res))
+            rows.append(row)
+            print(format_table([row], list(row)), flush=True)
+    return rows
+
+
+def generate_file(args, command: str) -> None:
+    """``python -m bench generate --hybrid``: :func:`generate_rows` for ``args``, saved as generate_hybrid.json."""
+    rows = generate_rows(args.sizes, args.new_tokens, args.repeats, args.one_process_max)
+    print("\n" + format_table(rows, [k for k, _ in TABLES["generate_hybrid"]]))
+    save(args.out, "generate_hybrid", {"config": dict(vars(args), model=dict(MODEL, **HYBRID),
+                                                      warmup_prompt=GENERATE_WARMUP), "rows": rows}, command=command)
 
 
 def main(argv: List[str]) -> None:
