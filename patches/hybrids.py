@@ -29,7 +29,7 @@ from hf_ring.integration.context import CONTEXT_KEY, ShardedForward
 from hf_ring.integration.seams import as_layer_forward, layer_forward_inside
 
 from . import registry
-from .recurrent import CONV, DELTA, FUSED, MAMBA, MAMBA2, LayerCall, hooked
+from .recurrent import CONV, DELTA, FUSED, MAMBA, MAMBA2, LayerCall, hooked, package_problem
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,12 @@ def _layer_forward(original: Callable, hybrid: HybridFamily) -> Callable:
 @torch.compiler.disable  # collectives and host-side run lists: outside a compiled graph, on purpose
 def _over_shards(original: Callable, hybrid: HybridFamily, context: ShardedForward, layer, args, kwargs):
     mixer = next(child for child in layer.children() if type(child).__name__ in hybrid.mixers)
+    module = hybrid.modeling_module()
+    for name, _ in hybrid.kernels:  # before the layer computes: the package is the same on every rank
+        problem = package_problem(getattr(module, name))
+        if problem is not None:
+            context.fail(ValueError(f"the {type(layer).__name__} layer of {hybrid.model_types[0]!r} over sequence "
+                                    f"shards: {problem}"))
     call = LayerCall(context, getattr(mixer, "layer_idx", None))
     with _kernels_hooked(hybrid, call):
         out = original(layer, *args, **kwargs)

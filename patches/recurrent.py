@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -39,6 +40,8 @@ from hf_ring.engine.gathers import gather, tied
 from hf_ring.engine.merge import accumulator_dtype
 from hf_ring.engine.recurrence import Segment, carried, fold, halo, keeps, restarted, segment_starts, segments
 from hf_ring.integration.context import CONTEXT_KEY, ShardedForward
+from hf_ring.integration.seams import kernel_implementation
+from hf_ring.versions import parse
 
 Tensor = torch.Tensor
 
@@ -83,7 +86,32 @@ LINEAR_KERNELS = ("fla.", "mamba_ssm.")
 
 
 def _linear(kernel: Optional[Callable]) -> bool:
-    return kernel is None or getattr(kernel, "__module__", "").startswith(LINEAR_KERNELS)
+    """Whether ``kernel`` runs one of :data:`LINEAR_KERNELS`: itself, or as the package function transformers
+    resolved its kernel name to at import (:func:`hf_ring.integration.seams.kernel_implementation`)."""
+    return kernel is None or getattr(kernel_implementation(kernel), "__module__", "").startswith(LINEAR_KERNELS)
+
+
+PACKAGE_FLOORS: Dict[str, Tuple[str, str, str]] = {
+    "fla.ops.kda.": ("0.5.2", "flash-linear-attention", "its KDA returned a wrong gradient for the state a run starts "
+                     "from before 0.5.2 (fla-org/flash-linear-attention#1115), and the hooks start runs from given "
+                     "states"),
+}
+"""Kernel packages' releases the hooks cannot run on, by the kernel's module: (first good release, distribution,
+why)."""
+
+
+def package_problem(kernel: Callable) -> Optional[str]:
+    """Why the package function behind ``kernel`` (:func:`hf_ring.integration.seams.kernel_implementation`) cannot
+    run under the hooks (a release below :data:`PACKAGE_FLOORS`), or None."""
+    found = kernel_implementation(kernel)
+    module = getattr(found, "__module__", None) or ""
+    for prefix, (floor, distribution, why) in PACKAGE_FLOORS.items():
+        if module.startswith(prefix):
+            version = getattr(sys.modules.get(module.split(".")[0]), "__version__", None)
+            if version is None or parse(version) < parse(floor):
+                return (f"{module}.{getattr(found, '__name__', found)} comes from {distribution} {version}: {why}; "
+                        f"install {distribution}>={floor}, or run the model in one process")
+    return None
 
 
 def _segments(context: ShardedForward, rows: int, batch: int, kernel: Optional[Callable] = None) -> List[Segment]:

@@ -1,13 +1,18 @@
 """Model-family patches: registry, structural refusal, reversibility, and unchanged unsharded behaviour."""
 import re
+import sys
+import types
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
+from transformers.models.qwen3_5 import modeling_qwen3_5
 
 import hf_ring
 from hf_ring import patches
+from hf_ring.integration.seams import kernel_implementation
+from hf_ring.patches.recurrent import _linear, package_problem
 from models import FAMILY_CONFIG, batch, length_dependent_rope, load, saved_model_dir, tiny_config
 
 pytestmark = pytest.mark.compat  # the subset run on every supported transformers release
@@ -297,3 +302,31 @@ def test_a_scoped_change_is_listed_while_it_lasts_and_undone_on_leaving():
             raise RuntimeError("inside")
     assert "backbone" not in vars(trainer) and trainer.backbone() == "own" and module.scan is original
     assert [p.name for p in patches.applied()] == ["__call__"]
+
+
+def test_the_function_behind_a_kernel_name_is_found_through_transformers_resolution():
+    """A modeling module's kernel name is transformers' wrapper around what it resolved at import (here, with no
+    kernel package installed, the torch path it wraps); any other function is its own implementation. The hooks run
+    a scan whole only where this names a linear-time package (tests/test_gpu_kernels.py: flash-linear-attention)."""
+    for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
+        kernel = getattr(modeling_qwen3_5, name)
+        assert kernel_implementation(kernel) is kernel.__wrapped__, name
+        assert not _linear(kernel), name
+    assert kernel_implementation(batch) is batch
+
+
+def test_a_kernel_package_release_the_hooks_cannot_run_on_is_named_with_the_fix(monkeypatch):
+    """flash-linear-attention's KDA below 0.5.2 gave a wrong gradient for a given start state, which the hooks rely
+    on: a KDA kernel resolved to such a release is refused, naming the release and the fix; 0.5.2 and later pass,
+    as does any other package function."""
+    def chunk_kda(*args):
+        return args
+
+    chunk_kda.__module__ = "fla.ops.kda.chunk"
+    for version, refused in (("0.5.1", True), ("0.5.2", False), ("0.6.0", False)):
+        monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(__version__=version))
+        problem = package_problem(chunk_kda)
+        assert (problem is not None) == refused, (version, problem)
+        if refused:
+            assert "flash-linear-attention 0.5.1" in problem and "install flash-linear-attention>=0.5.2" in problem
+    assert package_problem(batch) is None

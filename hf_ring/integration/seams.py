@@ -29,6 +29,11 @@ checkpointed              ``forward`` is wrapped when its class is
                           made from 5.23 (the wrapper checkpoints
                           only as the class's own ``forward``); its
                           ``__call__`` checkpoints before
+which kernel a modeling   ``use_kernel_func_from_hub_with_fallback``   5.17 - 5.24
+module's kernel function  puts a wrapper in its place that calls the
+runs                      package function it found at import
+                          (flash-linear-attention, causal-conv1d,
+                          mamba-ssm), held in its closure
 ========================  ===========================================  ===================
 
 The other internals hf_ring imports are the same on every supported release
@@ -49,6 +54,7 @@ from typing import Any, Dict, Optional
 import transformers
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, TrainingArguments
+from transformers.integrations import hub_kernels
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -164,3 +170,31 @@ def as_layer_forward(forward: Any, replaced: Any) -> Any:
     if not _checkpointing(replaced):
         return forward
     return type("ReplacedForward", (GradientCheckpointingLayer,), {"forward": forward}).__dict__["forward"]
+
+
+def _kernel_resolver() -> Optional[CodeType]:
+    decorate = getattr(hub_kernels, "use_kernel_func_from_hub_with_fallback", None)
+    if decorate is None:
+        return None
+
+    def probe(x: Any) -> Any:
+        return x
+
+    wrapped = decorate("hf_ring_probe", "hf_ring_probe_package")(probe)  # no such package: the torch path
+    code = getattr(wrapped, "__code__", None)
+    return code if wrapped is not probe and code is not None and "implementation" in code.co_freevars else None
+
+
+KERNEL_RESOLVER = _kernel_resolver()
+"""The code of the wrapper transformers puts in place of a modeling module's kernel function (``causal_conv1d_fn``,
+``torch_chunk_gated_delta_rule``, ...): it calls the package's function found at import, or the torch path."""
+
+
+def kernel_implementation(kernel: Any) -> Any:
+    """What a modeling module's kernel function runs: the package function (flash-linear-attention's, causal-conv1d's,
+    mamba-ssm's) or torch path transformers resolved it to, where ``kernel`` is that resolution's wrapper; else
+    ``kernel`` itself. The wrapper keeps the torch path's signature, which is how the modeling code calls it."""
+    code = getattr(kernel, "__code__", None)
+    if KERNEL_RESOLVER is None or code is not KERNEL_RESOLVER:
+        return kernel
+    return kernel.__closure__[code.co_freevars.index("implementation")].cell_contents
