@@ -358,10 +358,33 @@ def _mamba2_correct(out: Tensor, basis: Tensor, start: Tensor) -> Tensor:
     return (out.to(start.dtype) + torch.einsum("blhn,bhpn->blhp", basis, start)).to(out.dtype)
 
 
+NO_STEP = -1e4
+"""A step input whose softplus is exactly 0 in float32 and float64 (and whose gradient is 0): a row that moves no
+state."""
+
+
+def _state_probes(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, rest: Dict[str, Any]) -> Tuple[Tensor, ...]:
+    """A selective scan's segment ``(B, D, rows)`` with one row appended per state channel, whose outputs are the
+    segment's end state: no input (``x`` and ``B`` zero), no step (``dt`` made 0 after the bias and softplus) and
+    ``C`` the channel's unit vector. The state is then read through the kernel's output, which every
+    implementation differentiates; mamba-ssm's ``selective_scan_fn`` returns an end state whose gradient it drops."""
+    probes = B.shape[-2]
+    bias = rest.get("delta_bias")
+    if rest.get("delta_softplus"):
+        no_step = dt.new_full((*dt.shape[:-1], probes), NO_STEP)
+    elif bias is not None:
+        no_step = (-bias.to(dt.dtype))[None, :, None].expand(*dt.shape[:-1], probes)
+    else:
+        no_step = dt.new_zeros(*dt.shape[:-1], probes)
+    unit = torch.eye(probes, dtype=C.dtype, device=C.device).expand(*C.shape[:-1], probes)
+    return (torch.cat([x, x.new_zeros(*x.shape[:-1], probes)], dim=-1), torch.cat([dt, no_step], dim=-1),
+            torch.cat([B, B.new_zeros(*B.shape[:-1], probes)], dim=-1), torch.cat([C, unit], dim=-1))
+
+
 def _mamba_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Dict[str, Any], scan: Scan) -> Runs:
     """Mamba's selective scan over ``(B, D, rows)``: each run from a zero state and ungated (the gate ``z`` is
-    applied once the runs are corrected); its decay per channel, state and row, from the layer's own ``dt``, gives
-    the basis and the run's transition."""
+    applied once the runs are corrected), its end state read by :func:`_state_probes`; its decay per channel, state
+    and row, from the layer's own ``dt``, gives the basis and the run's transition."""
     x, dt, A, B, C = inputs
     acc = accumulator_dtype(x)
     bias = rest.get("delta_bias")
@@ -370,7 +393,10 @@ def _mamba_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Dic
     runs = Runs(_segments(context, x.shape[-1], x.shape[0], kernel))
     call = _piece_call(context, x.shape[-1], kernel)
     for x_s, dt_s, b_s, c_s, step_s in _by_segment(runs.segments, -1, x, dt, B, C, step):
-        out, state = call(x_s, dt_s, A, b_s, c_s, **{scan.final: True}, **ungated)
+        x_p, dt_p, b_p, c_p = _state_probes(x_s, dt_s, b_s, c_s, rest)
+        got = call(x_p, dt_p, A, b_p, c_p, **ungated)
+        probed = got[0] if isinstance(got, tuple) else got
+        out, state = probed[..., :x_s.shape[-1]], probed[..., x_s.shape[-1]:]
         cum = (A.to(acc)[None, :, None, :] * step_s[..., None]).cumsum(2)  # (B, D, rows, N)
         runs.add(out, (c_s, cum), state.to(acc), cum[:, :, -1].exp())
     return runs

@@ -1,14 +1,17 @@
 """Torch code in place of the GPU kernel packages' launches, so that their own Python entry points run on a CPU.
 
-flash-linear-attention (fla-core, pure Python) runs as installed: its public
-``chunk_gated_delta_rule`` and ``chunk_kda`` check their arguments, fills its defaults, applies its
-autograd Function, casts as it casts; only the functions that launch Triton
-kernels (the chunked forward and backward, the L2 norm's) are replaced, each by
-torch code taking and returning what the launcher does (float32 states, the
-initial state's gradient in float32, ``cu_seqlens`` sequences). The state
-recurrence is fla's own ``naive_recurrent_gated_delta_rule`` form, computed in
-float32, or float64 for float64 inputs (:func:`_state_dtype`). Each forward
-launch is recorded in :data:`CALLS`.
+The packages run as installed: flash-linear-attention's ``chunk_gated_delta_rule``,
+``chunk_kda`` and step-by-step kernels, causal-conv1d's ``causal_conv1d_fn`` and
+mamba-ssm's ``mamba_chunk_scan_combined`` and ``selective_scan_fn`` check their
+arguments, fill their defaults, apply their autograd Functions and cast as they
+do on a GPU. Only what launches compiled code is replaced, by torch code taking
+and returning what it does: the Python launchers of Triton kernels
+(:data:`LAUNCHERS`: states in float32, the initial state's gradient in float32,
+``cu_seqlens`` sequences) and the compiled extension modules
+(:data:`EXTENSIONS`, with the extension's own argument checks). The recurrences
+run one row at a time, in float32, or float64 for float64 inputs, which the
+real kernels do not take (:func:`_state_dtype`), so that a float64 model
+measures the hooks. Each forward launch is recorded in :data:`CALLS`.
 
 :func:`install` applies what the installed packages need; it must run before
 transformers imports a modeling module, which resolves its kernels then.
@@ -18,6 +21,8 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+import reference
 
 Tensor = torch.Tensor
 
@@ -318,7 +323,136 @@ class CausalConv1dExtension:
         out.copy_(got[..., -rows:].reshape(out.shape))
 
 
-FLA: Dict[str, Dict[str, object]] = {
+
+
+def _ssd(x, dt, A, B, C, D, dt_bias, initial_states, dt_softplus, dt_limit):
+    """Mamba2's scan, one row at a time (:func:`reference.mamba2_scan`, float64): ``(y before the gate, end state)``,
+    ``D`` of shape ``(H,)`` or ``(H, P)``."""
+    y, state = reference.mamba2_scan(x, dt, A, B, C, dt_bias=dt_bias, initial_states=initial_states,
+                                     dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=True)
+    if D is not None:
+        y = y + (D.double() if D.dim() == 2 else D.double()[:, None]) * x.double()
+    return y, state
+
+
+def _ssd_checks(x, dt, A, B, C, D, z, initial_states, seq_idx):
+    """mamba-ssm's launcher's checks of its arguments (ops/triton/ssd_combined.py, 2.3)."""
+    batch, rows, heads, dim = x.shape
+    groups, dstate = B.shape[2], B.shape[3]
+    assert heads % groups == 0
+    assert B.shape == (batch, rows, groups, dstate) and C.shape == B.shape
+    assert dt.shape == (batch, rows, heads) and A.shape == (heads,)
+    assert z is None or z.shape == x.shape
+    assert D is None or D.shape in ((heads, dim), (heads,))
+    assert seq_idx is None or seq_idx.shape == (batch, rows)
+    assert initial_states is None or initial_states.shape == (batch, heads, dim, dstate)
+
+
+def mamba_chunk_scan_combined_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                                  seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf"))):
+    """mamba-ssm's launcher: ``(out, out_x, dt, dA_cumsum, states, final_states)``; of the chunk intermediates its
+    backward reads none here."""
+    _ssd_checks(x, dt, A, B, C, D, z, initial_states, seq_idx)
+    _unsupported("_mamba_chunk_scan_combined_fwd", seq_idx=seq_idx, cu_seqlens=cu_seqlens)
+    with torch.no_grad():
+        y, final = _ssd(x, dt, A, B, C, D, dt_bias, initial_states, dt_softplus, dt_limit)
+    CALLS.append(("mamba_chunk_scan_combined", x.shape[1], x.shape[-1], initial_states is not None))
+    out = y if z is None else y * torch.nn.functional.silu(z.double())
+    return out.to(x.dtype), y.to(x.dtype), None, None, None, final.to(_state_dtype(x))
+
+
+def mamba_chunk_scan_combined_bwd(dout, x, dt, A, B, C, out, chunk_size, D=None, z=None, dt_bias=None,
+                                  initial_states=None, dfinal_states=None, seq_idx=None, dt_softplus=False,
+                                  dt_limit=(0.0, float("inf")), dx=None, ddt=None, dB=None, dC=None, dz=None,
+                                  recompute_output=False):
+    """mamba-ssm's launcher: ``(dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states)``."""
+    _unsupported("_mamba_chunk_scan_combined_bwd", seq_idx=seq_idx, recompute_output=recompute_output)
+    given = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias, "h0": initial_states}
+    leaves = {k: v.detach().requires_grad_() for k, v in given.items() if v is not None}
+    with torch.enable_grad():
+        y, final = _ssd(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], leaves.get("D"),
+                        leaves.get("dt_bias"), leaves.get("h0"), dt_softplus, dt_limit)
+        if z is not None:
+            y = y * torch.nn.functional.silu(leaves["z"].double())
+        outputs, grads = [y], [dout.double()]
+        if dfinal_states is not None:
+            outputs.append(final)
+            grads.append(dfinal_states.double())
+        found = dict(zip(leaves, torch.autograd.grad(outputs, list(leaves.values()), grads, allow_unused=True)))
+    got = {k: (torch.zeros_like(leaves[k]) if found[k] is None else found[k].to(leaves[k].dtype)) for k in leaves}
+    return (got["x"], got["dt"], got["A"], got["B"], got["C"], got.get("D"), got.get("z"), got.get("dt_bias"),
+            got.get("h0"))
+
+
+def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                           state_batch_indices=None):
+    """mamba-ssm's one-step launcher (decoding), by the package's own torch reference of it, which takes the same
+    arguments and updates ``state`` in place."""
+    import importlib
+
+    _unsupported("selective_state_update", state_batch_indices=state_batch_indices)
+    module = importlib.import_module("mamba_ssm.ops.triton.selective_state_update")
+    CALLS.append(("selective_state_update", 1, x.shape[-1], True))
+    return module.selective_state_update_ref(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
+
+
+class SelectiveScanExtension:
+    """``selective_scan_cuda``: the compiled extension's ``fwd`` and ``bwd``, with its argument checks
+    (csrc/selective_scan/selective_scan.cpp, mamba-ssm 2.3) less the device's. ``fwd``'s second result holds each
+    chunk's state in its odd columns (the interface reads the last chunk's as the end state): here one chunk."""
+
+    @staticmethod
+    def _checks(u, delta, A, B, C, D, z, delta_bias):
+        _check(u.dtype in _CONV_TYPES, f"selective_scan takes float32, float16 or bfloat16 inputs (got {u.dtype})")
+        _check(A.dtype == torch.float32, f"selective_scan takes float32 A (got {A.dtype})")
+        _check(delta.dtype == u.dtype, "delta must have u's dtype")
+        _check(B.dtype == u.dtype and C.dtype == u.dtype, "a variable B and C must have u's dtype")
+        _check(A.shape[-1] <= 256, "selective_scan only supports state dimension <= 256")
+        _check(D is None or D.dtype == torch.float32, "D must be float32")
+        _check(delta_bias is None or delta_bias.dtype == torch.float32, "delta_bias must be float32")
+        _check(z is None or z.dtype == u.dtype, "z must have u's dtype")
+        _check(B.dim() == 4 and B.shape[1] == 1 and C.dim() == 4 and C.shape[1] == 1,
+               "the stand-in takes one group of variable B and C")
+
+    @staticmethod
+    def _scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
+        y, state = reference.selective_scan(u, delta, A, B[:, 0], C[:, 0], D=D, delta_bias=delta_bias,
+                                            delta_softplus=delta_softplus, return_last_state=True)
+        y = y.double()
+        return y, (y if z is None else y * torch.nn.functional.silu(z.double())), state
+
+    @staticmethod
+    def fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
+        SelectiveScanExtension._checks(u, delta, A, B, C, D, z, delta_bias)
+        y, gated, state = SelectiveScanExtension._scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+        CALLS.append(("selective_scan_fwd", u.shape[-1], u.shape[1], False))
+        x = torch.zeros(*state.shape[:2], 1, 2 * state.shape[-1], dtype=torch.float32, device=u.device)
+        x[..., 0, 1::2] = state
+        return [y.to(u.dtype), x] + ([gated.to(u.dtype)] if z is not None else [])
+
+    @staticmethod
+    def bwd(u, delta, A, B, C, D, z, delta_bias, dout, x, out, dz, delta_softplus, recompute_out_z):
+        SelectiveScanExtension._checks(u, delta, A, B, C, D, z, delta_bias)
+        given = {"u": u, "delta": delta, "A": A, "B": B, "C": C, "D": D, "z": z, "delta_bias": delta_bias}
+        leaves = {k: v.detach().requires_grad_() for k, v in given.items() if v is not None}
+        with torch.enable_grad():  # no custom op here: the extension is called from an autograd Function's backward
+            _, gated, _ = SelectiveScanExtension._scan(leaves["u"], leaves["delta"], leaves["A"], leaves["B"],
+                                                       leaves["C"], leaves.get("D"), leaves.get("z"),
+                                                       leaves.get("delta_bias"), delta_softplus)
+            found = dict(zip(leaves, torch.autograd.grad(gated, list(leaves.values()), dout.double(),
+                                                         allow_unused=True)))
+        got = {k: (torch.zeros_like(leaves[k]) if found[k] is None else found[k].to(leaves[k].dtype)) for k in leaves}
+        result = [got["u"], got["delta"], got["A"], got["B"], got["C"], got.get("D"), got.get("delta_bias")]
+        return result + ([got["z"]] if z is not None else [])
+
+
+EXTENSIONS = {"causal_conv1d_cuda": (CausalConv1dExtension, "causal_conv1d"),
+              "selective_scan_cuda": (SelectiveScanExtension, "mamba_ssm")}
+"""Compiled extension modules, by name: their stand-in, and the package that imports them (installed without
+compiling)."""
+
+
+LAUNCHERS: Dict[str, Dict[str, object]] = {
     "fla.ops.gated_delta_rule.chunk": {
         "chunk_gated_delta_rule_fwd": chunk_gated_delta_rule_fwd,
         "chunk_gated_delta_rule_bwd": chunk_gated_delta_rule_bwd,
@@ -327,6 +461,13 @@ FLA: Dict[str, Dict[str, object]] = {
     },
     "fla.ops.gated_delta_rule.fused_recurrent": {
         "fused_recurrent_gated_delta_rule_fwd": fused_recurrent_gated_delta_rule_fwd,
+    },
+    "mamba_ssm.ops.triton.selective_state_update": {
+        "selective_state_update": selective_state_update,
+    },
+    "mamba_ssm.ops.triton.ssd_combined": {
+        "_mamba_chunk_scan_combined_fwd": mamba_chunk_scan_combined_fwd,
+        "_mamba_chunk_scan_combined_bwd": mamba_chunk_scan_combined_bwd,
     },
     "fla.ops.kda.fused_recurrent": {
         "fused_recurrent_kda_fwd": fused_recurrent_kda_fwd,
@@ -338,15 +479,11 @@ FLA: Dict[str, Dict[str, object]] = {
         "l2norm_bwd": l2norm_bwd,
     },
 }
-"""fla's launchers, by the module that calls them (its own import of them is what is replaced)."""
+"""The packages' Python launchers of compiled code, by the module that calls them (its own name for them is what is
+replaced)."""
 
 
-EXTENSIONS = {"causal_conv1d_cuda": (CausalConv1dExtension, "causal_conv1d")}
-"""Compiled extension modules, by name: their stand-in, and the package that imports them (installed without
-compiling)."""
-
-
-PACKAGES = ("fla", "causal_conv1d")
+PACKAGES = ("fla", "causal_conv1d", "mamba_ssm")
 """The kernel packages transformers looks for, as imported."""
 
 
@@ -372,13 +509,14 @@ def install(packages: Sequence[str] = PACKAGES) -> List[str]:
                 setattr(module, attr, getattr(standin, attr))
         sys.modules[name] = module
         found.append(package)
-    for module_name, names in FLA.items():
-        if "fla" not in packages or importlib.util.find_spec("fla") is None:
+    for module_name, names in LAUNCHERS.items():
+        package = module_name.split(".")[0]
+        if package not in packages or importlib.util.find_spec(package) is None:
             continue
         module = importlib.import_module(module_name)
         for name, fn in names.items():
             assert hasattr(module, name), f"{module_name} has no {name}: another release of the package"
             setattr(module, name, fn)
-        if "fla" not in found:
-            found.append("fla")
+        if package not in found:
+            found.append(package)
     return found

@@ -31,6 +31,8 @@ RUNS = {
     "fla_kda": (("fla",), "float32", ("kimi_linear",)),
     # causal-conv1d's extension takes float32, float16 or bfloat16 only: LFM2 (convolutions only) in float32.
     "causal_conv1d": (("causal_conv1d",), "float32", ("lfm2",)),
+    # mamba-ssm's scans with causal-conv1d's convolution (float32: both extensions take no float64).
+    "mamba_ssm": (("causal_conv1d", "mamba_ssm"), "float32", ("nemotron_h", "jamba")),
 }
 """Per run: the packages transformers finds, the models' dtype, the model types."""
 
@@ -72,6 +74,6 @@ def test_a_hybrid_on_the_kernel_packages_over_ranks_equals_one_process(reports, 
     for rank, tokens in enumerate(got["tokens"]):
         assert tokens == entry["tokens"], (rank, tokens, entry["tokens"])
     assert all(got["generate_calls"]) and entry["generate_calls"], "generation never launched the package's kernels"
-    if run.startswith("fla"):  # the ranks ran with scan_rows=SCAN_ROWS: the torch path would be cut into such pieces
-        rows = [call[1] for calls in got["calls"] for call in calls if call[0].startswith("chunk_")]
+    if run != "causal_conv1d":  # the ranks ran with scan_rows=SCAN_ROWS: the torch path is cut into such pieces
+        rows = [call[1] for calls in got["calls"] for call in calls if "conv1d" not in call[0]]
         assert max(rows) > kernel_ranks.SCAN_ROWS, rows
