@@ -175,7 +175,7 @@ def bfd_batch(seed: int = 6, lengths=(23, 3, 14, 29, 10), max_length: int = 40) 
     return dict(DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)([rows[0], rows[1]]))
 
 
-def _documents_apart(model, batch) -> torch.Tensor:
+def documents_apart(model, batch) -> torch.Tensor:
     """The loss of a packed batch's documents run one by one (each from a zero state, as a model's own first rows),
     as one process would average its labelled tokens: the sum of every document's, over their count."""
     starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
@@ -207,7 +207,7 @@ def family_reference(model_type: str, n: int = N, packed: bool = False, batch=No
     assert model is not None, why
     if packed:
         with hybrid_models.model_in_float64(model):
-            loss = _documents_apart(model, packed_batch() if batch is None else batch)
+            loss = documents_apart(model, packed_batch() if batch is None else batch)
             loss.backward()
         loss = loss.detach()
     else:

@@ -39,22 +39,23 @@ SCAN_ROWS = 7
 pieces, and a linear-time package's whole."""
 
 
-def _step(model_type: str, split: bool, dtype: str) -> Dict:
+def _step(model_type: str, split: bool, dtype: str, packed: bool = False) -> Dict:
     """The padded batch's step in ``dtype`` (the kernels as installed, not replaced): loss, every gradient, and the
-    kernel launches this process made."""
+    kernel launches this process made. ``packed``: the packed row's (position ids restarting at each document), in
+    one process its documents run one by one."""
     sp = hf_ring.setup_sequence_parallel(None) if split else None
     kernel_standins.CALLS.clear()
     try:
         model, why = sweep.build(model_type, "ring_dilated" if split else "sdpa", DTYPES[dtype], "hybrid")
         assert model is not None, why
         model.eval()  # a Mamba2 layer's training forward tries the fused kernel first, which the hooks decline
-        data = hybrid_cases.padded_batch()
+        data = hybrid_cases.packed_batch() if packed else hybrid_cases.padded_batch()
         if split:
             data = hf_ring.shard_batch(data)
             data[CONTEXT_KEY].scan_rows = SCAN_ROWS
-        out = model(**data)
-        out.loss.backward()
-        loss = out.loss.detach()
+        loss = hybrid_cases.documents_apart(model, data) if packed and not split else model(**data).loss
+        loss.backward()
+        loss = loss.detach()
         if split:
             hf_ring.sync_gradients(model)
             dist.all_reduce(loss, group=sp.sp_group)
@@ -93,11 +94,14 @@ def _rank(rank: int, world: int, init: str, types: List[str], packages: List[str
     try:
         got = {t: _step(t, True, dtype) for t in types}
         for t in types:
+            got[t]["packed"] = _step(t, True, dtype, packed=True)
             kernel_standins.CALLS.clear()
             got[t]["tokens"] = _generate(paths[t], True)
             got[t]["generate_calls"] = list(kernel_standins.CALLS)
         gathered = [None] * world
         dist.all_gather_object(gathered, {t: (r["calls"], r["generate_calls"], r["tokens"]) for t, r in got.items()})
+        for r in got.values():
+            r["packed"] = {"loss": r["packed"]["loss"], "grads": r["packed"]["grads"]}
         if rank == 0:
             torch.save({t: dict(r, calls=[c[t][0] for c in gathered], generate_calls=[c[t][1] for c in gathered],
                                 tokens=[c[t][2] for c in gathered]) for t, r in got.items()}, out)
@@ -124,6 +128,7 @@ def main(argv=None) -> None:
     packages = kernel_standins.install(args.packages)
     torch.set_num_threads(1)
     want = {t: _step(t, False, args.dtype) for t in args.types}
+    packed = {t: _step(t, False, args.dtype, packed=True) for t in args.types}
     paths = {t: hybrid_models.saved(t) for t in args.types}
     report = {"packages": packages, "types": {}}
     for t in args.types:
@@ -139,6 +144,7 @@ def main(argv=None) -> None:
             got = torch.load(out, weights_only=False)
         for t in args.types:
             report["types"][t][str(world)] = {"worst": _worst(got[t], want[t]), "calls": got[t]["calls"],
+                                              "packed_worst": _worst(got[t]["packed"], packed[t]),
                                               "tokens": got[t]["tokens"], "generate_calls": got[t]["generate_calls"]}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

@@ -60,7 +60,8 @@ def _cases():
 
 @pytest.mark.parametrize("run,model_type,world", _cases())
 def test_a_hybrid_on_the_kernel_packages_over_ranks_equals_one_process(reports, run, model_type, world):
-    """Loss and every gradient on 2 and 4 ranks against one process on the same packages, and ``hf_ring.generate``'s
+    """Loss and every gradient on 2 and 4 ranks against one process on the same packages (a packed row's against its
+    documents run one by one), and ``hf_ring.generate``'s
     tokens against ``model.generate``'s; every rank launched the package's kernels, and a linear-time package's scan
     ran whole over each of its runs (not in pieces)."""
     report = reports[run]
@@ -69,6 +70,7 @@ def test_a_hybrid_on_the_kernel_packages_over_ranks_equals_one_process(reports, 
     assert entry["one_process_calls"], "one process never launched the package's kernels"
     got = entry[str(world)]
     assert close(got["worst"], TOL), got["worst"]
+    assert close(got["packed_worst"], TOL), got["packed_worst"]  # the packed row against its documents one by one
     for rank, calls in enumerate(got["calls"]):
         assert calls, f"rank {rank} never launched the package's kernels"
     for rank, tokens in enumerate(got["tokens"]):
