@@ -18,6 +18,7 @@ one layer's call.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -45,11 +46,13 @@ class HybridFamily:
     state: str  # how the state crosses ranks (the README's table)
     attention: Tuple[str, ...] = ()  # attention classes whose names read like a mixer's (Kimi's MLA)
     tiled: Tuple[str, ...] = ()  # CausalLM, MLP, RMSNorm and gated norm classes the sequence tiling fits (empty: none)
+    plain: Tuple[str, ...] = ()  # classes named like a mixer that mix no tokens (a state-space model's model, norms)
+    entry: Tuple[str, ...] = ()  # CausalLM classes that do not hand model(...)'s keyword arguments to the layers
 
     @property
     def known(self) -> Tuple[str, ...]:
         """Class names of the family that the structure checks take as computed exactly."""
-        return self.layers + self.mixers + self.attention
+        return self.layers + self.mixers + self.attention + self.plain
 
     @property
     def modeling(self) -> str:
@@ -116,6 +119,19 @@ HYBRIDS: Dict[str, HybridFamily] = {t: family for family in (
     HybridFamily(model_types=("lfm2_moe",), module="lfm2_moe", layers=("Lfm2MoeDecoderLayer",),
                  mixers=("Lfm2MoeShortConv",), kernels=SHORT_CONVOLUTION, layer_types=("conv",),
                  state="short convolution, as LFM2"),
+    HybridFamily(model_types=("mamba",), module="mamba", layers=("MambaBlock",), mixers=("MambaMixer",),
+                 kernels=MAMBA_MIXER, layer_types=("linear_attention", "mamba"),
+                 state="Mamba, as Jamba: a state-space model with no attention",
+                 plain=("MambaForCausalLM", "MambaModel", "MambaRMSNorm"), entry=("MambaForCausalLM",)),
+    HybridFamily(model_types=("falcon_mamba",), module="falcon_mamba", layers=("FalconMambaBlock",),
+                 mixers=("FalconMambaMixer",), kernels=MAMBA_MIXER, layer_types=("linear_attention", "mamba"),
+                 state="Mamba, as Jamba: a state-space model with no attention",
+                 plain=("FalconMambaForCausalLM", "FalconMambaModel", "FalconMambaRMSNorm"),
+                 entry=("FalconMambaForCausalLM",)),
+    HybridFamily(model_types=("mamba2",), module="mamba2", layers=("Mamba2Block",), mixers=("Mamba2Mixer",),
+                 kernels=MAMBA2_MIXER, layer_types=("linear_attention", "mamba"),
+                 state="Mamba2, as Nemotron-H: a state-space model with no attention",
+                 plain=("Mamba2ForCausalLM", "Mamba2Model", "Mamba2RMSNorm"), entry=("Mamba2ForCausalLM",)),
     HybridFamily(model_types=("jamba",), module="jamba", layers=("JambaMambaDecoderLayer",),
                  mixers=("JambaMambaMixer",), kernels=MAMBA_MIXER, layer_types=("linear_attention", "mamba"),
                  state="Mamba: each run's end state and decay per channel and state"),
@@ -145,6 +161,8 @@ LAYER_WHY = ("binds the family's kernels (convolution, delta rule, Mamba scans) 
              "over the sequence shards while one of its decoder layers runs a forward over shards (other calls "
              "untouched)")
 KERNEL_WHY = "computed over the sequence shards while one decoder layer of a hybrid runs a forward over shards"
+ENTRY_WHY = ("hands a forward's sequence-sharding context to the model's layers, which its own forward calls without "
+             "model(...)'s keyword arguments (a pre-hook on each layer for the length of the call)")
 
 
 def apply(hybrid: HybridFamily) -> None:
@@ -155,6 +173,31 @@ def apply(hybrid: HybridFamily) -> None:
     for name in hybrid.layers:
         registry.replace(getattr(module, name), "forward", lambda original: _layer_forward(original, hybrid),
                          LAYER_WHY)
+    for name in hybrid.entry:
+        registry.replace(getattr(module, name), "forward", lambda original: _entry_forward(original, hybrid),
+                         ENTRY_WHY)
+
+
+def _entry_forward(original: Callable, hybrid: HybridFamily) -> Callable:
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        context = kwargs.get(CONTEXT_KEY)
+        if not isinstance(context, ShardedForward):
+            return original(self, *args, **kwargs)
+        handles = [m.register_forward_pre_hook(functools.partial(_with_context, context), with_kwargs=True)
+                   for m in self.modules() if type(m).__name__ in hybrid.layers]
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    return forward
+
+
+def _with_context(context: ShardedForward, module: torch.nn.Module, args: tuple, kwargs: dict):
+    """A layer's call given the forward's context (a checkpointed layer keeps it for its recomputation)."""
+    return args, {**kwargs, CONTEXT_KEY: context}
 
 
 def _layer_forward(original: Callable, hybrid: HybridFamily) -> Callable:

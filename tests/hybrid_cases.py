@@ -370,10 +370,11 @@ def sft_case(model_type: str, path: str, sp_size=None, **options) -> dict:
         return trainer_cases.sft_case(path, sp_size, **options)
 
 
-def generate_case(model_type: str, path: str, n: int = N, new: int = 5, ring: bool = False) -> torch.Tensor:
+def generate_case(model_type: str, path: str, n: int = N, new: int = 5, ring: bool = False,
+                  attn: str = "sdpa") -> torch.Tensor:
     """Greedy tokens of the hybrid saved at ``path``, its prompt's first row left-padded: ``model.generate``
-    (``sdpa``) in one process (``hf_ring.generate`` there too when ``ring``), ``hf_ring.generate`` over the pool's
-    ranks; the scans float64 in all."""
+    (``attn``; ``eager`` for a model with no attention, which takes no other) in one process (``hf_ring.generate``
+    there too when ``ring``), ``hf_ring.generate`` over the pool's ranks; the scans float64 in all."""
     import hybrid_models
     from transformers import AutoModelForCausalLM
 
@@ -383,7 +384,7 @@ def generate_case(model_type: str, path: str, n: int = N, new: int = 5, ring: bo
     settings = dict(max_new_tokens=new, do_sample=False, pad_token_id=0)
     ring = ring or dist.is_initialized()
     with hybrid_models.float64_kernels(model_type):
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="ring_dilated" if ring else "sdpa",
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="ring_dilated" if ring else attn,
                                                      dtype=torch.float32).eval()
         if not dist.is_initialized():
             return (hf_ring.generate if ring else type(model).generate)(model, ids, attention_mask=mask, **settings)

@@ -153,16 +153,17 @@ def float64_kernels(model_type: str) -> Iterator[None]:
 _SAVED: Dict[tuple, str] = {}
 
 
-def saved(model_type: str, vocab_size: Optional[int] = None) -> str:
-    """A directory holding the type's tiny hybrid (three recurrent layers, one attention layer), float32,
-    saved with safetensors (made once per process and argument set); ``vocab_size`` for a given tokenizer."""
+def saved(model_type: str, vocab_size: Optional[int] = None, pattern: str = HYBRID) -> str:
+    """A directory holding the type's tiny hybrid (three recurrent layers, one attention layer; ``pattern``
+    :data:`RECURRENT`: recurrent layers only), float32, saved with safetensors (made once per process and argument
+    set); ``vocab_size`` for a given tokenizer."""
     import tempfile
 
     import sweep
 
-    key = (model_type, vocab_size)
+    key = (model_type, vocab_size, pattern)
     if key not in _SAVED:
-        model, why = sweep.build(model_type, pattern=HYBRID, vocab_size=vocab_size)
+        model, why = sweep.build(model_type, pattern=pattern, vocab_size=vocab_size)
         assert model is not None, why
         path = tempfile.mkdtemp(prefix=f"hf_ring_{model_type}_")
         model.save_pretrained(path, safe_serialization=True)

@@ -221,6 +221,32 @@ def test_generate_gives_model_generate_tokens(pools, model_type, world):
         assert torch.equal(got, want), (got, want)
 
 
+STATE_SPACE = ("mamba", "falcon_mamba", "mamba2")
+"""State-space models with no attention: every layer mixes by its scan, which hf_ring computes over shards."""
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("model_type", STATE_SPACE)
+def test_a_state_space_model_over_ranks_equals_one_process_and_generates_its_tokens(pools, model_type, world):
+    """Two Mamba or Mamba2 layers and nothing else (their own model classes, which hand the layers none of
+    model(...)'s keyword arguments): a step's loss and every gradient against one process (``eager``), and
+    ``hf_ring.generate``'s tokens against ``model.generate``'s from a left-padded prompt."""
+    import hybrid_models
+    import sweep
+    from helpers import gradient_errors
+
+    want = sweep.eager_step(model_type, pattern=hybrid_models.RECURRENT)
+    got = pools(world).run(sweep.sharded_step_case, model_type, dtype=torch.float64, pattern=hybrid_models.RECURRENT)
+    assert not got[0].get("refused") and not got[0].get("unbuilt"), got[0]
+    errs = {"loss": rel_err(got[0]["loss"], want["loss"]), **gradient_errors(got[0]["grads"], want["grads"])}
+    worst = max(errs, key=errs.get)
+    assert close(errs[worst], TOL), (worst, errs[worst])
+    path = hybrid_models.saved(model_type, pattern=hybrid_models.RECURRENT)
+    tokens = hybrid_cases.generate_case(model_type, path, attn="eager")
+    for found in pools(world).run(hybrid_cases.generate_case, model_type, path):
+        assert torch.equal(found, tokens), (found, tokens)
+
+
 def test_qwen3_5_with_images_generates_model_generate_tokens(pools):
     from vlm import HYBRIDS
     from vlm_cases import generate

@@ -61,19 +61,21 @@ def test_apply_and_revert_are_exact_and_leave_unsharded_runs_alone(kind):
 
 
 REFUSED = {  # model type: (config overrides, words the refusal must contain)
-    "mamba": ({}, "'linear_attention': recurrent"),
     "recurrent_gemma": ({}, "recurrent"),  # its layer type's name differs between releases
     "zamba": (dict(num_hidden_layers=4), "recurrent"),
     "minimax": (dict(layer_types=["linear_attention", "full_attention"]), "'linear_attention'"),
 }
-"""Models whose recurrent layers hf_ring does not compute over shards (a state-space model, RG-LRU, lightning
-attention, Zamba's shared attention)."""
+"""Models whose recurrent layers hf_ring does not compute over shards (RG-LRU, lightning attention, Zamba's shared
+attention)."""
 
 HOOKED = {
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
     "falcon_h1": {},
+    "mamba": {},  # state-space models with no attention
+    "falcon_mamba": {},
+    "mamba2": dict(num_heads=2, head_dim=64),  # heads x head_dim = expand x hidden
 }
 """Hybrids whose recurrent layers hf_ring computes over shards (patches/recurrent.py): their configs pass."""
 

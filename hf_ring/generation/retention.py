@@ -152,7 +152,7 @@ def layer_windows(config: Any) -> List[Optional[int]]:
 def layer_rules(config: Any, evict: bool = True) -> Tuple[Retention, ...]:
     """Each layer's :class:`Retention` from a transformers config (its layer types, window and ``ring_dilated``)."""
     n = int(config.num_hidden_layers)
-    if not evict:
+    if not evict or getattr(config, "num_attention_heads", None) is None:  # no attention (a state-space model)
         return (KEEP_ALL,) * n
     pattern = ring_config.parse(getattr(config, ring_config.CONFIG_KEY, None)).pattern
     branches = DENSE if pattern is None else pattern.branches
