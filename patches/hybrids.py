@@ -1,4 +1,5 @@
-"""Hybrid families whose recurrent layers hf_ring computes over shards: one table, and hooks on their decoder layers.
+"""Hybrid families whose recurrent layers hf_ring computes over shards: found by their kernels, and hooks on their
+decoder layers.
 
 A hybrid (Qwen3.5, Qwen3-Next, Kimi Linear, Nemotron-H, Granite 4, Bamba,
 Falcon-H1, LFM2, Jamba, ...) mixes its sequence in a few attention layers,
@@ -7,27 +8,35 @@ Mamba2 or Mamba scan after a short causal convolution, or the convolution
 alone. Their modeling code calls module-level kernel functions
 (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``,
 ...) that are transformers' torch paths, or flash-linear-attention's and
-mamba-ssm's kernels where installed. While one of the family's decoder layers
+mamba-ssm's kernels where installed. A family's layers, mixers and kernels are
+read from its modeling module by the names transformers resolves its kernels
+under (:func:`found_family`); :data:`HYBRIDS` holds what the code does not show.
+While one of the family's decoder layers
 runs a forward over shards, those names are bound to the hooks of
 :mod:`.recurrent`, which run the layer's own kernel on each of the rank's runs
 and make the result exact. Nothing is copied from a layer's forward: it runs as
 written. Every change goes through :mod:`.registry`: the decoder layers'
-``forward`` until :func:`hf_ring.patches.revert_all`, the kernels' names for
-one layer's call.
+``forward`` (and a state-space model's CausalLM ``forward``, which hands its
+layers the forward's context) until :func:`hf_ring.patches.revert_all`, the
+kernels' names for one layer's call.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
+import inspect
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.models.auto.configuration_auto import model_type_to_module_name
 
 from hf_ring.integration.context import CONTEXT_KEY, ShardedForward
-from hf_ring.integration.seams import as_layer_forward, layer_forward_inside
+from hf_ring.integration.seams import as_layer_forward, kernel_name, layer_forward_inside
 
 from . import registry
 from .recurrent import CONV, DELTA, FUSED, MAMBA, MAMBA2, LayerCall, hooked, package_problem
@@ -39,11 +48,11 @@ class HybridFamily:
 
     model_types: Tuple[str, ...]  # a multimodal type beside its text model's
     module: str  # transformers.models.<module>.modeling_<module>
-    layers: Tuple[str, ...]  # decoder layers: their forward receives model(...)'s keyword arguments
-    mixers: Tuple[str, ...]  # the recurrent or convolution layers inside them
-    kernels: Tuple[Tuple[str, str], ...]  # (module-level function, kind of hook) the mixers call
     layer_types: Tuple[str, ...]  # the config's names for the mixers' layers
     state: str  # how the state crosses ranks (the README's table)
+    layers: Tuple[str, ...] = ()  # decoder layers: their forward receives model(...)'s keyword arguments
+    mixers: Tuple[str, ...] = ()  # the recurrent or convolution layers inside them
+    kernels: Tuple[Tuple[str, str], ...] = ()  # (module-level function, kind of hook) the mixers call
     attention: Tuple[str, ...] = ()  # attention classes whose names read like a mixer's (Kimi's MLA)
     tiled: Tuple[str, ...] = ()  # CausalLM, MLP, RMSNorm and gated norm classes the sequence tiling fits (empty: none)
     plain: Tuple[str, ...] = ()  # classes named like a mixer that mix no tokens (a state-space model's model, norms)
@@ -72,77 +81,119 @@ class HybridFamily:
         return any(type(child).__name__ in self.mixers for child in layer.children())
 
 
-GATED_DELTA_NET = (("causal_conv1d_fn", CONV), ("torch_chunk_gated_delta_rule", DELTA))
-KIMI_DELTA_ATTENTION = (("causal_conv1d_fn", CONV), ("chunk_kimi_delta_attention", DELTA))
 MAMBA2_MIXER = (("causal_conv1d_fn", CONV), ("mamba2_chunk_scan", MAMBA2),
                 ("mamba2_split_conv1d_scan_combined", FUSED))
-MAMBA_MIXER = (("causal_conv1d_fn", CONV), ("mamba_selective_scan", MAMBA), ("mamba_inner_fn", FUSED))
-SHORT_CONVOLUTION = (("causal_conv1d_fn", CONV),)
 _GDN_STATE = "gated delta rule: each run's end state and d_k x d_k transition per head, one all-gather per layer"
 _MAMBA2_STATE = "Mamba2: each run's end state and decay per head, one all-gather per layer"
 
 HYBRIDS: Dict[str, HybridFamily] = {t: family for family in (
-    HybridFamily(model_types=("qwen3_5_text", "qwen3_5"), module="qwen3_5", layers=("Qwen3_5DecoderLayer",),
-                 mixers=("Qwen3_5GatedDeltaNet",), kernels=GATED_DELTA_NET, layer_types=("linear_attention",),
+    HybridFamily(model_types=("qwen3_5_text", "qwen3_5"), module="qwen3_5", layer_types=("linear_attention",),
                  state=_GDN_STATE, tiled=("Qwen3_5ForCausalLM", "Qwen3_5MLP", "Qwen3_5RMSNorm",
                                                          "Qwen3_5RMSNormGated")),
     HybridFamily(model_types=("qwen3_5_moe_text", "qwen3_5_moe"), module="qwen3_5_moe",
-                 layers=("Qwen3_5MoeDecoderLayer",), mixers=("Qwen3_5MoeGatedDeltaNet",), kernels=GATED_DELTA_NET,
                  layer_types=("linear_attention",), state=_GDN_STATE),
-    HybridFamily(model_types=("qwen3_next",), module="qwen3_next", layers=("Qwen3NextDecoderLayer",),
-                 mixers=("Qwen3NextGatedDeltaNet",), kernels=GATED_DELTA_NET, layer_types=("linear_attention",),
+    HybridFamily(model_types=("qwen3_next",), module="qwen3_next", layer_types=("linear_attention",),
                  state=_GDN_STATE),
-    HybridFamily(model_types=("olmo_hybrid",), module="olmo_hybrid", layers=("OlmoHybridLinearAttentionDecoderLayer",),
-                 mixers=("OlmoHybridGatedDeltaNet",), kernels=GATED_DELTA_NET, layer_types=("linear_attention",),
+    HybridFamily(model_types=("olmo_hybrid",), module="olmo_hybrid", layer_types=("linear_attention",),
                  state=_GDN_STATE),
-    HybridFamily(model_types=("kimi_linear",), module="kimi_linear", layers=("KimiLinearDecoderLayer",),
-                 mixers=("KimiLinearDeltaAttention",), kernels=KIMI_DELTA_ATTENTION, layer_types=("linear_attention",),
+    HybridFamily(model_types=("kimi_linear",), module="kimi_linear", layer_types=("linear_attention",),
                  state="KDA: each run's end state and d_k x d_k transition per head, one all-gather",
                  attention=("KimiLinearAttention",)),
-    HybridFamily(model_types=("bailing_hybrid",), module="bailing_hybrid", layers=("BailingHybridDecoderLayer",),
-                 mixers=("BailingHybridDeltaAttention",), kernels=KIMI_DELTA_ATTENTION,
-                 layer_types=("linear_attention",), state="KDA, as Kimi Linear"),
+    HybridFamily(model_types=("bailing_hybrid",), module="bailing_hybrid", layer_types=("linear_attention",),
+                 state="KDA, as Kimi Linear"),
+    # Its block builds the mixer through a mapping of mixer names to classes, which the code does not show.
     HybridFamily(model_types=("nemotron_h",), module="nemotron_h", layers=("NemotronHBlock",),
                  mixers=("NemotronHMamba2Mixer",), kernels=MAMBA2_MIXER, layer_types=("linear_attention", "mamba"),
                  state=_MAMBA2_STATE),
-    HybridFamily(model_types=("granitemoehybrid",), module="granitemoehybrid",
-                 layers=("GraniteMoeHybridDecoderLayer",), mixers=("GraniteMoeHybridMambaLayer",),
-                 kernels=MAMBA2_MIXER, layer_types=("linear_attention", "mamba"), state=_MAMBA2_STATE),
-    HybridFamily(model_types=("bamba",), module="bamba", layers=("BambaDecoderLayer",), mixers=("BambaMixer",),
-                 kernels=MAMBA2_MIXER, layer_types=("linear_attention", "mamba"), state=_MAMBA2_STATE),
-    HybridFamily(model_types=("falcon_h1",), module="falcon_h1", layers=("FalconH1DecoderLayer",),
-                 mixers=("FalconH1Mixer",), kernels=MAMBA2_MIXER, layer_types=("hybrid",),
+    HybridFamily(model_types=("granitemoehybrid",), module="granitemoehybrid", layer_types=("linear_attention", "mamba"),
+                 state=_MAMBA2_STATE),
+    HybridFamily(model_types=("bamba",), module="bamba", layer_types=("linear_attention", "mamba"), state=_MAMBA2_STATE),
+    HybridFamily(model_types=("falcon_h1",), module="falcon_h1", layer_types=("hybrid",),
                  state="Mamba2 beside attention in every layer: as Nemotron-H"),
-    HybridFamily(model_types=("lfm2",), module="lfm2", layers=("Lfm2DecoderLayer",), mixers=("Lfm2ShortConv",),
-                 kernels=SHORT_CONVOLUTION, layer_types=("conv",),
+    HybridFamily(model_types=("lfm2",), module="lfm2", layer_types=("conv",),
                  state="short convolution: each run's last k-1 rows, one all-gather per layer"),
-    HybridFamily(model_types=("lfm2_moe",), module="lfm2_moe", layers=("Lfm2MoeDecoderLayer",),
-                 mixers=("Lfm2MoeShortConv",), kernels=SHORT_CONVOLUTION, layer_types=("conv",),
-                 state="short convolution, as LFM2"),
-    HybridFamily(model_types=("mamba",), module="mamba", layers=("MambaBlock",), mixers=("MambaMixer",),
-                 kernels=MAMBA_MIXER, layer_types=("linear_attention", "mamba"),
+    HybridFamily(model_types=("lfm2_moe",), module="lfm2_moe", layer_types=("conv",), state="short convolution, as LFM2"),
+    HybridFamily(model_types=("mamba",), module="mamba", layer_types=("linear_attention", "mamba"),
                  state="Mamba, as Jamba: a state-space model with no attention",
                  plain=("MambaForCausalLM", "MambaModel", "MambaRMSNorm"), entry=("MambaForCausalLM",)),
-    HybridFamily(model_types=("falcon_mamba",), module="falcon_mamba", layers=("FalconMambaBlock",),
-                 mixers=("FalconMambaMixer",), kernels=MAMBA_MIXER, layer_types=("linear_attention", "mamba"),
+    HybridFamily(model_types=("falcon_mamba",), module="falcon_mamba", layer_types=("linear_attention", "mamba"),
                  state="Mamba, as Jamba: a state-space model with no attention",
                  plain=("FalconMambaForCausalLM", "FalconMambaModel", "FalconMambaRMSNorm"),
                  entry=("FalconMambaForCausalLM",)),
-    HybridFamily(model_types=("mamba2",), module="mamba2", layers=("Mamba2Block",), mixers=("Mamba2Mixer",),
-                 kernels=MAMBA2_MIXER, layer_types=("linear_attention", "mamba"),
+    HybridFamily(model_types=("mamba2",), module="mamba2", layer_types=("linear_attention", "mamba"),
                  state="Mamba2, as Nemotron-H: a state-space model with no attention",
                  plain=("Mamba2ForCausalLM", "Mamba2Model", "Mamba2RMSNorm"), entry=("Mamba2ForCausalLM",)),
-    HybridFamily(model_types=("jamba",), module="jamba", layers=("JambaMambaDecoderLayer",),
-                 mixers=("JambaMambaMixer",), kernels=MAMBA_MIXER, layer_types=("linear_attention", "mamba"),
+    HybridFamily(model_types=("jamba",), module="jamba", layer_types=("linear_attention", "mamba"),
                  state="Mamba: each run's end state and decay per channel and state"),
 ) for t in family.model_types}
-"""Hybrid families by model type (a multimodal type under its own name and its text model's)."""
+"""Hybrid families by model type (a multimodal type under its own name and its text model's): what cannot be read
+from the modeling code (how the state crosses ranks, the tiled classes, classes that only read like a mixer's, a
+CausalLM that hands its layers no keyword arguments); the layers, mixers and kernels are found
+(:func:`found_family`), and listed only where they cannot be."""
 
 
+KERNEL_KINDS: Dict[str, str] = {
+    "causal_conv1d_fn": CONV, "chunk_gated_delta_rule": DELTA, "chunk_kda": DELTA, "mamba_chunk_scan_combined": MAMBA2,
+    "selective_scan_fn": MAMBA, "mamba_split_conv1d_scan_combined": FUSED, "mamba_inner_fn": FUSED,
+}
+"""The kernels the hooks compute over shards, by the name transformers resolves them under (whatever a modeling
+file calls its function), and their kind."""
+
+FOUND_LAYER_TYPES = ("linear_attention", "mamba", "conv")
+"""The config's names for the layers of a family found by its kernels (:func:`found_family`): those of the table's
+families whose layers hold a recurrent mixer alone (a "hybrid" layer, a mixer beside attention, is taken where
+listed only); which modules mix the sequence is checked on the model itself."""
+
+
+@functools.lru_cache(maxsize=None)
 def family(model_type: Optional[str]) -> Optional[HybridFamily]:
-    """The hybrid family of ``model_type`` whose hooks this transformers release can take, or None."""
-    found = HYBRIDS.get(model_type or "")
-    return found if found is not None and found.modeling_module() is not None else None
+    """The hybrid family of ``model_type`` whose hooks this transformers release can take: the table's, its layers,
+    mixers and kernels found where it does not list them, or one found whole (:func:`found_family`); None for
+    neither."""
+    listed = HYBRIDS.get(model_type or "")
+    if listed is None:
+        return found_family(model_type) if model_type else None
+    if not listed.layers:
+        found = found_family(model_type, listed.module)
+        if found is None:
+            return None
+        listed = dataclasses.replace(listed, layers=found.layers, mixers=found.mixers, kernels=found.kernels)
+    return listed if listed.modeling_module() is not None else None
+
+
+@functools.lru_cache(maxsize=None)
+def found_family(model_type: str, module_name: Optional[str] = None) -> Optional[HybridFamily]:
+    """A family read from ``model_type``'s modeling module (``module_name``: transformers' for the type): its
+    module-level kernel functions that transformers resolves to a kernel of :data:`KERNEL_KINDS`, the module's
+    classes whose ``forward`` calls one of them (the mixers), and those whose ``__init__`` builds a mixer (the decoder
+    layers). None where the module has no such kernel, mixer or layer: a mixer built another way is then listed by
+    the structure check, and refused."""
+    module_name = module_name or model_type_to_module_name(model_type)
+    try:
+        module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    except ImportError:
+        return None
+    kernels = tuple((name, KERNEL_KINDS[kernel_name(fn)]) for name, fn in vars(module).items()
+                    if callable(fn) and kernel_name(fn) in KERNEL_KINDS)
+    names = {name for name, _ in kernels}
+    classes = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, torch.nn.Module)
+               and c.__module__ == module.__name__]
+    mixers = tuple(c.__name__ for c in classes if names & _names_used(c, "forward"))
+    layers = tuple(c.__name__ for c in classes if set(mixers) & _names_used(c, "__init__") and c.__name__ not in mixers
+                   and issubclass(c, GradientCheckpointingLayer))
+    if not kernels or not mixers or not layers:
+        return None
+    kinds = sorted({kind for _, kind in kernels if kind != FUSED})
+    return HybridFamily(model_types=(model_type,), module=module_name, layers=layers,
+                        mixers=mixers, kernels=kernels, layer_types=FOUND_LAYER_TYPES,
+                        state=f"found by the kernels it calls ({', '.join(kinds)})")
+
+
+def _names_used(cls: type, method: str) -> set:
+    """The global names the code of ``cls.method`` (its own, decorators unwrapped) reads."""
+    fn = cls.__dict__.get(method)
+    code = getattr(inspect.unwrap(fn), "__code__", None) if fn is not None else None
+    return set(code.co_names) if code is not None else set()
 
 
 def recurrent_layers(model: torch.nn.Module) -> List[int]:

@@ -232,12 +232,12 @@ def long_row(model_type: str, attn: str, rows: int) -> dict:
     forward (``calls``) and in the backward (``recomputed``: a checkpointed piece runs again there)."""
     import hybrid_models
     import sweep
-    from hf_ring.patches.hybrids import HYBRIDS
+    from hf_ring.patches.hybrids import family as hybrid_family
 
     model, why = sweep.build(model_type, attn, torch.float64, "hybrid")
     assert model is not None, why
     ids = sweep.inputs("", batch=1, seed=3, n=rows)["input_ids"]
-    family = HYBRIDS[model_type]
+    family = hybrid_family(model_type)
     module = importlib.import_module(family.modeling)
     calls = []
     with hybrid_models.model_in_float64(model):
@@ -316,7 +316,7 @@ def family_case(model_type: str, ulysses: int = 1, n: int = N, packed: bool = Fa
     import sweep
     from hf_ring.integration.context import CONTEXT_KEY
     from hf_ring.integration.seams import enable_checkpointing
-    from hf_ring.patches.hybrids import HYBRIDS
+    from hf_ring.patches.hybrids import family
 
     sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses)
     try:
@@ -325,9 +325,9 @@ def family_case(model_type: str, ulysses: int = 1, n: int = N, packed: bool = Fa
             model.train()
             enable_checkpointing(model)
             hf_ring.offload_checkpoints(model)
-            rows = bool(HYBRIDS[model_type].tiled)
+            rows = bool(family(model_type).tiled)
             hf_ring.configure_tiling(model, loss=True, mlp=rows, norm=rows, **MEMORY_CHUNKS)
-        hooked = HYBRIDS[model_type].mixers if model_type in HYBRIDS else ()  # a refused type has none
+        hooked = family(model_type).mixers if family(model_type) is not None else ()  # a refused type has none
         mixers = [m for m in model.modules() if type(m).__name__ in hooked]
         calls = []
         for mixer in mixers:

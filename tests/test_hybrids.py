@@ -247,6 +247,46 @@ def test_a_state_space_model_over_ranks_equals_one_process_and_generates_its_tok
         assert torch.equal(found, tokens), (found, tokens)
 
 
+def test_a_family_is_found_by_the_kernels_its_modeling_module_calls():
+    """No table entry: LFM3's short convolution is found as the module-level function transformers resolves to
+    causal_conv1d_fn, the class whose forward calls it, and the decoder layer that builds that class; a model with
+    no such kernel (Llama) is no hybrid."""
+    from hf_ring.patches.hybrids import CONV, HYBRIDS, family, found_family
+
+    assert "lfm3" not in HYBRIDS
+    lfm3 = family("lfm3")
+    assert lfm3 is not None and lfm3 == found_family("lfm3")
+    assert (lfm3.layers, lfm3.mixers, lfm3.kernels) == (("Lfm3DecoderLayer",), ("Lfm3ShortConv",),
+                                                        (("causal_conv1d_fn", CONV),))
+    assert family("llama") is None
+
+
+def test_the_table_lists_layers_mixers_and_kernels_only_where_they_cannot_be_found():
+    """Every listed family's layers, mixers and kernels are found from its modeling code, but where the table lists
+    them (Nemotron-H, whose block builds its mixer through a mapping): a listing that could be found is a second copy
+    that could go stale."""
+    from hf_ring.patches.hybrids import HYBRIDS, family, found_family
+
+    for model_type, listed in HYBRIDS.items():
+        found = found_family(model_type, listed.module)
+        assert (found is None) == bool(listed.layers), model_type
+        assert family(model_type) is not None and family(model_type).mixers, model_type
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_family_found_by_its_kernels_over_ranks_equals_one_process(pools, world):
+    """LFM3, found and not listed: a step's loss and every gradient on 2 and 4 ranks against one-process ``eager``."""
+    import sweep
+    from helpers import gradient_errors
+
+    want = sweep.eager_step("lfm3")
+    got = pools(world).run(sweep.sharded_step_case, "lfm3", dtype=torch.float64)
+    assert not got[0].get("refused") and not got[0].get("unbuilt"), got[0]
+    errs = {"loss": rel_err(got[0]["loss"], want["loss"]), **gradient_errors(got[0]["grads"], want["grads"])}
+    worst = max(errs, key=errs.get)
+    assert close(errs[worst], TOL), (worst, errs[worst])
+
+
 def test_qwen3_5_with_images_generates_model_generate_tokens(pools):
     from vlm import HYBRIDS
     from vlm_cases import generate

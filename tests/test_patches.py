@@ -62,11 +62,12 @@ def test_apply_and_revert_are_exact_and_leave_unsharded_runs_alone(kind):
 
 REFUSED = {  # model type: (config overrides, words the refusal must contain)
     "recurrent_gemma": ({}, "recurrent"),  # its layer type's name differs between releases
-    "zamba": (dict(num_hidden_layers=4), "recurrent"),
+    "zamba": (dict(num_hidden_layers=4), "'hybrid': hybrid layers run a state-space mixer beside attention"),
     "minimax": (dict(layer_types=["linear_attention", "full_attention"]), "'linear_attention'"),
 }
-"""Models whose recurrent layers hf_ring does not compute over shards (RG-LRU, lightning attention, Zamba's shared
-attention)."""
+"""Models whose recurrent layers hf_ring does not compute over shards (RG-LRU, lightning attention), or not beside
+attention (Zamba's hybrid layers: a Mamba layer found by its kernels, beside an attention block shared across
+depths)."""
 
 HOOKED = {
     "lfm2": dict(layer_types=["conv", "full_attention"]),

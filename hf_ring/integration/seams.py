@@ -190,11 +190,23 @@ KERNEL_RESOLVER = _kernel_resolver()
 ``torch_chunk_gated_delta_rule``, ...): it calls the package's function found at import, or the torch path."""
 
 
+def _resolved(kernel: Any, name: str) -> Any:
+    code = getattr(kernel, "__code__", None)
+    if KERNEL_RESOLVER is None or code is not KERNEL_RESOLVER:
+        return None
+    return kernel.__closure__[code.co_freevars.index(name)].cell_contents
+
+
+def kernel_name(kernel: Any) -> Optional[str]:
+    """The name transformers resolves a modeling module's kernel function under (``chunk_gated_delta_rule``,
+    ``causal_conv1d_fn``, ``selective_scan_fn``: the package's, the hub's), whatever the modeling file calls it;
+    None for a function transformers does not resolve."""
+    return _resolved(kernel, "func_name")
+
+
 def kernel_implementation(kernel: Any) -> Any:
     """What a modeling module's kernel function runs: the package function (flash-linear-attention's, causal-conv1d's,
     mamba-ssm's) or torch path transformers resolved it to, where ``kernel`` is that resolution's wrapper; else
     ``kernel`` itself. The wrapper keeps the torch path's signature, which is how the modeling code calls it."""
-    code = getattr(kernel, "__code__", None)
-    if KERNEL_RESOLVER is None or code is not KERNEL_RESOLVER:
-        return kernel
-    return kernel.__closure__[code.co_freevars.index("implementation")].cell_contents
+    found = _resolved(kernel, "implementation")
+    return kernel if found is None else found
