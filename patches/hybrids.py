@@ -161,20 +161,33 @@ def family(model_type: Optional[str]) -> Optional[HybridFamily]:
     return listed if listed.modeling_module() is not None else None
 
 
-@functools.lru_cache(maxsize=None)
 def found_family(model_type: str, module_name: Optional[str] = None) -> Optional[HybridFamily]:
-    """A family read from ``model_type``'s modeling module (``module_name``: transformers' for the type): its
-    module-level kernel functions that transformers resolves to a kernel of :data:`KERNEL_KINDS`, the module's
-    classes whose ``forward`` calls one of them (the mixers), and those whose ``__init__`` builds a mixer (the decoder
+    """A family read from ``model_type``'s modeling module (``module_name``: transformers' for the type; see
+    :func:`_found_in`), or None."""
+    module_name = module_name or model_type_to_module_name(model_type)
+    found = _found_in(module_name)
+    if found is None:
+        return None
+    layers, mixers, kernels = found
+    kinds = sorted({kind for _, kind in kernels if kind != FUSED})
+    return HybridFamily(model_types=(model_type,), module=module_name, layers=layers, mixers=mixers, kernels=kernels,
+                        layer_types=FOUND_LAYER_TYPES, state=f"found by the kernels it calls ({', '.join(kinds)})")
+
+
+@functools.lru_cache(maxsize=None)  # once per module: its functions may be bound to hooks while a layer runs
+def _found_in(module_name: str) -> Optional[Tuple[Tuple[str, ...], Tuple[str, ...], Tuple[Tuple[str, str], ...]]]:
+    """The layers, mixers and kernels of a modeling module: its module-level kernel functions that transformers
+    resolves to a kernel of :data:`KERNEL_KINDS` (as they were before any hook of hf_ring's), the module's classes
+    whose ``forward`` calls one of them (the mixers), and those whose ``__init__`` builds a mixer (the decoder
     layers). None where the module has no such kernel, mixer or layer: a mixer built another way is then listed by
     the structure check, and refused."""
-    module_name = module_name or model_type_to_module_name(model_type)
     try:
         module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
     except ImportError:
         return None
-    kernels = tuple((name, KERNEL_KINDS[kernel_name(fn)]) for name, fn in vars(module).items()
-                    if callable(fn) and kernel_name(fn) in KERNEL_KINDS)
+    functions = {name: registry.original(module, name) for name, fn in vars(module).items() if callable(fn)}
+    kernels = tuple((name, KERNEL_KINDS[kernel_name(fn)]) for name, fn in functions.items()
+                    if kernel_name(fn) in KERNEL_KINDS)
     names = {name for name, _ in kernels}
     classes = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, torch.nn.Module)
                and c.__module__ == module.__name__]
@@ -183,10 +196,7 @@ def found_family(model_type: str, module_name: Optional[str] = None) -> Optional
                    and issubclass(c, GradientCheckpointingLayer))
     if not kernels or not mixers or not layers:
         return None
-    kinds = sorted({kind for _, kind in kernels if kind != FUSED})
-    return HybridFamily(model_types=(model_type,), module=module_name, layers=layers,
-                        mixers=mixers, kernels=kernels, layer_types=FOUND_LAYER_TYPES,
-                        state=f"found by the kernels it calls ({', '.join(kinds)})")
+    return layers, mixers, kernels
 
 
 def _names_used(cls: type, method: str) -> set:

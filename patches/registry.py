@@ -77,7 +77,11 @@ def is_replaced(owner: Any, name: str) -> bool:
 
 
 def original(owner: Any, name: str) -> Any:
-    """What ``owner.name`` resolves to without hf_ring's replacement (the inherited value when it held none)."""
+    """What ``owner.name`` resolves to without hf_ring's replacement or a scope's binding (the inherited value when
+    it held none)."""
+    for scope in _SCOPED:  # the outermost binding holds what was there before any
+        if scope.owner is owner and scope.name == name and scope.original is not _ABSENT:
+            return scope.original
     patch = _APPLIED.get((id(owner), name))
     if patch is None:
         return getattr(owner, name)
