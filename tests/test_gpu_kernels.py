@@ -37,13 +37,21 @@ RUNS = {
 """Per run: the packages transformers finds, the models' dtype, the model types."""
 
 
+KEPT_ENV = ("PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "OMP_NUM_THREADS", "HF_HOME", "HF_HUB_OFFLINE",
+            "TRANSFORMERS_OFFLINE", "XDG_CACHE_HOME")
+"""What a launch keeps of this process's environment: not what earlier tests left in it (a rank's RANK or
+WORLD_SIZE, accelerate's settings), which the launched ranks would read."""
+
+
 def _launch(name: str, out: str) -> dict:
     packages, dtype, types = RUNS[name]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (PACKAGES_DIR, os.environ.get("PYTHONPATH")) if p))
+    env = {k: os.environ[k] for k in KEPT_ENV if k in os.environ}
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (PACKAGES_DIR, os.environ.get("PYTHONPATH")) if p),
+               TRITON_CACHE_DIR=os.path.join(os.path.dirname(out), f"triton-{name}"))
     cmd = [sys.executable, os.path.join(ROOT, "tests", "kernel_ranks.py"), "--out", out, "--types", *types,
            "--packages", *packages, "--dtype", dtype]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-6000:]
+    assert done.returncode == 0, done.stderr[:4000] + "\n...\n" + done.stderr[-4000:]
     with open(out) as f:
         return json.load(f)
 
