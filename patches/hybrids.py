@@ -185,9 +185,8 @@ def _found_in(module_name: str) -> Optional[Tuple[Tuple[str, ...], Tuple[str, ..
         module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
     except ImportError:
         return None
-    functions = {name: registry.original(module, name) for name, fn in vars(module).items() if callable(fn)}
-    kernels = tuple((name, KERNEL_KINDS[kernel_name(fn)]) for name, fn in functions.items()
-                    if kernel_name(fn) in KERNEL_KINDS)
+    resolved = {name: kernel_name(registry.original(module, name)) for name, fn in vars(module).items() if callable(fn)}
+    kernels = tuple((name, KERNEL_KINDS[found]) for name, found in resolved.items() if found in KERNEL_KINDS)
     names = {name for name, _ in kernels}
     classes = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, torch.nn.Module)
                and c.__module__ == module.__name__]
@@ -279,14 +278,8 @@ def _layer_forward(original: Callable, hybrid: HybridFamily) -> Callable:
 @torch.compiler.disable  # collectives and host-side run lists: outside a compiled graph, on purpose
 def _over_shards(original: Callable, hybrid: HybridFamily, context: ShardedForward, layer, args, kwargs):
     mixer = next(child for child in layer.children() if type(child).__name__ in hybrid.mixers)
-    module = hybrid.modeling_module()
-    for name, _ in hybrid.kernels:  # before the layer computes: the package is the same on every rank
-        problem = package_problem(getattr(module, name))
-        if problem is not None:
-            context.fail(ValueError(f"the {type(layer).__name__} layer of {hybrid.model_types[0]!r} over sequence "
-                                    f"shards: {problem}"))
     call = LayerCall(context, getattr(mixer, "layer_idx", None))
-    with _kernels_hooked(hybrid, call):
+    with _kernels_hooked(hybrid, call, type(layer).__name__):
         out = original(layer, *args, **kwargs)
     if not call.calls:
         context.fail(ValueError(
@@ -299,8 +292,10 @@ def _over_shards(original: Callable, hybrid: HybridFamily, context: ShardedForwa
 
 
 @contextlib.contextmanager
-def _kernels_hooked(hybrid: HybridFamily, call: LayerCall) -> Iterator[None]:
-    """The family's kernels bound to their hooks over ``call`` for the length of one decoder layer's call.
+def _kernels_hooked(hybrid: HybridFamily, call: LayerCall, layer: str) -> Iterator[None]:
+    """The family's kernels bound to their hooks over ``call`` for the length of one call of the decoder layer class
+    ``layer``; a kernel package release the hooks cannot run on refused first (:func:`.recurrent.package_problem`),
+    before the layer computes (the package is the same on every rank).
 
     The context is bound here, not read from a kernel's call: not every mixer hands the forward's keyword arguments
     on to its kernels (Nemotron-H's ``mamba2_chunk_scan`` and Jamba's ``mamba_selective_scan`` get none).
@@ -308,6 +303,11 @@ def _kernels_hooked(hybrid: HybridFamily, call: LayerCall) -> Iterator[None]:
     module = hybrid.modeling_module()
     with contextlib.ExitStack() as scope:
         for name, kind in hybrid.kernels:
-            hook = hooked(kind, getattr(module, name), call, name)
+            kernel = getattr(module, name)
+            problem = package_problem(kernel)
+            if problem is not None:
+                call.context.fail(ValueError(f"the {layer} layer of {hybrid.model_types[0]!r} over sequence shards: "
+                                             f"{problem}"))
+            hook = hooked(kind, kernel, call, name)
             scope.enter_context(registry.scoped(module, name, hook, KERNEL_WHY))
         yield
