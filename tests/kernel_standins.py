@@ -18,7 +18,7 @@ transformers imports a modeling module, which resolves its kernels then.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,6 +46,20 @@ def _sequences(rows: int, cu_seqlens: Optional[Tensor]) -> List[Tuple[int, int]]
         return [(0, rows)]
     bounds = cu_seqlens.tolist()
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _vjp(given: Dict[str, Optional[Tensor]], compute: Callable[..., Sequence[Tensor]],
+         cotangents: Sequence[Optional[Tensor]]) -> Dict[str, Tensor]:
+    """The gradient of ``compute(**given)``'s outputs against ``cotangents`` (an output whose cotangent is None left
+    out) for each given tensor (one given as None has none), recomputed under autograd; zeros for an unused input.
+    A Triton launcher's backward runs inside an autograd Function's backward, where grad mode is off (causal-conv1d's
+    extension, called from a custom op, runs below autograd and is differentiated by hand instead)."""
+    leaves = {k: v.detach().requires_grad_() for k, v in given.items() if v is not None}
+    with torch.enable_grad():
+        pairs = [(out, ct) for out, ct in zip(compute(**leaves), cotangents) if ct is not None]
+        found = torch.autograd.grad([out for out, _ in pairs], list(leaves.values()),
+                                    [ct.to(out.dtype) for out, ct in pairs], allow_unused=True)
+    return {k: (torch.zeros_like(t) if f is None else f.to(t.dtype)) for (k, t), f in zip(leaves.items(), found)}
 
 
 def _gated_delta(q, k, v, g, beta, scale, h0):
@@ -106,18 +120,11 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, scale, initial_state, do, dh
                                A_log=None, dt_bias=None, chunk_size=64):
     """fla's launcher: ``(dq, dk, dv, db, dg, dh0, dA_log, ddt_bias)``, the initial state's gradient in float32."""
     _unsupported("chunk_gated_delta_rule_bwd", cp_context=cp_context, use_gate_in_kernel=use_gate_in_kernel)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v, g, beta)]
-    h0 = None if initial_state is None else initial_state.detach().requires_grad_()
-    with torch.enable_grad():
-        o, final = _gated_delta_rule(*leaves, scale, h0, cu_seqlens, state_v_first)
-        outputs, grads = [o], [do.to(o.dtype)]
-        if dht is not None:
-            outputs.append(final)
-            grads.append(dht.to(final.dtype))
-        found = torch.autograd.grad(outputs, leaves + ([h0] if h0 is not None else []), grads, allow_unused=True)
-    dq, dk, dv, dg, db = (torch.zeros_like(t) if d is None else d.to(t.dtype) for t, d in zip(leaves, found[:5]))
-    dh0 = None if h0 is None else found[5].to(_state_dtype(q))
-    return dq, dk, dv, db, dg, dh0, None, None
+    got = _vjp({"q": q, "k": k, "v": v, "g": g, "beta": beta, "h0": initial_state},
+               lambda q, k, v, g, beta, h0=None: _gated_delta_rule(q, k, v, g, beta, scale, h0, cu_seqlens,
+                                                                   state_v_first), (do, dht))
+    dh0 = got["h0"].to(_state_dtype(q)) if "h0" in got else None
+    return got["q"], got["k"], got["v"], got["beta"], got["g"], dh0, None, None
 
 
 def fused_recurrent_gated_delta_rule_fwd(q, k, v, g=None, gk=None, gv=None, beta=None, A_log=None, dt_bias=None,
@@ -367,19 +374,13 @@ def mamba_chunk_scan_combined_bwd(dout, x, dt, A, B, C, out, chunk_size, D=None,
                                   recompute_output=False):
     """mamba-ssm's launcher: ``(dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states)``."""
     _unsupported("_mamba_chunk_scan_combined_bwd", seq_idx=seq_idx, recompute_output=recompute_output)
-    given = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias, "h0": initial_states}
-    leaves = {k: v.detach().requires_grad_() for k, v in given.items() if v is not None}
-    with torch.enable_grad():
-        y, final = _ssd(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], leaves.get("D"),
-                        leaves.get("dt_bias"), leaves.get("h0"), dt_softplus, dt_limit)
-        if z is not None:
-            y = y * torch.nn.functional.silu(leaves["z"].double())
-        outputs, grads = [y], [dout.double()]
-        if dfinal_states is not None:
-            outputs.append(final)
-            grads.append(dfinal_states.double())
-        found = dict(zip(leaves, torch.autograd.grad(outputs, list(leaves.values()), grads, allow_unused=True)))
-    got = {k: (torch.zeros_like(leaves[k]) if found[k] is None else found[k].to(leaves[k].dtype)) for k in leaves}
+
+    def scan(x, dt, A, B, C, D=None, z=None, dt_bias=None, h0=None):
+        y, final = _ssd(x, dt, A, B, C, D, dt_bias, h0, dt_softplus, dt_limit)
+        return (y if z is None else y * torch.nn.functional.silu(z.double())), final
+
+    got = _vjp({"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias, "h0": initial_states},
+               scan, (dout, dfinal_states))
     return (got["x"], got["dt"], got["A"], got["B"], got["C"], got.get("D"), got.get("z"), got.get("dt_bias"),
             got.get("h0"))
 
@@ -433,15 +434,9 @@ class SelectiveScanExtension:
     @staticmethod
     def bwd(u, delta, A, B, C, D, z, delta_bias, dout, x, out, dz, delta_softplus, recompute_out_z):
         SelectiveScanExtension._checks(u, delta, A, B, C, D, z, delta_bias)
-        given = {"u": u, "delta": delta, "A": A, "B": B, "C": C, "D": D, "z": z, "delta_bias": delta_bias}
-        leaves = {k: v.detach().requires_grad_() for k, v in given.items() if v is not None}
-        with torch.enable_grad():  # no custom op here: the extension is called from an autograd Function's backward
-            _, gated, _ = SelectiveScanExtension._scan(leaves["u"], leaves["delta"], leaves["A"], leaves["B"],
-                                                       leaves["C"], leaves.get("D"), leaves.get("z"),
-                                                       leaves.get("delta_bias"), delta_softplus)
-            found = dict(zip(leaves, torch.autograd.grad(gated, list(leaves.values()), dout.double(),
-                                                         allow_unused=True)))
-        got = {k: (torch.zeros_like(leaves[k]) if found[k] is None else found[k].to(leaves[k].dtype)) for k in leaves}
+        got = _vjp({"u": u, "delta": delta, "A": A, "B": B, "C": C, "D": D, "z": z, "delta_bias": delta_bias},
+                   lambda u, delta, A, B, C, D=None, z=None, delta_bias=None: SelectiveScanExtension._scan(
+                       u, delta, A, B, C, D, z, delta_bias, delta_softplus)[1:2], (dout,))
         result = [got["u"], got["delta"], got["A"], got["B"], got["C"], got.get("D"), got.get("delta_bias")]
         return result + ([got["z"]] if z is not None else [])
 
