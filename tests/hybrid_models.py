@@ -90,8 +90,7 @@ TYPES: Dict[str, Callable[[str], Optional[Dict]]] = {
 
 
 SIZE_FIXES: Dict[str, Dict] = {
-    "kimi_linear": {"head_dim": 8, "num_key_value_heads": 4},  # MLA: the rotary part is qk_rope_head_dim wide
-    "bailing_hybrid": {"head_dim": 8, "num_key_value_heads": 4},
+    "deepseek_v2": {"num_experts_per_tok": 2},  # None by default, which its router cannot take
     "mamba2": {"num_heads": 8},  # heads x head_dim = expand x hidden
 }
 """Sizes the sweep's shrinking leaves inconsistent for these types, set after it."""

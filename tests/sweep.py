@@ -116,6 +116,11 @@ def shrink(cfg, vision: bool = False, keep_layers: bool = False):
                 isinstance(current, int) and not isinstance(current, bool)):
             _set(cfg, name, value)
     _shrink_mrope(cfg)
+    if isinstance(getattr(cfg, "kv_lora_rank", None), int) and isinstance(getattr(cfg, "qk_rope_head_dim", None), int):
+        # multi-head latent attention: every query head has its own key and value heads, made from one latent, and
+        # the rotary part of a head is qk_rope_head_dim wide (what head_dim sizes the rotary tables by)
+        _set(cfg, "num_key_value_heads", cfg.num_attention_heads)
+        _set(cfg, "head_dim", cfg.qk_rope_head_dim)
     if isinstance(getattr(cfg, "rotary_dim", None), int):
         _set(cfg, "rotary_dim", 8)
     for name, value in LENGTHS.items():

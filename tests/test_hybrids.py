@@ -204,12 +204,20 @@ def test_qwen3_5_with_images_splits_its_hybrid_language_model(pools, world, ulys
         assert close(err, TOL), (rank, key, err)
 
 
+GENERATED = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h", "granitemoehybrid", "jamba", "bamba",
+             "falcon_h1", "lfm2", "lfm2_moe", "olmo_hybrid", "bailing_hybrid", "kimi_linear",
+             # multi-head latent attention without a recurrence: value heads narrower than the query and key heads
+             "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "longcat_flash", "youtu")
+"""Every hybrid type the training path takes, and every type of multi-head latent attention that builds tiny."""
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h", "jamba", "lfm2", "kimi_linear"])
+@pytest.mark.parametrize("model_type", GENERATED)
 def test_generate_gives_model_generate_tokens(pools, model_type, world):
     """The prefill split over the ranks, each recurrent layer's end state (its convolution's last rows, its scan's
     state) on every rank, the attention's cache sharded; then every rank decodes the same tokens. Kimi Linear's
-    attention layers are multi-head latent attention: value heads narrower than its query and key heads."""
+    attention layers are multi-head latent attention: value heads narrower than its query and key heads. Falcon-H1's
+    decoder layers run attention and a Mamba mixer side by side: one cache layer holds both."""
     import hybrid_models
 
     path = hybrid_models.saved(model_type)

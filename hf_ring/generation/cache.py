@@ -39,15 +39,16 @@ from .slots import SlotTable, growth_rows
 Tensor = torch.Tensor
 
 def cache_nbytes(cache: Cache) -> int:
-    """Bytes allocated for the K and V of a transformers cache, all layers."""
+    """Bytes allocated for the K and V of a transformers cache, all layers (a recurrent layer's states too)."""
     total = 0
     for layer in cache.layers:
-        if hasattr(layer, "nbytes"):
-            total += layer.nbytes()
-            continue
-        states = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+        states = []
         if isinstance(layer, LinearAttentionLayer):  # a recurrent layer's states, the same on every rank
             states += list(layer.conv_states.values()) + list(layer.recurrent_states.values())
+        if hasattr(layer, "nbytes"):
+            total += layer.nbytes()
+        else:
+            states += [getattr(layer, "keys", None), getattr(layer, "values", None)]
         for t in states:
             if t is not None:
                 total += t.numel() * t.element_size()
@@ -193,6 +194,34 @@ def _rebalanced(key_states: Tensor, value_states: Tensor, gather: Tuple[Tensor, 
     return mine[..., :d], mine[..., d:]
 
 
+class ShardedRecurrentLayer(LinearAttentionLayer, ShardedLayer):
+    """A recurrent layer's convolution and scan states (the same on every rank) and, where the layer attends as well
+    (Falcon-H1's attention beside its Mamba mixer, in one decoder layer), its sharded K/V rows: transformers' own
+    layer for such a layer is ``LinearAttentionAndFullAttentionLayer``."""
+
+    is_croppable = False  # rows sit on several ranks (and a scan's state cannot be cropped)
+    is_compileable = False  # as a sharded layer: generate must not build the whole prompt's masks for a static cache
+
+    def __init__(self) -> None:
+        ShardedLayer.__init__(self)
+        LinearAttentionLayer.__init__(self)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        # the K/V side is initialised with (keys, values), the recurrent side with its states by keyword
+        if args:
+            ShardedLayer.lazy_initialization(self, *args, **kwargs)
+        else:
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        ShardedLayer.reset(self)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
+        ShardedLayer.reorder_cache(self, beam_idx)
+
+
 class ShardedCache(Cache):
     """A KV cache split over the ranks of a sequence-parallel group, holding the rows a later query can read.
 
@@ -250,7 +279,7 @@ class ShardedCache(Cache):
             raise ValueError("past_key_values held another model's layers (recurrent and attention layers at other "
                              "places); continue a cache only with the model that filled it")
         while len(self.layers) <= max(layers):
-            self.layers.append(LinearAttentionLayer() if len(self.layers) in layers else ShardedLayer())
+            self.layers.append(ShardedRecurrentLayer() if len(self.layers) in layers else ShardedLayer())
 
     def update_conv_state(self, conv_states: Tensor, layer_idx: int, *args, **kwargs) -> Tensor:
         """Keep a recurrent layer's convolution state. In a sharded prefill each rank holds some of the prompt's rows:
