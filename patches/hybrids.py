@@ -33,13 +33,14 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.models.auto.configuration_auto import model_type_to_module_name
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING, model_type_to_module_name
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from hf_ring.integration.context import CONTEXT_KEY, ShardedForward
 from hf_ring.integration.seams import as_layer_forward, kernel_name, layer_forward_inside
 
 from . import registry
-from .recurrent import CONV, DELTA, FUSED, MAMBA, MAMBA2, LayerCall, hooked, package_problem
+from .recurrent import CONV, CONV_MODULE, DELTA, FUSED, MAMBA, MAMBA2, RGLRU, LayerCall, hooked, package_problem
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class HybridFamily:
     tiled: Tuple[str, ...] = ()  # CausalLM, MLP, RMSNorm and gated norm classes the sequence tiling fits (empty: none)
     plain: Tuple[str, ...] = ()  # classes named like a mixer that mix no tokens (a state-space model's model, norms)
     entry: Tuple[str, ...] = ()  # CausalLM classes that do not hand model(...)'s keyword arguments to the layers
+    modeling_path: str = ""  # the modeling module's full name, where it is not transformers' (code of its own)
 
     @property
     def known(self) -> Tuple[str, ...]:
@@ -65,7 +67,7 @@ class HybridFamily:
 
     @property
     def modeling(self) -> str:
-        return f"transformers.models.{self.module}.modeling_{self.module}"
+        return self.modeling_path or _transformers_modeling(self.module)
 
     def modeling_module(self) -> Optional[ModuleType]:
         """The modeling module, when this release has every layer, mixer and kernel the hooks expect."""
@@ -73,12 +75,16 @@ class HybridFamily:
             module = importlib.import_module(self.modeling)
         except ImportError:
             return None
-        names = self.layers + self.mixers + tuple(name for name, _ in self.kernels)
-        return module if all(hasattr(module, name) for name in names) else None
+        names = self.layers + self.mixers + tuple(name for name, _ in self.kernels if not name.startswith("."))
+        return module if all(_owner_of(module, name) is not None for name in names) else None
+
+    def mixer(self, layer: torch.nn.Module) -> Optional[torch.nn.Module]:
+        """This decoder layer's recurrent or convolution mixer, or None (it attends)."""
+        return next((child for child in layer.children() if type(child).__name__ in self.mixers), None)
 
     def recurrent(self, layer: torch.nn.Module) -> bool:
         """Whether this decoder layer holds one of the family's mixers (else it attends)."""
-        return any(type(child).__name__ in self.mixers for child in layer.children())
+        return self.mixer(layer) is not None
 
 
 MAMBA2_MIXER = (("causal_conv1d_fn", CONV), ("mamba2_chunk_scan", MAMBA2),
@@ -125,6 +131,14 @@ HYBRIDS: Dict[str, HybridFamily] = {t: family for family in (
                  plain=("Mamba2ForCausalLM", "Mamba2Model", "Mamba2RMSNorm"), entry=("Mamba2ForCausalLM",)),
     HybridFamily(model_types=("jamba",), module="jamba", layer_types=("linear_attention", "mamba"),
                  state="Mamba: each run's end state and decay per channel and state"),
+    # Its recurrence is a method and its convolution a module, neither a kernel function the code can be read for.
+    HybridFamily(model_types=("recurrent_gemma",), module="recurrent_gemma", layer_types=("linear_attention",),
+                 state="RG-LRU: each run's end state and decay per channel, one all-gather per layer",
+                 layers=("RecurrentGemmaDecoderLayer",), mixers=("RecurrentGemmaRecurrentBlock",),
+                 kernels=(("RecurrentGemmaRglru._rnn_scan", RGLRU), (".conv_1d", CONV_MODULE)),
+                 attention=("RecurrentGemmaAttention",),
+                 plain=("RecurrentGemmaForCausalLM", "RecurrentGemmaModel", "RecurrentGemmaRMSNorm",
+                        "RecurrentGemmaMlp", "RecurrentGemmaRotaryEmbedding")),
 ) for t in family.model_types}
 """Hybrid families by model type (a multimodal type under its own name and its text model's): what cannot be read
 from the modeling code (how the state crosses ranks, the tiled classes, classes that only read like a mixer's, a
@@ -163,26 +177,67 @@ def family(model_type: Optional[str]) -> Optional[HybridFamily]:
 
 def found_family(model_type: str, module_name: Optional[str] = None) -> Optional[HybridFamily]:
     """A family read from ``model_type``'s modeling module (``module_name``: transformers' for the type; see
-    :func:`_found_in`), or None."""
-    module_name = module_name or model_type_to_module_name(model_type)
-    found = _found_in(module_name)
+    :func:`_found_in`), or None. A type transformers does not ship (registered with the auto classes, as a model
+    with code of its own is) is read from the module of the causal LM class registered for it."""
+    if module_name is not None:
+        path = _transformers_modeling(module_name)
+    else:
+        module_name = model_type_to_module_name(model_type)
+        path = _transformers_modeling(module_name)
+        if not _importable(path):
+            path = _registered_modeling(model_type) or path
+    found = _found_in(path)
     if found is None:
         return None
     layers, mixers, kernels = found
     kinds = sorted({kind for _, kind in kernels if kind != FUSED})
     return HybridFamily(model_types=(model_type,), module=module_name, layers=layers, mixers=mixers, kernels=kernels,
-                        layer_types=FOUND_LAYER_TYPES, state=f"found by the kernels it calls ({', '.join(kinds)})")
+                        layer_types=FOUND_LAYER_TYPES, state=f"found by the kernels it calls ({', '.join(kinds)})",
+                        modeling_path="" if path == _transformers_modeling(module_name) else path)
+
+
+def _transformers_modeling(module_name: str) -> str:
+    return f"transformers.models.{module_name}.modeling_{module_name}"
+
+
+def _importable(path: str) -> bool:
+    try:
+        importlib.import_module(path)
+    except ImportError:
+        return False
+    return True
+
+
+def _registered_modeling(model_type: str) -> Optional[str]:
+    """The module of the causal LM class registered for ``model_type`` with transformers' auto classes, or None."""
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]].__module__
+    except (KeyError, ValueError):
+        return None
+
+
+def attention_routed(hybrid: HybridFamily) -> bool:
+    """Whether every attention class of ``hybrid``'s modeling module (by name, its mixers aside) hands its attention
+    to transformers' attention interface: its ``forward`` reads ``ALL_ATTENTION_FUNCTIONS``. The evidence taken for
+    a family found by its kernels whose model class does not declare ``_supports_attention_backend`` (Qwen3.5 and
+    the types copied from it do not); the table's families are tested."""
+    module = hybrid.modeling_module()
+    if module is None:
+        return False
+    classes = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, torch.nn.Module)
+               and c.__module__ == module.__name__ and "Attention" in c.__name__ and c.__name__ not in hybrid.known]
+    return bool(classes) and all("ALL_ATTENTION_FUNCTIONS" in _names_used(c, "forward") for c in classes)
 
 
 @functools.lru_cache(maxsize=None)  # once per module: its functions may be bound to hooks while a layer runs
-def _found_in(module_name: str) -> Optional[Tuple[Tuple[str, ...], Tuple[str, ...], Tuple[Tuple[str, str], ...]]]:
-    """The layers, mixers and kernels of a modeling module: its module-level kernel functions that transformers
-    resolves to a kernel of :data:`KERNEL_KINDS` (as they were before any hook of hf_ring's), the module's classes
-    whose ``forward`` calls one of them (the mixers), and those whose ``__init__`` builds a mixer (the decoder
-    layers). None where the module has no such kernel, mixer or layer: a mixer built another way is then listed by
-    the structure check, and refused."""
+def _found_in(path: str) -> Optional[Tuple[Tuple[str, ...], Tuple[str, ...], Tuple[Tuple[str, str], ...]]]:
+    """The layers, mixers and kernels of the modeling module ``path``: its module-level kernel functions that
+    transformers resolves to a kernel of :data:`KERNEL_KINDS` (as they were before any hook of hf_ring's), the
+    module's classes whose ``forward`` calls one of them (the mixers), and those whose ``__init__`` builds a mixer
+    (the decoder layers). None where the module has no such kernel, mixer or layer: a mixer built another way is
+    then listed by the structure check, and refused."""
     try:
-        module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+        module = importlib.import_module(path)
     except ImportError:
         return None
     resolved = {name: kernel_name(registry.original(module, name)) for name, fn in vars(module).items() if callable(fn)}
@@ -277,9 +332,9 @@ def _layer_forward(original: Callable, hybrid: HybridFamily) -> Callable:
 
 @torch.compiler.disable  # collectives and host-side run lists: outside a compiled graph, on purpose
 def _over_shards(original: Callable, hybrid: HybridFamily, context: ShardedForward, layer, args, kwargs):
-    mixer = next(child for child in layer.children() if type(child).__name__ in hybrid.mixers)
+    mixer = hybrid.mixer(layer)
     call = LayerCall(context, getattr(mixer, "layer_idx", None))
-    with _kernels_hooked(hybrid, call, type(layer).__name__):
+    with _kernels_hooked(hybrid, call, type(layer).__name__, mixer):
         out = original(layer, *args, **kwargs)
     if not call.calls:
         context.fail(ValueError(
@@ -291,23 +346,46 @@ def _over_shards(original: Callable, hybrid: HybridFamily, context: ShardedForwa
     return out
 
 
-@contextlib.contextmanager
-def _kernels_hooked(hybrid: HybridFamily, call: LayerCall, layer: str) -> Iterator[None]:
-    """The family's kernels bound to their hooks over ``call`` for the length of one call of the decoder layer class
-    ``layer``; a kernel package release the hooks cannot run on refused first (:func:`.recurrent.package_problem`),
-    before the layer computes (the package is the same on every rank).
+def _owner_of(module: ModuleType, name: str) -> Optional[Tuple[object, str]]:
+    """Where a kernel the family table names lives: ``(module, function)`` for a module-level function, ``(class,
+    method)`` for ``"Class.method"`` (a class of the modeling module); None where this release has no such name."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = getattr(module, owner_name, None) if owner_name else module
+    return (owner, attr) if owner is not None and hasattr(owner, attr) else None
 
-    The context is bound here, not read from a kernel's call: not every mixer hands the forward's keyword arguments
-    on to its kernels (Nemotron-H's ``mamba2_chunk_scan`` and Jamba's ``mamba_selective_scan`` get none).
+
+def _bound_hook(kind: str, method: Callable, call: LayerCall, name: str) -> Callable:
+    """A method's hook, bound to the instance it is called on (RecurrentGemma's ``RecurrentGemmaRglru._rnn_scan``)."""
+    def hook(self, *args, **kwargs):
+        return hooked(kind, method.__get__(self), call, name)(*args, **kwargs)
+
+    return hook
+
+
+@contextlib.contextmanager
+def _kernels_hooked(hybrid: HybridFamily, call: LayerCall, layer: str, mixer: torch.nn.Module) -> Iterator[None]:
+    """The family's kernels bound to their hooks over ``call`` for the length of one call of the decoder layer class
+    ``layer`` (whose mixer is ``mixer``); a kernel package release the hooks cannot run on refused first
+    (:func:`.recurrent.package_problem`), before the layer computes (the package is the same on every rank).
+
+    A kernel is a module-level function, a method (``"Class.method"``, bound on the class) or a convolution module
+    of the mixer (``".attribute"``: its ``forward``, bound on that module). The context is bound here, not read from
+    a kernel's call: not every mixer hands the forward's keyword arguments on to its kernels (Nemotron-H's
+    ``mamba2_chunk_scan`` and Jamba's ``mamba_selective_scan`` get none).
     """
     module = hybrid.modeling_module()
     with contextlib.ExitStack() as scope:
         for name, kind in hybrid.kernels:
-            kernel = getattr(module, name)
+            if name.startswith("."):
+                part = getattr(mixer, name[1:])
+                scope.enter_context(registry.scoped(part, "forward", hooked(kind, part, call, name[1:]), KERNEL_WHY))
+                continue
+            owner, attr = _owner_of(module, name)
+            kernel = getattr(owner, attr)
             problem = package_problem(kernel)
             if problem is not None:
                 call.context.fail(ValueError(f"the {layer} layer of {hybrid.model_types[0]!r} over sequence shards: "
                                              f"{problem}"))
-            hook = hooked(kind, kernel, call, name)
-            scope.enter_context(registry.scoped(module, name, hook, KERNEL_WHY))
+            hook = _bound_hook(kind, kernel, call, name) if isinstance(owner, type) else hooked(kind, kernel, call, name)
+            scope.enter_context(registry.scoped(owner, attr, hook, KERNEL_WHY))
         yield

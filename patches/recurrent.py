@@ -46,6 +46,7 @@ from hf_ring.versions import parse
 Tensor = torch.Tensor
 
 CONV, DELTA, MAMBA2, MAMBA, FUSED = "convolution", "delta rule", "Mamba2 scan", "Mamba scan", "fused"
+RGLRU, CONV_MODULE = "RG-LRU scan", "convolution module"
 
 
 @dataclass
@@ -214,23 +215,24 @@ class Scan:
     """One kind of scan kernel: its keywords, how its runs are computed, and how a state crosses a run's start."""
 
     state: str  # the keyword of a state to start from
-    final: str  # the keyword that asks for the end state
-    packed: str  # the keyword of packed rows
+    final: str  # the keyword that asks for the end state ("": the kernel always returns it)
+    packed: str  # the keyword of packed rows ("": it takes none)
     rows_dim: int  # where the rows lie in its output
     runs: Callable[..., Runs]  # (kernel, context, inputs, rest, scan) -> each run from zero
     compose: Callable[[Tensor, Tensor], Tensor]  # (M, S_in) -> M·S_in
     chain: Callable[[Tensor, Tensor], Tensor]  # (M2, M1) -> the transition of M1, then M2
     correct: Callable[[Tensor, Any, Tensor], Tensor]  # (output from zero, basis, S_in) -> the true output
     finish: Callable[[Tensor, Tensor, bool, Dict[str, Any]], Any]  # (output, end state, asked for it, rest) -> result
+    inputs: int = 5  # its leading arguments, taken by position
 
 
 def _scan(scan: Scan, kernel, call: LayerCall, name: str, *args, **kwargs):
     """A scan over the shards: its runs from zero, then :func:`_carry`; returned as the kernel returns it."""
     context = call.context
     call.calls.append(name)
-    inputs, rest = _arguments(kernel, args, kwargs, 5)
+    inputs, rest = _arguments(kernel, args, kwargs, scan.inputs)
     want_final = bool(rest.pop(scan.final, False))
-    if rest.pop(scan.state, None) is not None or rest.pop(scan.packed, None) is not None:
+    if rest.pop(scan.state, None) is not None or (scan.packed and rest.pop(scan.packed, None) is not None):
         context.fail(ValueError(f"{name} was given a state to start from or packed rows ({scan.packed}) over "
                                 "sequence shards: not supported there"))
     runs = scan.runs(kernel, context, inputs, rest, scan)
@@ -408,6 +410,50 @@ def _mamba_correct(out: Tensor, basis: Tuple[Tensor, Tensor], start: Tensor) -> 
         out.dtype)
 
 
+def _rglru_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Dict[str, Any], scan: Scan) -> Runs:
+    """RG-LRU's diagonal recurrence over ``(B, rows, W)``: ``h_t = a_t h_{t-1} + x_t`` with ``a_t`` zeroed where
+    ``reset`` (a position 0); each run from a zero state, its decay per channel and row gives the basis (the
+    products of ``a`` from the run's start) and the run's transition (their last)."""
+    x, gate, reset = inputs
+    acc = accumulator_dtype(x)
+    decay = gate.to(acc) * ~reset  # as the kernel multiplies it
+    runs = Runs(_segments(context, x.shape[1], x.shape[0], kernel))
+    call = _piece_call(context, x.shape[1], kernel)
+    for x_s, gate_s, reset_s, decay_s in _by_segment(runs.segments, 1, x, gate, reset, decay):
+        out, state = call(x_s, gate_s, reset_s, **{**rest, scan.state: None})
+        cum = decay_s.cumprod(1)
+        runs.add(out, cum, state.to(acc), cum[:, -1])
+    return runs
+
+
+def _rglru_correct(out: Tensor, basis: Tensor, start: Tensor) -> Tensor:
+    return (out.to(start.dtype) + basis * start[:, None]).to(out.dtype)
+
+
+def _rglru_finish(out: Tensor, final: Tensor, want_final: bool, rest: Dict[str, Any]):
+    return out, final.to(rest.get("acc_dtype") or final.dtype)
+
+
+def causal_conv(conv: torch.nn.Conv1d) -> Callable:
+    """A depthwise ``nn.Conv1d`` padded ``k - 1`` on both sides whose layer keeps its first outputs (RecurrentGemma's
+    ``conv_1d``), as a kernel of :func:`_conv`'s contract: ``(x, weight, bias) -> (B, C, rows)`` for ``x``
+    ``(B, C, rows)``, computed by the module's own convolution."""
+    if conv.padding != (conv.kernel_size[0] - 1,) or conv.groups != conv.in_channels or conv.stride != (1,) or \
+            conv.dilation != (1,):
+        raise ValueError(f"{conv} is not a causal depthwise convolution padded kernel_size - 1 rows")
+
+    def kernel(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        return conv._conv_forward(x, weight, bias)[..., :x.shape[-1]]
+
+    return kernel
+
+
+def _conv_module(kernel, call: LayerCall, name: str, x: Tensor) -> Tensor:
+    """An ``nn.Conv1d``'s forward (``kernel`` the module) over the shards: :func:`_conv` on :func:`causal_conv`.
+    Returns the rows' outputs, which the layer's slice of its first ``rows`` outputs keeps whole."""
+    return _conv(causal_conv(kernel), call, name, x, weight=kernel.weight, bias=kernel.bias)
+
+
 def _delta_finish(out: Tensor, final: Tensor, want_final: bool, rest: Dict[str, Any]):
     return out, (final if want_final else None)
 
@@ -432,6 +478,9 @@ SCANS: Dict[str, Scan] = {
     MAMBA: Scan(state="initial_states", final="return_last_state", packed="seq_idx", rows_dim=-1, runs=_mamba_runs,
                 compose=lambda m, s: m * s, chain=lambda m2, m1: m2 * m1, correct=_mamba_correct,
                 finish=_mamba_finish),
+    RGLRU: Scan(state="recurrent_states", final="", packed="", rows_dim=1, runs=_rglru_runs,
+                compose=lambda m, s: m * s, chain=lambda m2, m1: m2 * m1, correct=_rglru_correct,
+                finish=_rglru_finish, inputs=3),
 }
 """The scan kinds, by the kind the family table names: transformers' torch paths' keywords."""
 
@@ -441,5 +490,5 @@ def _fused(kernel, call: LayerCall, name: str, *args, **kwargs):
     return None
 
 
-_HOOKS: Dict[str, Callable] = {CONV: _conv, FUSED: _fused,
+_HOOKS: Dict[str, Callable] = {CONV: _conv, CONV_MODULE: _conv_module, FUSED: _fused,
                                **{kind: functools.partial(_scan, scan) for kind, scan in SCANS.items()}}

@@ -16,7 +16,7 @@ import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .families import MULTIMODAL
-from .hybrids import HYBRIDS, family
+from .hybrids import HYBRIDS, attention_routed, family
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 """Layer types the ring attention computes exactly (windows and chunks are applied on global positions)."""
@@ -67,6 +67,9 @@ def _causal_lm_class_of(config_type: type) -> Optional[type]:
 def _backend_problems(cls: Optional[type], model_type: Optional[str] = None) -> List[str]:
     if cls is None or getattr(cls, "_supports_attention_backend", True) or (model_type or "") in HYBRIDS:
         return []  # a listed hybrid family: its attention layers are known (tested) to go through the interface
+    hybrid = family(model_type)
+    if hybrid is not None and attention_routed(hybrid):
+        return []  # a family found by its kernels, every attention class of which calls the interface
     return [f"{cls.__name__} does not declare that its attention goes through transformers' attention interface "
             "(its class leaves _supports_attention_backend False), so hf_ring cannot know that every attention of it "
             "sees the other shards"]

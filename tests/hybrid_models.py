@@ -109,7 +109,8 @@ def hybrid_types() -> List[str]:
     return sorted(t for t in TYPES if TYPES[t](HYBRID) is not None)
 
 
-REFERENCE_KERNELS = {"delta rule": "delta_rule", "Mamba2 scan": "mamba2_scan", "Mamba scan": "selective_scan"}
+REFERENCE_KERNELS = {"delta rule": "delta_rule", "Mamba2 scan": "mamba2_scan", "Mamba scan": "selective_scan",
+                     "RG-LRU scan": "rg_lru_scan"}
 """The float64 recurrence of :mod:`reference` that stands in for each kind of kernel hf_ring hooks."""
 
 
@@ -138,15 +139,20 @@ def float64_kernels(model_type: str) -> Iterator[None]:
         yield
         return
     module = importlib.import_module(found.modeling)
-    swapped = {name: getattr(module, name) for name, kind in found.kernels if kind in REFERENCE_KERNELS}
+    owners = {}  # a module-level function's module, or a method's class ("Class.method")
     for name, kind in found.kernels:
         if kind in REFERENCE_KERNELS:
-            setattr(module, name, getattr(reference, REFERENCE_KERNELS[kind]))
+            owner_name, _, attr = name.rpartition(".")
+            owners[name] = (getattr(module, owner_name) if owner_name else module, attr)
+    swapped = {name: getattr(owner, attr) for name, (owner, attr) in owners.items()}
+    for name, kind in found.kernels:
+        if name in owners:
+            setattr(*owners[name], getattr(reference, REFERENCE_KERNELS[kind]))
     try:
         yield
     finally:
         for name, fn in swapped.items():
-            setattr(module, name, fn)
+            setattr(*owners[name], fn)
 
 
 _SAVED: Dict[tuple, str] = {}

@@ -219,3 +219,17 @@ def selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, 
         y = y * torch.nn.functional.silu(z.double())
     y = y.to(dtype)
     return (y, state) if return_last_state else y
+
+
+def rg_lru_scan(self, hidden_states, recurrent_gate, reset, recurrent_states=None, acc_dtype=torch.float64):
+    """RecurrentGemma's RG-LRU recurrence, one row at a time in float64, over ``(B, L, W)``: ``h = a h + x`` with
+    ``a`` zero where ``reset``, from ``recurrent_states`` (zero when None); the outputs and the end state (a method of
+    ``RecurrentGemmaRglru``'s signature: ``self`` unused)."""
+    x = hidden_states.double()
+    a = recurrent_gate.double() * ~reset
+    state = x.new_zeros(x.shape[0], x.shape[2]) if recurrent_states is None else recurrent_states.double()
+    outs = []
+    for t in range(x.shape[1]):
+        state = a[:, t] * state + x[:, t]
+        outs.append(state)
+    return torch.stack(outs, 1).to(hidden_states.dtype), state

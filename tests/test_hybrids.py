@@ -295,6 +295,32 @@ def test_a_family_found_by_its_kernels_over_ranks_equals_one_process(pools, worl
     assert close(errs[worst], TOL), (worst, errs[worst])
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_hybrid_type_transformers_does_not_ship_runs_with_no_change_to_hf_ring(pools, world):
+    """Qwen3.5's text model copied under another type and class names, its modeling code a module outside
+    transformers, registered with the auto classes (tests/unshipped_hybrid.py): found by the kernels its code calls,
+    its attention classes seen to call the interface; a step's loss and every gradient on 2 and 4 ranks against
+    one-process ``eager``, and ``hf_ring.generate``'s tokens against ``model.generate``'s."""
+    import hybrid_models
+    import sweep
+    import unshipped_hybrid
+    from helpers import gradient_errors
+    from hf_ring.patches.hybrids import HYBRIDS, family
+
+    model_type = unshipped_hybrid.register()
+    assert model_type not in HYBRIDS and family(model_type).modeling == unshipped_hybrid.MODELING
+    want = sweep.eager_step(model_type)
+    got = pools(world).run(unshipped_hybrid.step_case)
+    assert not got[0].get("refused") and not got[0].get("unbuilt"), got[0]
+    errs = {"loss": rel_err(got[0]["loss"], want["loss"]), **gradient_errors(got[0]["grads"], want["grads"])}
+    worst = max(errs, key=errs.get)
+    assert close(errs[worst], TOL), (worst, errs[worst])
+    path = hybrid_models.saved(model_type)
+    tokens = hybrid_cases.generate_case(model_type, path)
+    for found in pools(world).run(unshipped_hybrid.generate_case, path):
+        assert torch.equal(found, tokens), (found, tokens)
+
+
 def test_qwen3_5_with_images_generates_model_generate_tokens(pools):
     from vlm import HYBRIDS
     from vlm_cases import generate
