@@ -59,6 +59,7 @@ class HybridFamily:
     plain: Tuple[str, ...] = ()  # classes named like a mixer that mix no tokens (a state-space model's model, norms)
     entry: Tuple[str, ...] = ()  # CausalLM classes that do not hand model(...)'s keyword arguments to the layers
     modeling_path: str = ""  # the modeling module's full name, where it is not transformers' (code of its own)
+    conv_state: str = ""  # a mixer attribute that holds its convolution's last input rows after a prefill
 
     @property
     def known(self) -> Tuple[str, ...]:
@@ -136,6 +137,7 @@ HYBRIDS: Dict[str, HybridFamily] = {t: family for family in (
                  state="RG-LRU: each run's end state and decay per channel, one all-gather per layer",
                  layers=("RecurrentGemmaDecoderLayer",), mixers=("RecurrentGemmaRecurrentBlock",),
                  kernels=(("RecurrentGemmaRglru._rnn_scan", RGLRU), (".conv_1d", CONV_MODULE)),
+                 conv_state="conv1d_state",
                  attention=("RecurrentGemmaAttention",),
                  plain=("RecurrentGemmaForCausalLM", "RecurrentGemmaModel", "RecurrentGemmaRMSNorm",
                         "RecurrentGemmaMlp", "RecurrentGemmaRotaryEmbedding")),
@@ -354,6 +356,13 @@ def _owner_of(module: ModuleType, name: str) -> Optional[Tuple[object, str]]:
     return (owner, attr) if owner is not None and hasattr(owner, attr) else None
 
 
+def _keep_conv_state(mixer: torch.nn.Module, attr: str, tail: torch.Tensor) -> None:
+    """A prefill's convolution state on the mixer (``attr``): the whole sequence's last rows, where the layer kept
+    its own shard's; nothing where the layer keeps none (a forward without a cache sets it to None)."""
+    if getattr(mixer, attr, None) is not None:
+        setattr(mixer, attr, tail)
+
+
 def _bound_hook(kind: str, method: Callable, call: LayerCall, name: str) -> Callable:
     """A method's hook, bound to the instance it is called on (RecurrentGemma's ``RecurrentGemmaRglru._rnn_scan``)."""
     def hook(self, *args, **kwargs):
@@ -378,6 +387,8 @@ def _kernels_hooked(hybrid: HybridFamily, call: LayerCall, layer: str, mixer: to
         for name, kind in hybrid.kernels:
             if name.startswith("."):
                 part = getattr(mixer, name[1:])
+                if hybrid.conv_state:
+                    call.conv_state = functools.partial(_keep_conv_state, mixer, hybrid.conv_state)
                 scope.enter_context(registry.scoped(part, "forward", hooked(kind, part, call, name[1:]), KERNEL_WHY))
                 continue
             owner, attr = _owner_of(module, name)

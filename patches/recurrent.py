@@ -57,6 +57,7 @@ class LayerCall:
     context: ShardedForward
     layer_idx: Optional[int] = None
     calls: List[str] = field(default_factory=list)
+    conv_state: Optional[Callable[[Tensor], None]] = None  # given the sequence's last convolution input rows, if set
 
 
 def hooked(kind: str, kernel: Callable, call: Any, name: Optional[str] = None) -> Callable:
@@ -151,7 +152,7 @@ def _conv(kernel, call: LayerCall, name: str, *args, **kwargs):
         context.fail(ValueError(f"{name} was given seq_idx or initial_states over sequence shards; packed rows and a "
                                 "convolution state to start from are not supported there"))
     width = rest["weight"].shape[-1] - 1
-    awaited = context.awaited_conv_state(call.layer_idx)
+    awaited = (width, call.conv_state) if call.conv_state is not None else context.awaited_conv_state(call.layer_idx)
     pieces = context.pieces()
     halos, tail, every = halo(pieces, context.comm, x, width, 0 if awaited is None else awaited[0])
     if awaited is not None:
@@ -232,7 +233,8 @@ def _scan(scan: Scan, kernel, call: LayerCall, name: str, *args, **kwargs):
     call.calls.append(name)
     inputs, rest = _arguments(kernel, args, kwargs, scan.inputs)
     want_final = bool(rest.pop(scan.final, False))
-    if rest.pop(scan.state, None) is not None or (scan.packed and rest.pop(scan.packed, None) is not None):
+    start = rest.pop(scan.state, None)  # a zero state given (RecurrentGemma's prefill) is where the runs start anyway
+    if (start is not None and bool(start.any())) or (scan.packed and rest.pop(scan.packed, None) is not None):
         context.fail(ValueError(f"{name} was given a state to start from or packed rows ({scan.packed}) over "
                                 "sequence shards: not supported there"))
     runs = scan.runs(kernel, context, inputs, rest, scan)

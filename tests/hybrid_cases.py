@@ -36,6 +36,10 @@ def kernel_inputs(kind: str, seed: int = 0) -> Tuple[tuple, dict]:
     if kind == "Mamba scan":
         return (r(2, 12, N), r(2, 12, N), -u(12, 5) * 2 - 0.1, r(2, 5, N), r(2, 5, N)), \
             {"D": r(12), "z": r(2, 12, N), "delta_bias": r(12), "delta_softplus": True}
+    if kind == "RG-LRU":  # decays near 1, so that a state crosses many rows; row 1's second document starts at 40
+        reset = torch.zeros(2, N, 1, dtype=torch.bool)
+        reset[:, 0] = reset[1, 40] = True
+        return (r(2, N, 12), 0.9 + 0.1 * u(2, N, 12), reset), {"recurrent_states": None}
     return (r(2, 10, N), r(10, 4)), {"bias": r(10), "activation": "silu"}  # a convolution of width 4
 
 
@@ -43,16 +47,18 @@ KERNELS = {"gated delta rule": ("qwen3_5", "torch_chunk_gated_delta_rule", "delt
            "KDA": ("kimi_linear", "chunk_kimi_delta_attention", "delta rule", "delta_rule"),
            "Mamba2 scan": ("nemotron_h", "mamba2_chunk_scan", "Mamba2 scan", "mamba2_scan"),
            "Mamba scan": ("jamba", "mamba_selective_scan", "Mamba scan", "selective_scan"),
+           "RG-LRU": ("recurrent_gemma", "RecurrentGemmaRglru._rnn_scan", "RG-LRU scan", "rg_lru_scan"),
            "convolution": ("qwen3_5", "causal_conv1d_fn", "convolution", None)}
-"""Per kernel: the modeling module whose torch path is hooked, its name there, the hook's kind, its float64
-reference in :mod:`reference` (None: the convolution itself runs in float64)."""
+"""Per kernel: the modeling module whose torch path is hooked, its name there (``Class.method``: a method, which
+uses nothing of its instance), the hook's kind, its float64 reference in :mod:`reference` (None: the convolution
+itself runs in float64)."""
 
 SEQUENCE_AXIS = {"Mamba scan": -1, "convolution": -1}
 """Where the sequence lies in a kernel's inputs (dim 1 elsewhere); 1-D and constant inputs are not split."""
 
 
 def _final_key(kind: str) -> Dict[str, bool]:
-    if kind == "convolution":
+    if kind in ("convolution", "RG-LRU"):  # RG-LRU's scan returns its end state unasked
         return {}
     return {{"delta rule": "output_final_state", "Mamba2 scan": "return_final_states",
              "Mamba scan": "return_last_state"}[KERNELS[kind][2]]: True}
@@ -70,9 +76,13 @@ def whole_kernel(kind: str, real: bool):
     import reference
 
     module, name, _, ref = KERNELS[kind]
+    owner, _, attr = name.rpartition(".")
     if real or ref is None:
-        return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
-    return getattr(reference, ref)
+        found = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        fn = getattr(getattr(found, owner) if owner else found, attr)
+    else:
+        fn = getattr(reference, ref)
+    return functools.partial(fn, None) if owner else fn
 
 
 def kernel_case(kind: str, scan_rows=None) -> dict:
@@ -88,14 +98,15 @@ def kernel_case(kind: str, scan_rows=None) -> dict:
         context.scan_rows = scan_rows
         rows = context.rows(torch.device("cpu"))
         fn = hooked(KERNELS[kind][2], whole_kernel(kind, real=True), context)
-        leaves = [a.clone().requires_grad_() for a in args]
+        leaves = [a.clone().requires_grad_(a.is_floating_point()) for a in args]  # a reset mask takes none
         extra = {k: (v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
         got = fn(*[_split(kind, a, rows) for a in leaves], **{k: _split(kind, v, rows) for k, v in extra.items()},
                  **_final_key(kind))
         out, final = got if isinstance(got, tuple) else (got, None)
         weight = output_weight(kind, out.dtype)
         (out.double() * _split(kind, weight, rows)).sum().backward()
-        grads = [a.grad for a in leaves] + [v.grad for v in extra.values() if isinstance(v, torch.Tensor)]
+        grads = [a.grad for a in leaves if a.requires_grad] + [v.grad for v in extra.values()
+                                                                if isinstance(v, torch.Tensor)]
         for g in grads:
             dist.all_reduce(g)  # each rank's share of every input's gradient
         return {"rows": rows, "out": out.detach(), "final": None if final is None else final.detach(),
@@ -115,17 +126,18 @@ def output_weight(kind: str, dtype) -> torch.Tensor:
 def reference_kernel(kind: str) -> dict:
     """The float64 reference on the whole sequence: output, end state and gradients."""
     args, kwargs = kernel_inputs(kind)
-    leaves = [a.clone().requires_grad_() for a in args]
+    leaves = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
     extra = {k: (v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
     got = whole_kernel(kind, real=False)(*leaves, **extra, **_final_key(kind))
     out, final = got if isinstance(got, tuple) else (got, None)
     (out.double() * output_weight(kind, out.dtype)).sum().backward()
-    grads = [a.grad for a in leaves] + [v.grad for v in extra.values() if isinstance(v, torch.Tensor)]
+    grads = [a.grad for a in leaves if a.requires_grad] + [v.grad for v in extra.values()
+                                                            if isinstance(v, torch.Tensor)]
     return {"out": out.detach(), "final": None if final is None else final.detach(), "grads": grads}
 
 
 FAMILIES = ("qwen3_5_text", "qwen3_next", "kimi_linear", "nemotron_h", "granitemoehybrid", "lfm2", "jamba", "bamba",
-            "falcon_h1")
+            "falcon_h1", "recurrent_gemma")
 """The hybrid families checked whole on 2 and 4 ranks (every hybrid type is on 2 ranks in the sweep)."""
 
 
@@ -371,25 +383,29 @@ def sft_case(model_type: str, path: str, sp_size=None, **options) -> dict:
 
 
 def generate_case(model_type: str, path: str, n: int = N, new: int = 5, ring: bool = False,
-                  attn: str = "sdpa") -> torch.Tensor:
+                  attn: str = "sdpa", logits: bool = False):
     """Greedy tokens of the hybrid saved at ``path``, its prompt's first row left-padded: ``model.generate``
     (``attn``; ``eager`` for a model with no attention, which takes no other) in one process (``hf_ring.generate``
-    there too when ``ring``), ``hf_ring.generate`` over the pool's ranks; the scans float64 in all."""
+    there too when ``ring``), ``hf_ring.generate`` over the pool's ranks; the scans float64 in all. ``logits``:
+    ``(tokens, every step's logits)``, which see a wrong state that happens to leave the tokens alone."""
     import hybrid_models
     from transformers import AutoModelForCausalLM
 
     ids = padded_batch(n=n)["input_ids"]
     mask = torch.ones_like(ids)
     mask[0, :7] = 0
-    settings = dict(max_new_tokens=new, do_sample=False, pad_token_id=0)
+    settings = dict(max_new_tokens=new, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                    output_logits=True)
     ring = ring or dist.is_initialized()
     with hybrid_models.float64_kernels(model_type):
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="ring_dilated" if ring else attn,
                                                      dtype=torch.float32).eval()
         if not dist.is_initialized():
-            return (hf_ring.generate if ring else type(model).generate)(model, ids, attention_mask=mask, **settings)
-        hf_ring.setup_sequence_parallel(None)
-        try:
-            return hf_ring.generate(model, ids, mask, **settings)
-        finally:
-            hf_ring.clear_sequence_parallel()
+            out = (hf_ring.generate if ring else type(model).generate)(model, ids, attention_mask=mask, **settings)
+        else:
+            hf_ring.setup_sequence_parallel(None)
+            try:
+                out = hf_ring.generate(model, ids, mask, **settings)
+            finally:
+                hf_ring.clear_sequence_parallel()
+    return (out.sequences, torch.stack(out.logits)) if logits else out.sequences
