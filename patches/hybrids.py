@@ -132,6 +132,10 @@ HYBRIDS: Dict[str, HybridFamily] = {t: family for family in (
                  plain=("Mamba2ForCausalLM", "Mamba2Model", "Mamba2RMSNorm"), entry=("Mamba2ForCausalLM",)),
     HybridFamily(model_types=("jamba",), module="jamba", layer_types=("linear_attention", "mamba"),
                  state="Mamba: each run's end state and decay per channel and state"),
+    HybridFamily(model_types=("zamba",), module="zamba", layer_types=("linear_attention", "mamba", "hybrid"),
+                 state="Mamba, as Jamba; its hybrid layers run an attention block shared across depths, then Mamba"),
+    HybridFamily(model_types=("zamba2",), module="zamba2", layer_types=("linear_attention", "mamba", "hybrid"),
+                 state="Mamba2, as Nemotron-H; its hybrid layers run attention blocks shared across depths, then Mamba2"),
     # Its recurrence is a method and its convolution a module, neither a kernel function the code can be read for.
     HybridFamily(model_types=("recurrent_gemma",), module="recurrent_gemma", layer_types=("linear_attention",),
                  state="RG-LRU: each run's end state and decay per channel, one all-gather per layer",

@@ -60,6 +60,13 @@ def _attending(pattern: str) -> Optional[Dict]:
     return _types("linear_attention")(pattern) if pattern == HYBRID else None
 
 
+def _zamba(pattern: str) -> Optional[Dict]:
+    """Zamba: Mamba layers and hybrid ones (an attention block shared across depths, then Mamba); two hybrid
+    layers, as the tying of the shared block's weights needs."""
+    blocks = ["mamba", "hybrid", "mamba", "hybrid"]
+    return {"num_hidden_layers": len(blocks), "layers_block_type": blocks} if pattern == HYBRID else None
+
+
 def _pure(pattern: str) -> Optional[Dict]:
     return {"num_hidden_layers": 2} if pattern == RECURRENT else None
 
@@ -78,6 +85,8 @@ TYPES: Dict[str, Callable[[str], Optional[Dict]]] = {
     "nemotron_h": _nemotron_h,
     "jamba": _jamba,
     "recurrent_gemma": _recurrent_gemma,
+    "zamba": _zamba,
+    "zamba2": _zamba,
     "bamba": _bamba,
     "falcon_h1": _falcon_h1,
     "mamba": _pure,
@@ -92,6 +101,9 @@ TYPES: Dict[str, Callable[[str], Optional[Dict]]] = {
 SIZE_FIXES: Dict[str, Dict] = {
     "deepseek_v2": {"num_experts_per_tok": 2},  # None by default, which its router cannot take
     "mamba2": {"num_heads": 8},  # heads x head_dim = expand x hidden
+    # derived from the hidden size before the shrinking: the attention block reads twice the hidden size
+    "zamba": {"attention_hidden_size": 128, "attention_head_dim": 32, "mamba_dt_rank": 4},
+    "zamba2": {"attention_hidden_size": 128, "attention_head_dim": 32},
 }
 """Sizes the sweep's shrinking leaves inconsistent for these types, set after it."""
 

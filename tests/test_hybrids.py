@@ -205,7 +205,7 @@ def test_qwen3_5_with_images_splits_its_hybrid_language_model(pools, world, ulys
 
 
 GENERATED = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h", "granitemoehybrid", "jamba", "bamba",
-             "falcon_h1", "lfm2", "lfm2_moe", "olmo_hybrid", "bailing_hybrid", "kimi_linear", "recurrent_gemma",
+             "falcon_h1", "lfm2", "lfm2_moe", "olmo_hybrid", "bailing_hybrid", "kimi_linear", "recurrent_gemma", "zamba", "zamba2",
              # multi-head latent attention without a recurrence: value heads narrower than the query and key heads
              "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "longcat_flash", "youtu")
 """Every hybrid type the training path takes, and every type of multi-head latent attention that builds tiny."""

@@ -60,12 +60,11 @@ def test_apply_and_revert_are_exact_and_leave_unsharded_runs_alone(kind):
 
 
 REFUSED = {  # model type: (config overrides, words the refusal must contain)
-    "zamba": (dict(num_hidden_layers=4), "'hybrid': hybrid layers run a state-space mixer beside attention"),
     "minimax": (dict(layer_types=["linear_attention", "full_attention"]), "'linear_attention'"),
+    "granitemoehybrid": (dict(layer_types=["hybrid", "attention"]), "'hybrid': hybrid layers run a state-space mixer"),
 }
-"""Models whose recurrent layers hf_ring does not compute over shards (lightning attention), or not beside
-attention (Zamba's hybrid layers: a Mamba layer found by its kernels, beside an attention block shared across
-depths)."""
+"""Models whose recurrent layers hf_ring does not compute over shards (lightning attention), or not of the layer
+types their family lists (a 'hybrid' layer, a mixer beside attention, is taken only where the family says so)."""
 
 HOOKED = {
     "lfm2": dict(layer_types=["conv", "full_attention"]),
@@ -73,6 +72,7 @@ HOOKED = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
     "falcon_h1": {},
     "recurrent_gemma": {},  # RG-LRU
+    "zamba": dict(num_hidden_layers=4),  # Mamba, and hybrid layers: an attention block shared across depths, then Mamba
     "mamba": {},  # state-space models with no attention
     "falcon_mamba": {},
     "mamba2": dict(num_heads=2, head_dim=64),  # heads x head_dim = expand x hidden

@@ -248,6 +248,7 @@ class ShardedCache(Cache):
         self._sets: Dict[Retention, List[SlotTable]] = {}
         self._prefill = False
         self._prefill_forward: Optional[ShardedForward] = None  # a sharded prefill's forward, while it runs
+        self.last_updated = 0  # the layer whose rows the latest update stored: the one that attends next
         self._reset_sets()
 
     def _reset_sets(self) -> None:
@@ -335,6 +336,7 @@ class ShardedCache(Cache):
         """
         while len(self.layers) <= layer_idx:
             self.layers.append(ShardedLayer())
+        self.last_updated = layer_idx
         layer = self.layers[layer_idx]
         sets = self.row_sets(layer_idx)
         for s, plan in enumerate(sets):

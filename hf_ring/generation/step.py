@@ -92,7 +92,8 @@ class DecodeStep(ForwardContext):
         over its own rows and positions.
         """
         cache = self.cache
-        layer_idx = getattr(module, "layer_idx", None) or 0
+        layer_idx = cache.last_updated  # the layer that stored these keys: a block shared across depths (Zamba's)
+        # has one module, and one layer_idx attribute, for several layers of the cache
         rule = cache.rule_of(layer_idx)
         branches = spec.branches
         sets = cache.layer_rows(layer_idx)
