@@ -339,6 +339,13 @@ def _layer_forward(original: Callable, hybrid: HybridFamily) -> Callable:
 @torch.compiler.disable  # collectives and host-side run lists: outside a compiled graph, on purpose
 def _over_shards(original: Callable, hybrid: HybridFamily, context: ShardedForward, layer, args, kwargs):
     mixer = hybrid.mixer(layer)
+    swapped = swapped_forward(mixer)
+    if swapped is not None:  # before the layer computes: its kernels would never be called
+        context.fail(ValueError(
+            f"the {type(layer).__name__} layer of {hybrid.model_types[0]!r}: its {type(mixer).__name__}'s forward was "
+            f"replaced by {getattr(swapped, '__module__', '?')}.{getattr(swapped, '__qualname__', swapped)} (a hub "
+            "kernel loaded with use_kernels=True?), which hf_ring cannot compute over sequence shards; load the model "
+            "without use_kernels, or run it in one process"))
     call = LayerCall(context, getattr(mixer, "layer_idx", None))
     with _kernels_hooked(hybrid, call, type(layer).__name__, mixer):
         out = original(layer, *args, **kwargs)
@@ -358,6 +365,18 @@ def _owner_of(module: ModuleType, name: str) -> Optional[Tuple[object, str]]:
     owner_name, _, attr = name.rpartition(".")
     owner = getattr(module, owner_name, None) if owner_name else module
     return (owner, attr) if owner is not None and hasattr(owner, attr) else None
+
+
+def swapped_forward(mixer: torch.nn.Module) -> Optional[Callable]:
+    """The function a hub kernel put in place of ``mixer``'s own forward, or None: ``kernels.kernelize`` (what
+    ``use_kernels=True`` runs) binds its layer's forward on the instance; accelerate's hooks, which also bind one
+    there, keep the forward they wrap as ``_old_forward``, which is looked through."""
+    own = vars(mixer)
+    forward = own.get("_old_forward", own.get("forward"))
+    if forward is None:
+        return None
+    fn = getattr(forward, "__func__", forward)
+    return None if fn is inspect.unwrap(type(mixer).forward) or fn is type(mixer).forward else fn
 
 
 def _keep_conv_state(mixer: torch.nn.Module, attr: str, tail: torch.Tensor) -> None:

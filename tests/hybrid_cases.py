@@ -409,3 +409,36 @@ def generate_case(model_type: str, path: str, n: int = N, new: int = 5, ring: bo
             finally:
                 hf_ring.clear_sequence_parallel()
     return (out.sequences, torch.stack(out.logits)) if logits else out.sequences
+
+
+class HubLayer(torch.nn.Module):
+    """What a hub kernel's layer gives a mixer under ``kernels.kernelize``: a forward of its own, bound on the mixer
+    (here computing what the mixer's own would, and counting its calls)."""
+
+    calls = 0
+
+    def forward(self, *args, **kwargs):
+        HubLayer.calls += 1
+        return type(self).forward(self, *args, **kwargs)
+
+
+def swapped_mixer_case(model_type: str):
+    """A sharded step whose mixers' forwards were swapped as by ``kernels.kernelize``: what each rank raised, and how
+    often a swapped forward ran."""
+    import types
+
+    import sweep
+    from helpers import raises_on_rank
+    from hf_ring.patches.hybrids import family
+
+    hf_ring.setup_sequence_parallel(None)
+    try:
+        model, why = sweep.build(model_type, "ring_dilated", torch.float64, "hybrid")
+        for m in model.modules():
+            if type(m).__name__ in family(model_type).mixers:
+                m.forward = types.MethodType(HubLayer.forward, m)
+        HubLayer.calls = 0
+        raised = raises_on_rank(_step, model, hf_ring.shard_batch(padded_batch()))
+        return raised, HubLayer.calls
+    finally:
+        hf_ring.clear_sequence_parallel()

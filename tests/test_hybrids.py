@@ -324,6 +324,37 @@ def test_a_hybrid_type_transformers_does_not_ship_runs_with_no_change_to_hf_ring
         assert torch.equal(found, tokens), (found, tokens)
 
 
+def test_a_mixer_whose_forward_a_hub_kernel_replaced_is_refused_before_it_computes(pools):
+    """``use_kernels=True`` (``kernels.kernelize``) binds a hub layer's forward on each mixer, which calls none of
+    the kernels hf_ring computes over shards: every rank raises the same error naming it, before that forward runs."""
+    got = pools(2).run(hybrid_cases.swapped_mixer_case, "qwen3_5_text")
+    assert got[0] == got[1], got
+    (kind, message), calls = got[0]
+    assert kind == "ValueError" and "HubLayer.forward" in message and "use_kernels" in message, message
+    assert calls == 0, calls
+
+
+def test_a_swapped_forward_is_told_from_accelerates_hooks():
+    """What is refused: a forward bound on the mixer from elsewhere, also under accelerate's hooks; not accelerate's
+    hooks alone, which wrap the mixer's own forward (``device_map`` offloading)."""
+    import types
+
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    from hf_ring.patches.hybrids import swapped_forward
+
+    def mixer():
+        return torch.nn.Linear(2, 2)
+
+    plain, swapped, offloaded, both = mixer(), mixer(), mixer(), mixer()
+    swapped.forward = types.MethodType(hybrid_cases.HubLayer.forward, swapped)
+    add_hook_to_module(offloaded, ModelHook())
+    both.forward = types.MethodType(hybrid_cases.HubLayer.forward, both)
+    add_hook_to_module(both, ModelHook())
+    assert swapped_forward(plain) is None and swapped_forward(offloaded) is None
+    assert swapped_forward(swapped) is swapped_forward(both) is hybrid_cases.HubLayer.forward
+
+
 def test_qwen3_5_with_images_generates_model_generate_tokens(pools):
     from vlm import HYBRIDS
     from vlm_cases import generate
