@@ -40,7 +40,8 @@ from hf_ring.integration.context import CONTEXT_KEY, ShardedForward
 from hf_ring.integration.seams import as_layer_forward, kernel_name, layer_forward_inside
 
 from . import registry
-from .recurrent import CONV, CONV_MODULE, DELTA, FUSED, MAMBA, MAMBA2, RGLRU, LayerCall, hooked, package_problem
+from .recurrent import (CONV, CONV_MODULE, DELTA, FUSED, LIGHTNING, MAMBA, MAMBA2, RGLRU, LayerCall, hooked,
+                        package_problem)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class HybridFamily:
     entry: Tuple[str, ...] = ()  # CausalLM classes that do not hand model(...)'s keyword arguments to the layers
     modeling_path: str = ""  # the modeling module's full name, where it is not transformers' (code of its own)
     conv_state: str = ""  # a mixer attribute that holds its convolution's last input rows after a prefill
+    own_cache: str = ""  # the cache class of its own the model insists on (hf_ring.generate cannot run it)
 
     @property
     def known(self) -> Tuple[str, ...]:
@@ -136,6 +138,12 @@ HYBRIDS: Dict[str, HybridFamily] = {t: family for family in (
                  state="Mamba, as Jamba; its hybrid layers run an attention block shared across depths, then Mamba"),
     HybridFamily(model_types=("zamba2",), module="zamba2", layer_types=("linear_attention", "mamba", "hybrid"),
                  state="Mamba2, as Nemotron-H; its hybrid layers run attention blocks shared across depths, then Mamba2"),
+    # Its lightning attention is computed inside the layer's forward, which is the kernel hooked.
+    HybridFamily(model_types=("minimax",), module="minimax", layer_types=("linear_attention",),
+                 state="lightning attention: each run's end state, and its decay per head, one all-gather per layer; "
+                       "a run that does not start the sequence runs again from its true start",
+                 layers=("MiniMaxDecoderLayer",), mixers=("MiniMaxLightningAttention",),
+                 kernels=(("MiniMaxLightningAttention.forward", LIGHTNING),), own_cache="MiniMaxCache"),
     # Its recurrence is a method and its convolution a module, neither a kernel function the code can be read for.
     HybridFamily(model_types=("recurrent_gemma",), module="recurrent_gemma", layer_types=("linear_attention",),
                  state="RG-LRU: each run's end state and decay per channel, one all-gather per layer",
@@ -264,6 +272,14 @@ def _names_used(cls: type, method: str) -> set:
     fn = cls.__dict__.get(method)
     code = getattr(inspect.unwrap(fn), "__code__", None) if fn is not None else None
     return set(code.co_names) if code is not None else set()
+
+
+def own_cache(model: torch.nn.Module) -> Optional[str]:
+    """The cache class of its own that ``model``'s hybrid family insists on, in place of any other (None: none)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if config is not None else None
+    hybrid = family(getattr(text, "model_type", None))
+    return (hybrid.own_cache or None) if hybrid is not None else None
 
 
 def recurrent_layers(model: torch.nn.Module) -> List[int]:

@@ -46,7 +46,7 @@ from hf_ring.versions import parse
 Tensor = torch.Tensor
 
 CONV, DELTA, MAMBA2, MAMBA, FUSED = "convolution", "delta rule", "Mamba2 scan", "Mamba scan", "fused"
-RGLRU, CONV_MODULE = "RG-LRU scan", "convolution module"
+RGLRU, CONV_MODULE, LIGHTNING = "RG-LRU scan", "convolution module", "lightning attention"
 
 
 @dataclass
@@ -233,7 +233,8 @@ def _scan(scan: Scan, kernel, call: LayerCall, name: str, *args, **kwargs):
     call.calls.append(name)
     inputs, rest = _arguments(kernel, args, kwargs, scan.inputs)
     want_final = bool(rest.pop(scan.final, False))
-    start = rest.pop(scan.state, None)  # a zero state given (RecurrentGemma's prefill) is where the runs start anyway
+    start = rest.pop(scan.state, None) if scan.state else None  # a zero state given (RecurrentGemma's prefill) is
+    # where the runs start anyway
     if (start is not None and bool(start.any())) or (scan.packed and rest.pop(scan.packed, None) is not None):
         context.fail(ValueError(f"{name} was given a state to start from or packed rows ({scan.packed}) over "
                                 "sequence shards: not supported there"))
@@ -436,6 +437,48 @@ def _rglru_finish(out: Tensor, final: Tensor, want_final: bool, rest: Dict[str, 
     return out, final.to(rest.get("acc_dtype") or final.dtype)
 
 
+class _LinearState:
+    """The cache a lightning attention layer is given to start from ``state`` (its ``get_linear_cache``), keeping
+    nothing it is given."""
+
+    def __init__(self, state: Tensor):
+        self.state = state
+
+    def get_linear_cache(self, layer_idx: int) -> Tensor:
+        return self.state
+
+    def set_linear_cache(self, layer_idx: int, state: Tensor) -> None:
+        pass
+
+
+def _lightning_runs(forward, context: ShardedForward, inputs: List[Any], rest: Dict[str, Any], scan: Scan) -> Runs:
+    """MiniMax's lightning attention, the layer's own ``forward`` (whose output passes a norm and a gate, so a start
+    state cannot be added to it afterwards): each segment from a zero state gives its end state (the layer returns
+    it); a segment that does not start the sequence (or, per batch row, a document) runs once more from its true
+    start, given through the layer's cache. The transition is the decay ``exp(-slope)`` per head to the power of the
+    segment's rows."""
+    hidden, position_embeddings, mask = inputs
+    if rest.get("cache") is not None:
+        context.fail(ValueError("lightning attention was given a cache over sequence shards (generation): not "
+                                "supported there; generate it in one process"))
+    decay = torch.exp(-forward.__self__.slope_rate.to(accumulator_dtype(hidden)))  # (H, 1, 1)
+    b = hidden.shape[0]
+    runs = Runs(_segments(context, hidden.shape[1], b, forward))
+    masks = [None] * len(runs.segments) if mask is None else [m for (m,) in _by_segment(runs.segments, 1, mask)]
+    for seg, (h_s,), m_s in zip(runs.segments, _by_segment(runs.segments, 1, hidden), masks):
+        out, state = forward(h_s, position_embeddings, m_s, **rest)
+        again = None if all(seg.fresh) else functools.partial(_lightning_from, forward, h_s, position_embeddings, m_s,
+                                                               rest)
+        runs.add(out, again, state.to(decay.dtype), decay.pow(seg.length).expand(b, -1, -1, -1))
+    return runs
+
+
+def _lightning_from(forward, hidden: Tensor, position_embeddings: Any, mask: Optional[Tensor], rest: Dict[str, Any],
+                    start: Tensor) -> Tensor:
+    out, _ = forward(hidden, position_embeddings, mask, **{**rest, "cache": _LinearState(start.to(hidden.dtype))})
+    return out
+
+
 def causal_conv(conv: torch.nn.Conv1d) -> Callable:
     """A depthwise ``nn.Conv1d`` padded ``k - 1`` on both sides whose layer keeps its first outputs (RecurrentGemma's
     ``conv_1d``), as a kernel of :func:`_conv`'s contract: ``(x, weight, bias) -> (B, C, rows)`` for ``x``
@@ -483,6 +526,9 @@ SCANS: Dict[str, Scan] = {
     RGLRU: Scan(state="recurrent_states", final="", packed="", rows_dim=1, runs=_rglru_runs,
                 compose=lambda m, s: m * s, chain=lambda m2, m1: m2 * m1, correct=_rglru_correct,
                 finish=_rglru_finish, inputs=3),
+    LIGHTNING: Scan(state="", final="", packed="", rows_dim=1, runs=_lightning_runs, compose=lambda m, s: m * s,
+                    chain=lambda m2, m1: m2 * m1, correct=lambda out, again, start: again(start),
+                    finish=lambda out, final, want, rest: (out, final), inputs=3),
 }
 """The scan kinds, by the kind the family table names: transformers' torch paths' keywords."""
 

@@ -137,7 +137,7 @@ def reference_kernel(kind: str) -> dict:
 
 
 FAMILIES = ("qwen3_5_text", "qwen3_next", "kimi_linear", "nemotron_h", "granitemoehybrid", "lfm2", "jamba", "bamba",
-            "falcon_h1", "recurrent_gemma", "zamba", "zamba2")
+            "falcon_h1", "recurrent_gemma", "zamba", "zamba2", "minimax")
 """The hybrid families checked whole on 2 and 4 ranks (every hybrid type is on 2 ranks in the sweep)."""
 
 

@@ -232,6 +232,19 @@ def test_generate_gives_model_generate_tokens(pools, model_type, world):
         assert close(max(errs), TOL), (rank, errs)
 
 
+def test_generating_a_model_with_a_cache_of_its_own_is_refused_on_every_rank(pools):
+    """MiniMax insists on its own cache class (its lightning attention's state lives there): hf_ring.generate
+    refuses it, in one process and on every rank alike, naming the class and what to do."""
+    import hybrid_models
+    from helpers import raises_on_rank
+
+    path = hybrid_models.saved("minimax")
+    found = [raises_on_rank(hybrid_cases.generate_case, "minimax", path, ring=True)]
+    found += pools(2).run(raises_on_rank, hybrid_cases.generate_case, "minimax", path)
+    for kind, message in found:
+        assert kind == "NotImplementedError" and "MiniMaxCache" in message and "model.generate" in message, message
+
+
 STATE_SPACE = ("mamba", "falcon_mamba", "mamba2")
 """State-space models with no attention: every layer mixes by its scan, which hf_ring computes over shards."""
 

@@ -60,11 +60,10 @@ def test_apply_and_revert_are_exact_and_leave_unsharded_runs_alone(kind):
 
 
 REFUSED = {  # model type: (config overrides, words the refusal must contain)
-    "minimax": (dict(layer_types=["linear_attention", "full_attention"]), "'linear_attention'"),
-    "granitemoehybrid": (dict(layer_types=["hybrid", "attention"]), "'hybrid': hybrid layers run a state-space mixer"),
+    "rwkv": ({}, "RwkvForCausalLM does not declare that its attention goes through"),
+    "xlstm": ({}, "xLSTMForCausalLM does not declare that its attention goes through"),
 }
-"""Models whose recurrent layers hf_ring does not compute over shards (lightning attention), or not of the layer
-types their family lists (a 'hybrid' layer, a mixer beside attention, is taken only where the family says so)."""
+"""Recurrent models hf_ring has no state rule for (RWKV's WKV, xLSTM), which no attention interface tells apart."""
 
 HOOKED = {
     "lfm2": dict(layer_types=["conv", "full_attention"]),
@@ -72,6 +71,7 @@ HOOKED = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
     "falcon_h1": {},
     "recurrent_gemma": {},  # RG-LRU
+    "minimax": dict(layer_types=["linear_attention", "full_attention"]),  # lightning attention
     "zamba": dict(num_hidden_layers=4),  # Mamba, and hybrid layers: an attention block shared across depths, then Mamba
     "mamba": {},  # state-space models with no attention
     "falcon_mamba": {},
@@ -137,9 +137,9 @@ def _unsupported_model_sharded():
 
     hf_ring.setup_sequence_parallel(None, 2)
     try:
-        overrides, _ = REFUSED["minimax"]  # lightning attention, which hf_ring does not compute over shards
-        cfg = AutoConfig.for_model("minimax", **dict(TINY, **overrides))
+        cfg = AutoConfig.for_model("recurrent_gemma", **TINY)
         model = AutoModelForCausalLM.from_config(cfg).eval()
+        model.config.model_type = "unknown_recurrent"  # RG-LRU layers of a type no hybrid family is known for
         model.set_attn_implementation("ring_dilated")
         data = hf_ring.shard_batch({"input_ids": torch.zeros(1, 10, dtype=torch.long)})
         return raises_on_rank(model, **data)
@@ -169,8 +169,8 @@ def _layout_mismatch(path, how):
 
 def test_sharded_run_of_unsupported_model_is_refused(pools):
     for res in pools(2).run(_unsupported_model_sharded):
-        assert res[0] == "ValueError" and "'minimax'" in res[1], res
-        assert "layers [0] are 'linear_attention'" in res[1], res
+        assert res[0] == "ValueError" and "'unknown_recurrent'" in res[1], res
+        assert "layers [0, 1] are 'linear_attention'" in res[1] and "conv_1d" in res[1], res
 
 
 def test_sp_size_must_divide_world(pools):
