@@ -442,3 +442,54 @@ def swapped_mixer_case(model_type: str):
         return raised, HubLayer.calls
     finally:
         hf_ring.clear_sequence_parallel()
+
+
+def lightning_inputs():
+    """A float64 MiniMax lightning attention layer (4 heads of 8, blocks of 16 rows: shorter than the sequence) and
+    a ``(2, N, 32)`` input."""
+    from transformers import AutoConfig
+    from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+
+    config = AutoConfig.for_model("minimax", hidden_size=32, num_attention_heads=4, head_dim=8, num_hidden_layers=2,
+                                  block_size=16, layer_types=["linear_attention", "full_attention"])
+    torch.manual_seed(3)
+    module = MiniMaxLightningAttention(config, 0).double()
+    hidden = torch.randn(2, N, 32, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    return module, hidden
+
+
+def lightning_case(scan_rows=None) -> dict:
+    """The layer under its hook on the pool's ranks: this rank's output rows, the end state, and the gradients of
+    the input and of every parameter (summed over the ranks) for :func:`lightning_weight`'s loss."""
+    from hf_ring.integration.context import CONTEXT_KEY
+    from hf_ring.patches.recurrent import LIGHTNING, hooked
+
+    hf_ring.setup_sequence_parallel(None)
+    try:
+        module, hidden = lightning_inputs()
+        context = hf_ring.shard_batch({"input_ids": torch.zeros(1, N, dtype=torch.long)})[CONTEXT_KEY]
+        context.scan_rows = scan_rows
+        rows = context.rows(torch.device("cpu"))
+        hidden.requires_grad_()
+        out, final = hooked(LIGHTNING, module.forward, context)(hidden[:, rows], None, None)
+        (out * lightning_weight()[:, rows]).sum().backward()
+        grads = [hidden.grad] + [p.grad for p in module.parameters()]
+        for g in grads:
+            dist.all_reduce(g)
+        return {"rows": rows, "out": out.detach(), "final": final.detach(), "grads": grads}
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
+def lightning_weight() -> torch.Tensor:
+    return torch.randn(2, N, 32, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+
+
+def lightning_reference() -> dict:
+    import reference
+
+    module, hidden = lightning_inputs()
+    hidden.requires_grad_()
+    out, final = reference.lightning_attention(module, hidden)
+    (out * lightning_weight()).sum().backward()
+    return {"out": out.detach(), "final": final.detach(), "grads": [hidden.grad] + [p.grad for p in module.parameters()]}

@@ -233,3 +233,22 @@ def rg_lru_scan(self, hidden_states, recurrent_gate, reset, recurrent_states=Non
         state = a[:, t] * state + x[:, t]
         outs.append(state)
     return torch.stack(outs, 1).to(hidden_states.dtype), state
+
+
+def lightning_attention(module, hidden):
+    """MiniMax's lightning attention layer in float64, its recurrence one row at a time over ``(B, L, hidden)``:
+    per head ``S_t = exp(-slope) S_{t-1} + k_tᵀ v_t``, ``o_t = q_t S_t`` from a zero state; then the layer's norm,
+    output gate and projection (its own modules). Returns the output and the end state ``(B, H, d, d)``."""
+    b, n, _ = hidden.shape
+    h, d = module.num_attention_heads, module.head_dim
+    qkv = module.act_fn(module.qkv_proj(hidden.double())).reshape(b, n, h, 3 * d)
+    q, k, v = torch.split(qkv, d, dim=3)
+    decay = torch.exp(-module.slope_rate.double())[None]  # (1, H, 1, 1)
+    state = hidden.new_zeros(b, h, d, d, dtype=torch.float64)
+    outs = []
+    for t in range(n):
+        state = decay * state + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(torch.einsum("bhd,bhde->bhe", q[:, t], state))
+    out = module.norm(torch.stack(outs, 1).reshape(b, n, h * d))
+    out = torch.sigmoid(module.output_gate(hidden.double())) * out
+    return module.out_proj(out), state

@@ -39,6 +39,23 @@ def test_a_hooked_kernel_over_two_ranks_equals_the_float64_recurrence(pools, kin
     assert close(errs[worst], TOL), (worst, errs[worst])
 
 
+@pytest.mark.parametrize("scan_rows", [None, 7], ids=["runs-whole", "runs-of-7"])
+def test_lightning_attention_over_two_ranks_equals_the_float64_recurrence(pools, scan_rows):
+    """MiniMax's lightning attention layer (its own forward, the kernel hooked) on 2 ranks, each run whole or cut into
+    pieces of at most 7 rows, against its recurrence one row at a time on the whole sequence: output, end state on
+    every rank, and the gradients of the input and every parameter."""
+    want = hybrid_cases.lightning_reference()
+    got = pools(2).run(hybrid_cases.lightning_case, scan_rows)
+    out = torch.zeros_like(want["out"])
+    for res in got:
+        out[:, res["rows"]] = res["out"]
+    errs = {"out": rel_err(out, want["out"])}
+    errs.update({f"final on rank {r}": rel_err(res["final"], want["final"]) for r, res in enumerate(got)})
+    errs.update({f"grad {i}": rel_err(g, w) for i, (g, w) in enumerate(zip(got[0]["grads"], want["grads"]))})
+    worst = max(errs, key=errs.get)
+    assert close(errs[worst], TOL), (worst, errs[worst])
+
+
 def check_family(got, want):
     errs = {"loss": rel_err(got["loss"], want["loss"]),
             **{name: rel_err(got["grads"][name], g) for name, g in want["grads"].items()}}
