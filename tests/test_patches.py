@@ -147,6 +147,19 @@ def _unsupported_model_sharded():
         hf_ring.clear_sequence_parallel()
 
 
+def _attentionless_model_sharded():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from helpers import raises_on_rank
+
+    hf_ring.setup_sequence_parallel(None, 2)
+    try:
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("rwkv", **TINY)).eval()
+        return raises_on_rank(model, **hf_ring.shard_batch({"input_ids": torch.zeros(1, 10, dtype=torch.long)}))
+    finally:
+        hf_ring.clear_sequence_parallel()
+
+
 def _bad_sp_size():
     from helpers import raises_on_rank
 
@@ -171,6 +184,13 @@ def test_sharded_run_of_unsupported_model_is_refused(pools):
     for res in pools(2).run(_unsupported_model_sharded):
         assert res[0] == "ValueError" and "'unknown_recurrent'" in res[1], res
         assert "layers [0, 1] are 'linear_attention'" in res[1] and "conv_1d" in res[1], res
+
+
+def test_a_model_without_attention_is_refused_for_what_it_is_not_for_its_attention_setting(pools):
+    """RWKV has no attention to set to ring_dilated: the refusal names its structure, not the setting."""
+    for kind, message in pools(2).run(_attentionless_model_sharded):
+        assert kind == "ValueError" and "model type 'rwkv' cannot run with its sequence split" in message, message
+        assert "non-attention sequence mixers" in message and "set_attn_implementation" not in message, message
 
 
 def test_sp_size_must_divide_world(pools):

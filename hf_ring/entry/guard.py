@@ -114,8 +114,9 @@ def dropped_context_message(model: Any) -> str:
 
 def refuse(model: Any, kwargs: Mapping[str, Any]) -> None:
     """Every refusal of a call given a forward context (sharded inputs, a decode step), before the model computes:
-    another attention, a structure hf_ring does not compute, another saved layout, another tp sharding."""
-    refuse_other_attention(model, kwargs)
+    a structure hf_ring does not compute (first: no attention setting changes it, as for RWKV, which has no attention
+    to set), another attention, another saved layout, another tp sharding."""
     refuse_structure(model, kwargs)
+    refuse_other_attention(model, kwargs)
     refuse_other_shape(model, kwargs)
     refuse_other_sharding(model, kwargs)
