@@ -145,7 +145,8 @@ HYBRIDS: Dict[str, HybridFamily] = {t: family for family in (
                  layers=("MiniMaxDecoderLayer",), mixers=("MiniMaxLightningAttention",),
                  kernels=(("MiniMaxLightningAttention.forward", LIGHTNING),), own_cache="MiniMaxCache"),
     # Its recurrence is a method and its convolution a module, neither a kernel function the code can be read for.
-    HybridFamily(model_types=("recurrent_gemma",), module="recurrent_gemma", layer_types=("linear_attention",),
+    HybridFamily(model_types=("recurrent_gemma",), module="recurrent_gemma",
+                 layer_types=("linear_attention", "recurrent", "attention"),  # before transformers 5.2x: the last two
                  state="RG-LRU: each run's end state and decay per channel, one all-gather per layer",
                  layers=("RecurrentGemmaDecoderLayer",), mixers=("RecurrentGemmaRecurrentBlock",),
                  kernels=(("RecurrentGemmaRglru._rnn_scan", RGLRU), (".conv_1d", CONV_MODULE)),
