@@ -61,7 +61,7 @@ class HybridFamily:
     entry: Tuple[str, ...] = ()  # CausalLM classes that do not hand model(...)'s keyword arguments to the layers
     modeling_path: str = ""  # the modeling module's full name, where it is not transformers' (code of its own)
     conv_state: str = ""  # a mixer attribute that holds its convolution's last input rows after a prefill
-    own_cache: str = ""  # the cache class of its own the model insists on (hf_ring.generate cannot run it)
+    own_cache: str = ""  # a cache class of its own the model's forward insists on (hf_ring.generate mixes it in)
 
     @property
     def known(self) -> Tuple[str, ...]:
@@ -275,12 +275,14 @@ def _names_used(cls: type, method: str) -> set:
     return set(code.co_names) if code is not None else set()
 
 
-def own_cache(model: torch.nn.Module) -> Optional[str]:
+def own_cache(model: torch.nn.Module) -> Optional[type]:
     """The cache class of its own that ``model``'s hybrid family insists on, in place of any other (None: none)."""
     config = getattr(model, "config", None)
     text = config.get_text_config(decoder=True) if config is not None else None
     hybrid = family(getattr(text, "model_type", None))
-    return (hybrid.own_cache or None) if hybrid is not None else None
+    if hybrid is None or not hybrid.own_cache:
+        return None
+    return getattr(hybrid.modeling_module(), hybrid.own_cache)
 
 
 def recurrent_layers(model: torch.nn.Module) -> List[int]:

@@ -458,19 +458,34 @@ def _lightning_runs(forward, context: ShardedForward, inputs: List[Any], rest: D
     start, given through the layer's cache. The transition is the decay ``exp(-slope)`` per head to the power of the
     segment's rows."""
     hidden, position_embeddings, mask = inputs
-    if rest.get("cache") is not None:
-        context.fail(ValueError("lightning attention was given a cache over sequence shards (generation): not "
-                                "supported there; generate it in one process"))
+    cache, layer_idx = rest.pop("cache", None), forward.__self__.layer_idx
+    if cache is not None:  # a prefill's: it keeps the whole sequence's end state (_lightning_finish)
+        if cache.get_linear_cache(layer_idx) is not None:
+            context.fail(ValueError("lightning attention over sequence shards was given a cache holding a state to "
+                                    "start from: a sharded prefill starts from an empty cache"))
+        rest[_KEEP] = functools.partial(cache.set_linear_cache, layer_idx)
     decay = torch.exp(-forward.__self__.slope_rate.to(accumulator_dtype(hidden)))  # (H, 1, 1)
     b = hidden.shape[0]
     runs = Runs(_segments(context, hidden.shape[1], b, forward))
     masks = [None] * len(runs.segments) if mask is None else [m for (m,) in _by_segment(runs.segments, 1, mask)]
+    given = {k: v for k, v in rest.items() if k != _KEEP}
     for seg, (h_s,), m_s in zip(runs.segments, _by_segment(runs.segments, 1, hidden), masks):
-        out, state = forward(h_s, position_embeddings, m_s, **rest)
+        out, state = forward(h_s, position_embeddings, m_s, **given)
         again = None if all(seg.fresh) else functools.partial(_lightning_from, forward, h_s, position_embeddings, m_s,
-                                                               rest)
+                                                               given)
         runs.add(out, again, state.to(decay.dtype), decay.pow(seg.length).expand(b, -1, -1, -1))
     return runs
+
+
+_KEEP = "_keep_state"
+"""Where :func:`_lightning_runs` leaves :func:`_lightning_finish` what keeps a prefill's end state in the cache."""
+
+
+def _lightning_finish(out: Tensor, final: Tensor, want_final: bool, rest: Dict[str, Any]):
+    keep = rest.get(_KEEP)
+    if keep is not None:
+        keep(final.to(out.dtype))
+    return out, final
 
 
 def _lightning_from(forward, hidden: Tensor, position_embeddings: Any, mask: Optional[Tensor], rest: Dict[str, Any],
@@ -528,7 +543,7 @@ SCANS: Dict[str, Scan] = {
                 finish=_rglru_finish, inputs=3),
     LIGHTNING: Scan(state="", final="", packed="", rows_dim=1, runs=_lightning_runs, compose=lambda m, s: m * s,
                     chain=lambda m2, m1: m2 * m1, correct=lambda out, again, start: again(start),
-                    finish=lambda out, final, want, rest: (out, final), inputs=3),
+                    finish=_lightning_finish, inputs=3),
 }
 """The scan kinds, by the kind the family table names: transformers' torch paths' keywords."""
 

@@ -411,6 +411,24 @@ def generate_case(model_type: str, path: str, n: int = N, new: int = 5, ring: bo
     return (out.sequences, torch.stack(out.logits)) if logits else out.sequences
 
 
+def whole_sequence_logits(model_type: str, path: str, sequences: torch.Tensor, n: int = N,
+                          attn: str = "sdpa") -> torch.Tensor:
+    """What every generation step's logits should be: the model (``attn``) on the whole generated ``sequences`` in
+    one forward, no cache, under :func:`generate_case`'s padding and with the positions ``generate`` gives a
+    left-padded row (counted from its first token: RecurrentGemma restarts its recurrence at position 0);
+    ``(steps, B, vocab)``."""
+    import hybrid_models
+    from transformers import AutoModelForCausalLM
+
+    mask = torch.ones_like(sequences)
+    mask[0, :7] = 0
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    with hybrid_models.float64_kernels(model_type), torch.no_grad():
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=torch.float32).eval()
+        found = model(sequences, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    return found[:, n - 1:-1].transpose(0, 1)
+
+
 class HubLayer(torch.nn.Module):
     """What a hub kernel's layer gives a mixer under ``kernels.kernelize``: a forward of its own, bound on the mixer
     (here computing what the mixer's own would, and counting its calls)."""

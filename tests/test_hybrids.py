@@ -222,7 +222,7 @@ def test_qwen3_5_with_images_splits_its_hybrid_language_model(pools, world, ulys
 
 
 GENERATED = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h", "granitemoehybrid", "jamba", "bamba",
-             "falcon_h1", "lfm2", "lfm2_moe", "olmo_hybrid", "bailing_hybrid", "kimi_linear", "recurrent_gemma", "zamba", "zamba2",
+             "falcon_h1", "lfm2", "lfm2_moe", "olmo_hybrid", "bailing_hybrid", "kimi_linear", "recurrent_gemma", "zamba", "zamba2", "minimax",
              # multi-head latent attention without a recurrence: value heads narrower than the query and key heads
              "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "longcat_flash", "youtu")
 """Every hybrid type the training path takes, and every type of multi-head latent attention that builds tiny."""
@@ -234,32 +234,25 @@ def test_generate_gives_model_generate_tokens(pools, model_type, world):
     """The prefill split over the ranks, each recurrent layer's end state (its convolution's last rows, its scan's
     state) on every rank, the attention's cache sharded; then every rank decodes the same tokens. Kimi Linear's
     attention layers are multi-head latent attention: value heads narrower than its query and key heads. Falcon-H1's
-    decoder layers run attention and a Mamba mixer side by side: one cache layer holds both."""
+    decoder layers run attention and a Mamba mixer side by side: one cache layer holds both. The tokens are
+    ``model.generate``'s; every step's logits those of ``model.generate`` or of the model on the whole generated
+    sequence in one forward without a cache: on a left-padded row transformers' two part ways (by 0.4% on MiniMax,
+    whose cache class of its own hf_ring.generate's agrees with the whole sequence; by 5e-4 on RecurrentGemma, whose
+    generate hf_ring's agrees with)."""
     import hybrid_models
 
     path = hybrid_models.saved(model_type)
-    want, want_logits = hybrid_cases.generate_case(model_type, path, logits=True)
+    want, generated = hybrid_cases.generate_case(model_type, path, logits=True)
+    whole = hybrid_cases.whole_sequence_logits(model_type, path, want)
     if world == 1:  # hf_ring.generate in one process: the layers as they are, its cache holding their states
         found = [hybrid_cases.generate_case(model_type, path, ring=True, logits=True)]
     else:
         found = pools(world).run(hybrid_cases.generate_case, model_type, path, logits=True)
     for rank, (got, logits) in enumerate(found):
         assert torch.equal(got, want), (rank, got, want)
-        errs = [rel_err(logits[i], want_logits[i]) for i in range(len(want_logits))]  # every step's, every rank's
-        assert close(max(errs), TOL), (rank, errs)
-
-
-def test_generating_a_model_with_a_cache_of_its_own_is_refused_on_every_rank(pools):
-    """MiniMax insists on its own cache class (its lightning attention's state lives there): hf_ring.generate
-    refuses it, in one process and on every rank alike, naming the class and what to do."""
-    import hybrid_models
-    from helpers import raises_on_rank
-
-    path = hybrid_models.saved("minimax")
-    found = [raises_on_rank(hybrid_cases.generate_case, "minimax", path, ring=True)]
-    found += pools(2).run(raises_on_rank, hybrid_cases.generate_case, "minimax", path)
-    for kind, message in found:
-        assert kind == "NotImplementedError" and "MiniMaxCache" in message and "model.generate" in message, message
+        errs = {name: max(rel_err(logits[i], ref[i]) for i in range(len(ref)))  # every step's, every rank's
+                for name, ref in (("model.generate", generated), ("whole sequence", whole))}
+        assert close(min(errs.values()), TOL), (rank, errs)
 
 
 STATE_SPACE = ("mamba", "falcon_mamba", "mamba2")

@@ -25,6 +25,7 @@ rarely copies a row and the buffer stays within its share plus that step.
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -238,7 +239,7 @@ class ShardedCache(Cache):
 
     def __init__(self, rank: int = 0, world_size: int = 1, layout: str = "zigzag", evict: bool = True,
                  ulysses: int = 1):
-        super().__init__(layer_class_to_replicate=ShardedLayer)
+        Cache.__init__(self, layer_class_to_replicate=ShardedLayer)  # not a mixed-in cache class's (sharded_cache)
         self.rank, self.world_size, self.layout = rank, world_size, check_layout(layout)
         self.evict = bool(evict)
         self.ulysses = check_ulysses(world_size, ulysses)  # the prefill's split (decoding shards by row alike)
@@ -386,3 +387,31 @@ class ShardedCache(Cache):
 
     def same_layout(self, rank: int, world_size: int, layout: str, ulysses: int = 1) -> bool:
         return (self.rank, self.world_size, self.layout, self.ulysses) == (rank, world_size, layout, ulysses)
+
+
+class _Padded(list):
+    """A list that answers None past its end: a model's own cache indexes its per-layer lists by layer, while a
+    sharded cache holds layers before the model's own cache would have filled them."""
+
+    def __getitem__(self, index):
+        if isinstance(index, int) and index >= len(self):
+            return None
+        return super().__getitem__(index)
+
+
+@functools.lru_cache(maxsize=None)
+def sharded_cache_class(own: Optional[type] = None) -> type:
+    """:class:`ShardedCache`, or for a model whose forward insists on a cache class of its own (``own``: MiniMax's
+    ``MiniMaxCache``, where its lightning attention keeps its state) a :class:`ShardedCache` that is also an ``own``:
+    the K/V rows sharded as always, ``own``'s methods for the rest, its attributes as a new ``own`` has them (its
+    lists answering None for a layer it holds nothing of yet)."""
+    if own is None or issubclass(ShardedCache, own):
+        return ShardedCache
+
+    def __init__(self, *args, **kwargs):
+        ShardedCache.__init__(self, *args, **kwargs)
+        for name, value in vars(own()).items():
+            if name not in vars(self):
+                setattr(self, name, _Padded(value) if type(value) is list else value)
+
+    return type(f"Sharded{own.__name__}", (ShardedCache, own), {"__init__": __init__, "__module__": __name__})

@@ -41,7 +41,7 @@ from ..entry.media import MediaForward, has_media
 from ..integration.seams import CACHE_KEYWORD, cache_argument, peft_base
 from ..patches import apply as apply_patches
 from ..patches.hybrids import own_cache, recurrent_layers
-from .cache import ShardedCache
+from .cache import ShardedCache, sharded_cache_class
 from .retention import layer_rules
 from .step import DecodeStep
 
@@ -291,11 +291,6 @@ def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], all
         raise ValueError("hf_ring.generate keeps a sharded KV cache; use_cache=False is not supported")
     if (setting("num_beams") or 1) > 1:
         raise ValueError("hf_ring.generate supports greedy decoding and sampling, not beam search (num_beams > 1)")
-    required = own_cache(model)
-    if required is not None:
-        raise NotImplementedError(
-            f"hf_ring.generate cannot run {type(model).__name__}: it keeps its recurrent state in a cache class of its "
-            f"own ({required}), which hf_ring's sharded cache is not; generate with model.generate in one process")
     if comm is not None:
         apply_patches(model)  # the rotary modules of this model see the global length, whatever its family
     rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
@@ -303,7 +298,7 @@ def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], all
     ulysses = sp.ulysses_size if comm is not None else 1
     cache = cache_argument(generate_kwargs, pop=True)
     if cache is None:
-        cache = ShardedCache(rank, world, layout, ulysses=ulysses)
+        cache = sharded_cache_class(own_cache(model))(rank, world, layout, ulysses=ulysses)
         cache.set_rules(layer_rules(config, cache.evict))
         cache.set_recurrent(recurrent_layers(model))
         return model, cache
