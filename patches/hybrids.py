@@ -79,7 +79,7 @@ class HybridFamily:
         except ImportError:
             return None
         names = self.layers + self.mixers + tuple(name for name, _ in self.kernels if not name.startswith("."))
-        return module if all(_owner_of(module, name) is not None for name in names) else None
+        return module if all(kernel_owner(module, name) is not None for name in names) else None
 
     def mixer(self, layer: torch.nn.Module) -> Optional[torch.nn.Module]:
         """This decoder layer's recurrent or convolution mixer, or None (it attends)."""
@@ -275,11 +275,16 @@ def _names_used(cls: type, method: str) -> set:
     return set(code.co_names) if code is not None else set()
 
 
-def own_cache(model: torch.nn.Module) -> Optional[type]:
-    """The cache class of its own that ``model``'s hybrid family insists on, in place of any other (None: none)."""
+def family_of(model: torch.nn.Module) -> Optional[HybridFamily]:
+    """:func:`family` of ``model``'s language model (a multimodal model's by its text config)."""
     config = getattr(model, "config", None)
     text = config.get_text_config(decoder=True) if config is not None else None
-    hybrid = family(getattr(text, "model_type", None))
+    return family(getattr(text, "model_type", None))
+
+
+def own_cache(model: torch.nn.Module) -> Optional[type]:
+    """The cache class of its own that ``model``'s hybrid family insists on, in place of any other (None: none)."""
+    hybrid = family_of(model)
     if hybrid is None or not hybrid.own_cache:
         return None
     return getattr(hybrid.modeling_module(), hybrid.own_cache)
@@ -288,9 +293,7 @@ def own_cache(model: torch.nn.Module) -> Optional[type]:
 def recurrent_layers(model: torch.nn.Module) -> List[int]:
     """The layer indices (as the cache counts them) of ``model``'s recurrent and convolution layers that hf_ring
     computes over shards (none for a model that is not a hybrid hf_ring hooks)."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config(decoder=True) if config is not None else None
-    hybrid = family(getattr(text, "model_type", None))
+    hybrid = family_of(model)
     if hybrid is None:
         return []
     return sorted({int(m.layer_idx) for m in model.modules() if type(m).__name__ in hybrid.mixers
@@ -378,7 +381,7 @@ def _over_shards(original: Callable, hybrid: HybridFamily, context: ShardedForwa
     return out
 
 
-def _owner_of(module: ModuleType, name: str) -> Optional[Tuple[object, str]]:
+def kernel_owner(module: ModuleType, name: str) -> Optional[Tuple[object, str]]:
     """Where a kernel the family table names lives: ``(module, function)`` for a module-level function, ``(class,
     method)`` for ``"Class.method"`` (a class of the modeling module); None where this release has no such name."""
     owner_name, _, attr = name.rpartition(".")
@@ -433,7 +436,7 @@ def _kernels_hooked(hybrid: HybridFamily, call: LayerCall, layer: str, mixer: to
                     call.conv_state = functools.partial(_keep_conv_state, mixer, hybrid.conv_state)
                 scope.enter_context(registry.scoped(part, "forward", hooked(kind, part, call, name[1:]), KERNEL_WHY))
                 continue
-            owner, attr = _owner_of(module, name)
+            owner, attr = kernel_owner(module, name)
             kernel = getattr(owner, attr)
             problem = package_problem(kernel)
             if problem is not None:

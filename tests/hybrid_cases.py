@@ -75,14 +75,14 @@ def whole_kernel(kind: str, real: bool):
     """The kernel on the whole sequence: transformers' torch path (``real``) or the float64 reference."""
     import reference
 
+    from hf_ring.patches.hybrids import kernel_owner
+
     module, name, _, ref = KERNELS[kind]
-    owner, _, attr = name.rpartition(".")
     if real or ref is None:
-        found = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
-        fn = getattr(getattr(found, owner) if owner else found, attr)
+        fn = getattr(*kernel_owner(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name))
     else:
         fn = getattr(reference, ref)
-    return functools.partial(fn, None) if owner else fn
+    return functools.partial(fn, None) if "." in name else fn  # a method: its instance unused
 
 
 def kernel_case(kind: str, scan_rows=None) -> dict:
@@ -382,6 +382,13 @@ def sft_case(model_type: str, path: str, sp_size=None, **options) -> dict:
         return trainer_cases.sft_case(path, sp_size, **options)
 
 
+def _left_padded(ids: torch.Tensor) -> torch.Tensor:
+    """The attention mask of :func:`generate_case`'s prompts: the first row's first 7 tokens are padding."""
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    return mask
+
+
 def generate_case(model_type: str, path: str, n: int = N, new: int = 5, ring: bool = False,
                   attn: str = "sdpa", logits: bool = False):
     """Greedy tokens of the hybrid saved at ``path``, its prompt's first row left-padded: ``model.generate``
@@ -392,8 +399,7 @@ def generate_case(model_type: str, path: str, n: int = N, new: int = 5, ring: bo
     from transformers import AutoModelForCausalLM
 
     ids = padded_batch(n=n)["input_ids"]
-    mask = torch.ones_like(ids)
-    mask[0, :7] = 0
+    mask = _left_padded(ids)
     settings = dict(max_new_tokens=new, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
                     output_logits=True)
     ring = ring or dist.is_initialized()
@@ -420,8 +426,7 @@ def whole_sequence_logits(model_type: str, path: str, sequences: torch.Tensor, n
     import hybrid_models
     from transformers import AutoModelForCausalLM
 
-    mask = torch.ones_like(sequences)
-    mask[0, :7] = 0
+    mask = _left_padded(sequences)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
     with hybrid_models.float64_kernels(model_type), torch.no_grad():
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=torch.float32).eval()

@@ -144,18 +144,15 @@ def float64_kernels(model_type: str) -> Iterator[None]:
     import importlib
 
     import reference
-    from hf_ring.patches.hybrids import family
+    from hf_ring.patches.hybrids import family, kernel_owner
 
     found = family(model_type)
     if found is None:
         yield
         return
     module = importlib.import_module(found.modeling)
-    owners = {}  # a module-level function's module, or a method's class ("Class.method")
-    for name, kind in found.kernels:
-        if kind in REFERENCE_KERNELS:
-            owner_name, _, attr = name.rpartition(".")
-            owners[name] = (getattr(module, owner_name) if owner_name else module, attr)
+    # a module-level function's module, or a method's class ("Class.method")
+    owners = {name: kernel_owner(module, name) for name, kind in found.kernels if kind in REFERENCE_KERNELS}
     swapped = {name: getattr(owner, attr) for name, (owner, attr) in owners.items()}
     for name, kind in found.kernels:
         if name in owners:
