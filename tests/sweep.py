@@ -198,8 +198,10 @@ def build(model_type: str, attn: str = "eager", dtype: torch.dtype = torch.float
         return None, f"no {pattern} form of {model_type}"
     try:
         cfg = shrink(AutoConfig.for_model(model_type, **chosen), keep_layers=bool(chosen))
+        text = cfg.get_text_config(decoder=True)
         for name, value in hybrid_models.SIZE_FIXES.get(model_type, {}).items():
-            _set(cfg, name, value)
+            for target in (cfg, text) if text is not cfg else (cfg,):  # a multimodal type's are its text model's
+                _set(target, name, value)
         if vocab_size is not None:  # a given tokenizer's: its special ids (pad 0, eos 1) inside it
             for name, value in (("vocab_size", vocab_size), ("pad_token_id", 0), ("eos_token_id", 1),
                                 ("bos_token_id", None)):
