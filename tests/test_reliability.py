@@ -350,3 +350,58 @@ def test_a_relayed_error_names_the_ranks_that_failed_the_same_way():
     with pytest.raises(TypeError, match="^rank 3: another"):
         raise_first(rows, 3, TypeError("another"))  # a rank that failed raises its own, under its own rank
     raise_first([error_row(None)] * 3, 1)  # nobody failed: nothing raised
+
+
+# --- ranks that share a GPU: gloo carries its tensors through host copies -----------------------------------
+
+
+def through_host_case(case, *args, **kwargs):
+    """``case`` with every gloo transfer made through host copies, as it is for GPU tensors (the CPU's stand in):
+    its result, and how many transfers were copied."""
+    real, copied = comm.through_host, [0]
+
+    def every(backend, device):
+        copied[0] += backend == "gloo"
+        return backend == "gloo"
+
+    comm.through_host = every  # a stand-in in this rank's process: CPU tensors take the GPU's route
+    try:
+        return case(*args, **kwargs), copied[0]
+    finally:
+        comm.through_host = real
+
+
+def collective_values_case() -> dict:
+    """What each kind of collective gives on this rank, for inputs that differ by rank."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    comm_ = comm.RingComm(None)
+    t = torch.arange(4 * world * 3, dtype=torch.float32).reshape(4 * world, 3) * (rank + 1)
+    out, posted = torch.zeros_like(t), torch.zeros_like(t)
+    splits = [4] * world
+    comm_.all_to_all(out, t, splits, splits, "a test all-to-all")
+    [arrived] = comm_.post_all_to_all(posted, t, splits, splits, "a test all-to-all").wait()
+    return {"all_reduce": comm_.all_reduce(t.clone(), "a test all-reduce"),
+            "all_gather": comm_.all_gather(t, "a test all-gather"),
+            "broadcast": comm_.broadcast(t.clone(), 1, "a test broadcast"),
+            "all_to_all": out, "post_all_to_all": posted, "arrived": arrived}
+
+
+@pytest.mark.parametrize("world,ulysses", [(2, None), (4, 2)])
+def test_transfers_through_host_copies_give_the_same_bits(pools, world, ulysses):
+    """Ranks sharing one GPU run over gloo, which takes GPU tensors only through host copies: the ring's exchanges,
+    the all-to-alls of head-parallel attention and every collective give exactly what direct transfers give."""
+    from attention_cases import head_parallel_case, ring_case
+
+    case, kw = (ring_case, {"pad": 5}) if ulysses is None else (head_parallel_case, {"ulysses": ulysses, "pad": 5})
+    direct = pools(world).run(case, 3, 2, 4, 2, 53, 8, **kw)
+    hosted = pools(world).run(through_host_case, case, 3, 2, 4, 2, 53, 8, **kw)
+    for want, (got, copied) in zip(direct, hosted):
+        assert copied > 0
+        for name in ("out", "dq", "dk", "dv"):
+            assert torch.equal(got[name], want[name]), name
+    assert [late for late, _ in pools(world).run(through_host_case, collectives_case, 5)] == [0] * world
+    direct = pools(world).run(collective_values_case)
+    for want, (got, copied) in zip(direct, pools(world).run(through_host_case, collective_values_case)):
+        assert copied >= 5 and got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), name

@@ -184,6 +184,18 @@ def _resolve(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD
 
 
+def through_host(backend: str, device: torch.device) -> bool:
+    """Whether ``backend`` moves tensors of ``device`` only through a host copy: gloo with anything but the CPU
+    (its point-to-point transfers read a tensor's memory as host memory, and of its collectives only some take GPU
+    tensors). Ranks that share one GPU, where NCCL refuses a second rank on the device, then communicate over gloo."""
+    return backend == "gloo" and torch.device(device).type != "cpu"
+
+
+def _on_host(tensor: Tensor, backend: str) -> Tensor:
+    """``tensor`` itself, or a host copy of it where ``backend`` carries it only so (:func:`through_host`)."""
+    return tensor.to("cpu", copy=True) if through_host(backend, tensor.device) else tensor
+
+
 def all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup], what: str,
                op=dist.ReduceOp.SUM, timeout: Optional[float] = None) -> Tensor:
     """Reduce ``tensor`` in place over ``group`` (``None``: the world) with a bounded wait; returns it.
@@ -191,8 +203,11 @@ def all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup], what: str,
     ``what`` names the operation in the error; ``timeout`` defaults to :func:`comm_timeout`.
     """
     group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
-    _collective(what, timeout, carrier(group, tensor.device), [tensor],
-                lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
+    backend = carrier(group, tensor.device)
+    moved = _on_host(tensor, backend)
+    _collective(what, timeout, backend, [moved], lambda: dist.all_reduce(moved, op=op, group=group, async_op=True))
+    if moved is not tensor:
+        tensor.copy_(moved)
     return tensor
 
 
@@ -200,11 +215,12 @@ def all_gather(tensor: Tensor, group: Optional[dist.ProcessGroup], what: str,
                timeout: Optional[float] = None) -> Tensor:
     """Every rank's ``tensor`` stacked by group rank, ``(group size, *tensor.shape)``, with a bounded wait."""
     group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
-    tensor = tensor.contiguous()
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    _collective(what, timeout, carrier(group, tensor.device), [tensor] + parts,
-                lambda: dist.all_gather(parts, tensor, group=group, async_op=True))
-    return torch.stack(parts)
+    backend = carrier(group, tensor.device)
+    moved = _on_host(tensor.contiguous(), backend)
+    parts = [torch.empty_like(moved) for _ in range(dist.get_world_size(group))]
+    _collective(what, timeout, backend, [moved] + parts,
+                lambda: dist.all_gather(parts, moved, group=group, async_op=True))
+    return torch.stack(parts).to(tensor.device)
 
 
 def broadcast(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup], what: str,
@@ -213,8 +229,11 @@ def broadcast(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup], what
     group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
     tensor = tensor.contiguous()
     root = dist.get_global_rank(group, src)
-    _collective(what, timeout, carrier(group, tensor.device), [tensor],
-                lambda: dist.broadcast(tensor, src=root, group=group, async_op=True))
+    backend = carrier(group, tensor.device)
+    moved = _on_host(tensor, backend)
+    _collective(what, timeout, backend, [moved], lambda: dist.broadcast(moved, src=root, group=group, async_op=True))
+    if moved is not tensor:
+        tensor.copy_(moved)
     return tensor
 
 
@@ -225,9 +244,12 @@ def all_to_all(output: Tensor, tensor: Tensor, output_splits: Sequence[int], inp
     ``output`` is cut by ``output_splits``: piece ``i`` comes from group rank ``i``. Returns ``output``.
     """
     group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
-    tensor = tensor.contiguous()
-    _collective(what, timeout, carrier(group, output.device), [output, tensor], lambda: dist.all_to_all_single(
-        output, tensor, list(output_splits), list(input_splits), group=group, async_op=True))
+    backend = carrier(group, output.device)
+    moved, received = _on_host(tensor.contiguous(), backend), _on_host(output, backend)
+    _collective(what, timeout, backend, [received, moved], lambda: dist.all_to_all_single(
+        received, moved, list(output_splits), list(input_splits), group=group, async_op=True))
+    if received is not output:
+        output.copy_(received)
     return output
 
 
@@ -240,14 +262,19 @@ def device_for(group: Optional[dist.ProcessGroup]) -> torch.device:
 
 
 class Pending:
-    """Sends and receives in flight; ``wait()`` returns the received tensors."""
+    """Sends and receives in flight; ``wait()`` returns the received tensors.
+
+    ``delivered``: where the received tensors go once they have arrived, one per received tensor (host copies
+    received for tensors of another device, :func:`through_host`); None: they are the result as they are.
+    """
 
     def __init__(self, works, sent: List[Tensor], received: List[Tensor], what: str, timeout: float,
-                 backend: str, collective: bool = False):
+                 backend: str, collective: bool = False, delivered: Optional[List[Tensor]] = None):
         self._works, self._received, self._what = works, received, what
         self._timeout, self._backend = timeout, backend
         self._sent = sent  # keep send buffers alive until their transfer completes
         self._collective = collective  # a collective's worker thread lets go of its tensors before ours go (_Handed)
+        self._delivered = delivered
 
     def wait(self) -> List[Tensor]:
         for i in range(len(self._works)):  # no loop name: one left holding the last work would keep it standing
@@ -257,6 +284,10 @@ class Pending:
         if handed is not None:
             handed.released(self._backend)
         self._sent = []
+        if self._delivered is not None:
+            for target, arrived in zip(self._delivered, self._received):
+                target.copy_(arrived)
+            self._received = self._delivered
         return self._received
 
 
@@ -416,6 +447,10 @@ class RingComm:
         if device is None:
             device = send[0].device if send else torch.device("cpu")
         backend = self.carriers.get(device.type, "")
+        delivered = None
+        if through_host(backend, device):  # received on the host, delivered to the device by Pending.wait
+            delivered = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in recv_like]
+            send, device = [_on_host(t, backend) for t in send], torch.device("cpu")
         sent = [t.contiguous() for t in send]
         together = fused([(t.numel(), t.dtype) for t in sent], backend)
         outgoing = list(enumerate(sent))
@@ -440,7 +475,7 @@ class RingComm:
                 for i, t in incoming if t.numel()]
         what = f"exchange (send to rank {send_to}, receive from rank {recv_from})"
         works = _post(what, self.timeout, lambda: dist.batch_isend_irecv(ops)) if ops else []
-        return Pending(works, [t for _, t in outgoing], received, what, self.timeout, backend)
+        return Pending(works, [t for _, t in outgoing], received, what, self.timeout, backend, delivered=delivered)
 
     def all_gather_ints(self, values: Sequence[int], what: str) -> List[List[int]]:
         """Every rank's copy of a few small integers, by rank (one small all-gather).
@@ -481,11 +516,12 @@ class RingComm:
     def post_all_to_all(self, output: Tensor, tensor: Tensor, output_splits: Sequence[int],
                         input_splits: Sequence[int], what: str) -> Pending:
         """:meth:`all_to_all` left in flight: ``wait()`` on the result returns ``[output]``."""
-        tensor = tensor.contiguous()
+        backend = carrier(self.group, output.device)
+        moved, received = _on_host(tensor.contiguous(), backend), _on_host(output, backend)
         work = _post(what, self.timeout, lambda: dist.all_to_all_single(
-            output, tensor, list(output_splits), list(input_splits), group=self.group, async_op=True))
-        return Pending([work], [tensor], [output], what, self.timeout, carrier(self.group, output.device),
-                       collective=True)
+            received, moved, list(output_splits), list(input_splits), group=self.group, async_op=True))
+        return Pending([work], [moved], [received], what, self.timeout, backend, collective=True,
+                       delivered=None if received is output else [output])
 
     def broadcast(self, tensor: Tensor, src: int, what: str) -> Tensor:
         """``tensor`` of group rank ``src`` on every rank (in place; other ranks pass a buffer of its shape)."""
