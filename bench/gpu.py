@@ -21,6 +21,8 @@ Sections, each written as ``gpu_<section>.json`` and rendered as a README table:
   exactness against the reference) and a killed rank making its peer raise
   ``CommTimeoutError`` in time.
 
+``--hybrid`` checks and times the recurrent kernels of hybrid models instead (:mod:`bench.gpu_hybrid`).
+
 ``--fake`` runs it without a GPU, so CI runs this code: routes under
 ``FakeTensorMode`` with fake CUDA tensors, every other section on the CPU at
 small sizes (gloo for the two-rank section).
@@ -31,6 +33,7 @@ import argparse
 import importlib.util
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -39,6 +42,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from . import gpu_hybrid
 from . import model as model_bench
 from . import routes as route_check
 from .common import command_line, format_table, ratio_range, run_ranks, save
@@ -76,6 +80,7 @@ TABLES = {
     "gpu_nccl": (("n", "n"), ("ranks", "ranks"), ("backend", "backend"), ("fwd_bwd_s_1", "fwd+bwd s, 1 GPU"),
                  ("fwd_bwd_s_2", "fwd+bwd s, 2 GPUs"), ("speedup", "speed-up"), ("max_rel_err_fp32", "fp32 error"),
                  ("killed_peer", "a killed peer raises"), ("raised_after_s", "after s"), ("timeout_s", "timeout s")),
+    **gpu_hybrid.TABLES,
 }
 """The columns of this benchmark's tables in the docs: (JSON key, header), in order (see :mod:`bench.tables`)."""
 
@@ -386,6 +391,9 @@ def _run_killed(timeout_s: float, backend: str, kind: str) -> Dict:
 
 
 def main(argv=None) -> None:
+    if "--hybrid" in (sys.argv[1:] if argv is None else argv):
+        gpu_hybrid.main(argv)
+        return
     ap = argparse.ArgumentParser(prog="python -m bench gpu", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fake", action="store_true", help="no GPU: fake CUDA routes, the rest on the CPU at small sizes")

@@ -3,7 +3,9 @@ import json
 import os
 import subprocess
 
-from bench import common, gpu, tables
+import pytest
+
+from bench import common, gpu, gpu_hybrid, tables
 
 
 def test_gpu_benchmark_runs_without_a_gpu(tmp_path):
@@ -78,3 +80,36 @@ def test_rounds_time_the_implementations_side_by_side():
     assert calls == ["a", "b"] * 4  # a warm-up of each, then each round one call of each
     assert [len(t) for t in times.values()] == [3, 3]
     assert common.ratio_range([2.0, 3.0, 1.0], [1.0, 2.0, 1.0]) == "1.000–2.000"
+
+
+@pytest.mark.skipif(not os.environ.get("HF_RING_KERNEL_PACKAGES"), reason="HF_RING_KERNEL_PACKAGES names no "
+                    "directory of kernel packages (README: 'The GPU kernel packages on a CPU')")
+def test_gpu_hybrid_benchmark_runs_without_a_gpu(tmp_path):
+    """``--hybrid --fake``: the kernel packages' entry points (their launches in torch), 2 ranks against one
+    process, every section written and rendered."""
+    gpu.main(["--hybrid", "--fake", "--out", str(tmp_path)])
+    got = {name: json.load(open(os.path.join(tmp_path, f"{name}.json")))
+           for name in ("gpu_hybrid_kernels", "gpu_hybrid_exact", "gpu_hybrid_speed")}
+    kernels = {(r["model_type"], r["kernel"]): r["package"] for r in got["gpu_hybrid_kernels"]["rows"]}
+    assert kernels == {("qwen3_5_text", "causal_conv1d_fn"): "causal_conv1d",
+                       ("qwen3_5_text", "torch_chunk_gated_delta_rule"): "fla",
+                       ("kimi_linear", "causal_conv1d_fn"): "causal_conv1d",
+                       ("kimi_linear", "chunk_kimi_delta_attention"): "fla"}, kernels
+    exact = got["gpu_hybrid_exact"]["rows"]
+    assert [r["model_type"] for r in exact] == list(gpu_hybrid.FLA_TYPES)
+    for r in exact:  # the packages' functions ran, and 2 ranks give one process's step
+        assert r["packages"] == "causal_conv1d, fla" and r["within"] and r["worst_rel_err"] <= 1e-5, r
+    [speed] = got["gpu_hybrid_speed"]["rows"]
+    low, high = map(float, speed["two_over_one_range"].split("–"))
+    assert speed["n"] == 256 and low - 1e-3 <= speed["two_over_one"] <= high + 1e-3, speed
+    for name, payload in got.items():
+        assert payload["command"] == f"python -m bench gpu --hybrid --fake --out {tmp_path}", payload["command"]
+        assert len(tables.render(name, payload).splitlines()) == 2 + len(payload["rows"])
+
+
+def test_gpu_hybrid_without_fla_or_its_wheel_says_how_to_bring_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_hybrid.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match="--download --wheels"):
+        gpu_hybrid.ensure_fla(tmp_path / "wheels", tmp_path / "packages")
+    (tmp_path / "packages" / "fla").mkdir(parents=True)  # installed by an earlier run: used as it is
+    assert gpu_hybrid.ensure_fla(tmp_path / "wheels", tmp_path / "packages") == str(tmp_path / "packages")
