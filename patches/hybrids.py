@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import operator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -40,8 +41,8 @@ from hf_ring.integration.context import CONTEXT_KEY, ShardedForward
 from hf_ring.integration.seams import as_layer_forward, kernel_name, layer_forward_inside
 
 from . import registry
-from .recurrent import (CONV, CONV_MODULE, DELTA, FUSED, LIGHTNING, MAMBA, MAMBA2, RGLRU, LayerCall, hooked,
-                        package_problem)
+from .recurrent import (CONV, CONV_MODULE, DELTA, FUSED, LIGHTNING, MAMBA, MAMBA2, RGLRU, SHIFT, WKV, LayerCall,
+                        hooked, package_problem)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class HybridFamily:
     modeling_path: str = ""  # the modeling module's full name, where it is not transformers' (code of its own)
     conv_state: str = ""  # a mixer attribute that holds its convolution's last input rows after a prefill
     own_cache: str = ""  # a cache class of its own the model's forward insists on (hf_ring.generate mixes it in)
+    row_states: Tuple[Tuple[str, int], ...] = ()  # (row shift, entry of the state list a layer is given as ``state``)
+    # where the layer reads the row before its first and keeps its last input row (RWKV): hf_ring's rows there
 
     @property
     def known(self) -> Tuple[str, ...]:
@@ -149,11 +152,22 @@ HYBRIDS: Dict[str, HybridFamily] = {t: family for family in (
                  layer_types=("linear_attention", "recurrent", "attention"),  # before transformers 5.2x: the last two
                  state="RG-LRU: each run's end state and decay per channel, one all-gather per layer",
                  layers=("RecurrentGemmaDecoderLayer",), mixers=("RecurrentGemmaRecurrentBlock",),
-                 kernels=(("RecurrentGemmaRglru._rnn_scan", RGLRU), (".conv_1d", CONV_MODULE)),
+                 kernels=(("RecurrentGemmaRglru._rnn_scan", RGLRU), (".temporal_block.conv_1d", CONV_MODULE)),
                  conv_state="conv1d_state",
                  attention=("RecurrentGemmaAttention",),
                  plain=("RecurrentGemmaForCausalLM", "RecurrentGemmaModel", "RecurrentGemmaRMSNorm",
                         "RecurrentGemmaMlp", "RecurrentGemmaRotaryEmbedding")),
+    # Its mixing is a kernel function and two row shifts (nn.ZeroPad2d), in the attention and the feed-forward block;
+    # its blocks are called without model(...)'s keyword arguments.
+    HybridFamily(model_types=("rwkv",), module="rwkv", layer_types=(),
+                 state="WKV: each run's numerator and denominator per channel and their decay, one all-gather per "
+                       "layer; a run that does not start the sequence runs again from its true start; the time shifts "
+                       "get the row before each run",
+                 layers=("RwkvBlock",), mixers=("RwkvSelfAttention",),
+                 kernels=(("rwkv_linear_attention", WKV), (".attention.time_shift", SHIFT),
+                          (".feed_forward.time_shift", SHIFT)),
+                 plain=("RwkvForCausalLM", "RwkvModel", "RwkvFeedForward"), entry=("RwkvForCausalLM",),
+                 row_states=((".attention.time_shift", 1), (".feed_forward.time_shift", 0))),
 ) for t in family.model_types}
 """Hybrid families by model type (a multimodal type under its own name and its text model's): what cannot be read
 from the modeling code (how the state crosses ranks, the tiled classes, classes that only read like a mixer's, a
@@ -346,9 +360,11 @@ def _with_context(context: ShardedForward, module: torch.nn.Module, args: tuple,
 def _layer_forward(original: Callable, hybrid: HybridFamily) -> Callable:
     # Inside activation checkpointing, so that a layer's recomputation in the backward binds the kernels again.
     inside = layer_forward_inside(original)
+    # a layer whose forward takes no **kwargs (RWKV's block) is handed the context by this wrapper alone
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(original).parameters.values())
 
     def forward(self, *args, **kwargs):
-        context = kwargs.get(CONTEXT_KEY)
+        context = kwargs.get(CONTEXT_KEY) if open_ended else kwargs.pop(CONTEXT_KEY, None)
         if not isinstance(context, ShardedForward) or not hybrid.recurrent(self) or (
                 context.world_size == 1 and context.documents is None and not context.long):
             return inside(self, *args, **kwargs)  # one process holds the whole sequence: the layer as it is
@@ -369,8 +385,15 @@ def _over_shards(original: Callable, hybrid: HybridFamily, context: ShardedForwa
             "kernel loaded with use_kernels=True?), which hf_ring cannot compute over sequence shards; load the model "
             "without use_kernels, or run it in one process"))
     call = LayerCall(context, getattr(mixer, "layer_idx", None))
-    with _kernels_hooked(hybrid, call, type(layer).__name__, mixer):
+    states = kwargs.get("state") if hybrid.row_states else None
+    if states is not None:
+        call.row_states = {name[1:]: functools.partial(_set_row, states[entry], layer.layer_id)
+                           for name, entry in hybrid.row_states}
+    with _kernels_hooked(hybrid, call, layer, mixer):
         out = original(layer, *args, **kwargs)
+    for name, keep in call.row_states.items():  # the layer kept its shard's last row: the sequence's instead
+        if name in call.tails:
+            keep(call.tails[name][..., -1])
     if not call.calls:
         context.fail(ValueError(
             f"the {type(layer).__name__} layer of {hybrid.model_types[0]!r} ran its mixer without calling the kernels "
@@ -401,6 +424,11 @@ def swapped_forward(mixer: torch.nn.Module) -> Optional[Callable]:
     return None if fn is inspect.unwrap(type(mixer).forward) or fn is type(mixer).forward else fn
 
 
+def _set_row(state: torch.Tensor, layer_id: int, row: torch.Tensor) -> None:
+    """One layer's entry ``(B, C)`` of a state list entry ``(B, C, layers)`` (RWKV's), set to ``row``."""
+    state[:, :, layer_id] = row.to(state.dtype)
+
+
 def _keep_conv_state(mixer: torch.nn.Module, attr: str, tail: torch.Tensor) -> None:
     """A prefill's convolution state on the mixer (``attr``): the whole sequence's last rows, where the layer kept
     its own shard's; nothing where the layer keeps none (a forward without a cache sets it to None)."""
@@ -417,21 +445,22 @@ def _bound_hook(kind: str, method: Callable, call: LayerCall, name: str) -> Call
 
 
 @contextlib.contextmanager
-def _kernels_hooked(hybrid: HybridFamily, call: LayerCall, layer: str, mixer: torch.nn.Module) -> Iterator[None]:
-    """The family's kernels bound to their hooks over ``call`` for the length of one call of the decoder layer class
-    ``layer`` (whose mixer is ``mixer``); a kernel package release the hooks cannot run on refused first
+def _kernels_hooked(hybrid: HybridFamily, call: LayerCall, layer: torch.nn.Module,
+                    mixer: torch.nn.Module) -> Iterator[None]:
+    """The family's kernels bound to their hooks over ``call`` for the length of one call of the decoder ``layer``
+    (whose mixer is ``mixer``); a kernel package release the hooks cannot run on refused first
     (:func:`.recurrent.package_problem`), before the layer computes (the package is the same on every rank).
 
-    A kernel is a module-level function, a method (``"Class.method"``, bound on the class) or a convolution module
-    of the mixer (``".attribute"``: its ``forward``, bound on that module). The context is bound here, not read from
-    a kernel's call: not every mixer hands the forward's keyword arguments on to its kernels (Nemotron-H's
-    ``mamba2_chunk_scan`` and Jamba's ``mamba_selective_scan`` get none).
+    A kernel is a module-level function, a method (``"Class.method"``, bound on the class) or a module of the layer
+    that mixes neighbouring rows (``".path.to.it"`` from the layer: its ``forward``, bound on that module). The
+    context is bound here, not read from a kernel's call: not every mixer hands the forward's keyword arguments on to
+    its kernels (Nemotron-H's ``mamba2_chunk_scan`` and Jamba's ``mamba_selective_scan`` get none).
     """
     module = hybrid.modeling_module()
     with contextlib.ExitStack() as scope:
         for name, kind in hybrid.kernels:
             if name.startswith("."):
-                part = getattr(mixer, name[1:])
+                part = operator.attrgetter(name[1:])(layer)
                 if hybrid.conv_state:
                     call.conv_state = functools.partial(_keep_conv_state, mixer, hybrid.conv_state)
                 scope.enter_context(registry.scoped(part, "forward", hooked(kind, part, call, name[1:]), KERNEL_WHY))
@@ -440,8 +469,8 @@ def _kernels_hooked(hybrid: HybridFamily, call: LayerCall, layer: str, mixer: to
             kernel = getattr(owner, attr)
             problem = package_problem(kernel)
             if problem is not None:
-                call.context.fail(ValueError(f"the {layer} layer of {hybrid.model_types[0]!r} over sequence shards: "
-                                             f"{problem}"))
+                call.context.fail(ValueError(f"the {type(layer).__name__} layer of {hybrid.model_types[0]!r} over "
+                                             f"sequence shards: {problem}"))
             hook = _bound_hook(kind, kernel, call, name) if isinstance(owner, type) else hooked(kind, kernel, call, name)
             scope.enter_context(registry.scoped(owner, attr, hook, KERNEL_WHY))
         yield

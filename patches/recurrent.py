@@ -47,6 +47,7 @@ Tensor = torch.Tensor
 
 CONV, DELTA, MAMBA2, MAMBA, FUSED = "convolution", "delta rule", "Mamba2 scan", "Mamba scan", "fused"
 RGLRU, CONV_MODULE, LIGHTNING = "RG-LRU scan", "convolution module", "lightning attention"
+SHIFT, WKV = "time shift", "WKV"
 
 
 @dataclass
@@ -58,6 +59,9 @@ class LayerCall:
     layer_idx: Optional[int] = None
     calls: List[str] = field(default_factory=list)
     conv_state: Optional[Callable[[Tensor], None]] = None  # given the sequence's last convolution input rows, if set
+    tails: Dict[str, Tensor] = field(default_factory=dict)  # a row shift's last input row of the sequence, by name
+    row_states: Dict[str, Callable[[Tensor], None]] = field(default_factory=dict)  # sets the state a row shift's
+    # layer reads its first row from, by the shift's name (RWKV given a state list)
 
 
 def hooked(kind: str, kernel: Callable, call: Any, name: Optional[str] = None) -> Callable:
@@ -153,6 +157,12 @@ def _conv(kernel, call: LayerCall, name: str, *args, **kwargs):
                                 "convolution state to start from are not supported there"))
     width = rest["weight"].shape[-1] - 1
     awaited = (width, call.conv_state) if call.conv_state is not None else context.awaited_conv_state(call.layer_idx)
+    return _convolved(kernel, context, x, rest, width, awaited)
+
+
+def _convolved(kernel, context: ShardedForward, x: Tensor, rest: Dict[str, Any], width: int,
+               awaited: Optional[Tuple[int, Callable[[Tensor], None]]]) -> Tensor:
+    """:func:`_conv` once its arguments are read: ``awaited`` ``(rows, keep)`` is given the sequence's last rows."""
     pieces = context.pieces()
     halos, tail, every = halo(pieces, context.comm, x, width, 0 if awaited is None else awaited[0])
     if awaited is not None:
@@ -514,6 +524,101 @@ def _conv_module(kernel, call: LayerCall, name: str, x: Tensor) -> Tensor:
     return _conv(causal_conv(kernel), call, name, x, weight=kernel.weight, bias=kernel.bias)
 
 
+def _previous_row(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """Each row of ``x`` ``(B, C, rows)`` replaced by the row before it, zeros before the first: a causal convolution
+    of width 2 whose weights are (1, 0), as a kernel of :func:`_conv`'s contract (``weight`` gives the width)."""
+    return F.pad(x, (1, 0))[..., :-1]
+
+
+def _shift(kernel, call: LayerCall, name: str, x: Tensor) -> Tensor:
+    """RWKV's time shift (``kernel`` an ``nn.ZeroPad2d((0, 0, 1, -1))``: each row of ``(B, rows, C)`` replaced by the
+    one before) over the shards: :func:`_conv` on :func:`_previous_row`, so a run's first row is the row before it
+    (zero at a document start); the sequence's last row is kept in ``call.tails``."""
+    call.calls.append(name)
+    if tuple(kernel.padding) != (0, 0, 1, -1):
+        call.context.fail(ValueError(f"{name} pads {tuple(kernel.padding)}, not one row before each (0, 0, 1, -1): "
+                                     "not a time shift hf_ring knows over sequence shards"))
+    keep = functools.partial(call.tails.__setitem__, name)  # the layer keeps it as its state (hybrids.py)
+    out = _convolved(_previous_row, call.context, x.transpose(1, 2), {"weight": x.new_empty(1, 1, 2)}, 1,
+                     (1, keep)).transpose(1, 2)
+    given = call.row_states.get(name)
+    if given is not None:  # a layer given a state list writes its entry over the first row: the row before this run
+        given(out[:, 0])
+    return out
+
+
+WKV_EMPTY = -1e38
+"""The log scale of an empty WKV state, as transformers' kernel starts one (its ratio and weight are zero)."""
+
+
+def _wkv_linear(state: List[Tensor]) -> Tensor:
+    """A WKV state as the kernel keeps it (ratio ``num / e^max``, weight ``den / e^max`` and the log scale ``max``,
+    each ``(B, C)``) as ``(B, 2, C)``: its numerator and denominator, in float64, where they compose linearly (float32
+    would overflow at ``e^89``; float64 holds ``e^709``)."""
+    num, den, scale = (t.double() for t in state)
+    weight = scale.clamp(min=-745.0).exp()
+    return torch.stack([num * weight, den * weight], dim=1)
+
+
+def _wkv_state(linear: Tensor, dtype: torch.dtype) -> List[Tensor]:
+    """A numerator and denominator ``(B, 2, C)`` as the kernel keeps them: their ratio, a weight of 1 and the log of
+    the denominator (an empty state where the denominator is zero)."""
+    num, den = linear.unbind(1)
+    some = den > 0
+    safe = torch.where(some, den, torch.ones_like(den))
+    ratio = torch.where(some, num / safe, torch.zeros_like(num))
+    scale = torch.where(some, safe.log(), torch.full_like(den, WKV_EMPTY))
+    return [ratio.to(dtype), some.to(dtype), scale.to(dtype)]
+
+
+def _wkv_runs(kernel, context: ShardedForward, inputs: List[Tensor], rest: Dict[str, Any], scan: Scan) -> Runs:
+    """RWKV's WKV over ``(B, rows, C)``: a numerator and a denominator per channel, each decayed by ``e^w`` per row
+    (``w = -exp(time_decay)``), and an output that is their ratio (with the current row weighted ``e^{u + k}``), so a
+    start state cannot be added to a run's output afterwards. Each segment runs from an empty state for its end
+    state; one that does not start the sequence (or, per batch row, a document) runs again from its true start,
+    given as the kernel's ``state``. The transition is ``e^{w · rows}`` per channel."""
+    time_decay, time_first, key, value = inputs
+    given = rest.pop("state", None)
+    if given is not None and bool(torch.stack([given[0], given[1]]).any()):
+        context.fail(ValueError("the WKV kernel over sequence shards was given a state to start from: a sharded "
+                                "forward starts from an empty state"))
+    rest[_GIVEN] = given is not None
+    kernel = wkv_kernel(kernel, torch.is_grad_enabled())
+    log_decay = -time_decay.double().exp()  # (C,)
+    b = key.shape[0]
+    runs = Runs(_segments(context, key.shape[1], b))  # the kernel is linear in its rows: each run whole
+    for seg, (k_s, v_s) in zip(runs.segments, _by_segment(runs.segments, 1, key, value)):
+        out, state = kernel(time_decay, time_first, k_s, v_s, state=None, return_state=True)
+        again = None if all(seg.fresh) else functools.partial(_wkv_from, kernel, time_decay, time_first, k_s, v_s)
+        runs.add(out, again, _wkv_linear(state), (log_decay * seg.length).exp().expand(b, 1, -1))
+    return runs
+
+
+def wkv_kernel(kernel: Callable, gradients: bool) -> Callable:
+    """The WKV function the runs call: ``kernel``, or under ``gradients`` its modeling module's torch path where that
+    module has loaded transformers' CUDA kernel, whose backward passes no gradient to a start or an end state and
+    computes the others as if the run started from zero (right in one process, where no run starts elsewhere)."""
+    module = sys.modules.get(getattr(kernel, "__module__", None) or "")
+    torch_path = getattr(module, "rwkv_linear_attention_cpu", None)
+    if gradients and torch_path is not None and getattr(module, "rwkv_cuda_kernel", None) is not None:
+        return torch_path
+    return kernel
+
+
+def _wkv_from(kernel, time_decay: Tensor, time_first: Tensor, key: Tensor, value: Tensor, start: Tensor) -> Tensor:
+    out, _ = kernel(time_decay, time_first, key, value, state=_wkv_state(start, torch.float32), return_state=False)
+    return out
+
+
+_GIVEN = "_state_given"
+"""Where :func:`_wkv_runs` tells :func:`_wkv_finish` that the layer passed a (zero) state, which the kernel then
+returns."""
+
+
+def _wkv_finish(out: Tensor, final: Tensor, want_final: bool, rest: Dict[str, Any]):
+    return out, (_wkv_state(final, torch.float32) if want_final or rest.get(_GIVEN) else None)
+
+
 def _delta_finish(out: Tensor, final: Tensor, want_final: bool, rest: Dict[str, Any]):
     return out, (final if want_final else None)
 
@@ -544,6 +649,9 @@ SCANS: Dict[str, Scan] = {
     LIGHTNING: Scan(state="", final="", packed="", rows_dim=1, runs=_lightning_runs, compose=lambda m, s: m * s,
                     chain=lambda m2, m1: m2 * m1, correct=lambda out, again, start: again(start),
                     finish=_lightning_finish, inputs=3),
+    WKV: Scan(state="", final="return_state", packed="", rows_dim=1, runs=_wkv_runs, compose=lambda m, s: m * s,
+              chain=lambda m2, m1: m2 * m1, correct=lambda out, again, start: again(start), finish=_wkv_finish,
+              inputs=4),
 }
 """The scan kinds, by the kind the family table names: transformers' torch paths' keywords."""
 
@@ -553,5 +661,5 @@ def _fused(kernel, call: LayerCall, name: str, *args, **kwargs):
     return None
 
 
-_HOOKS: Dict[str, Callable] = {CONV: _conv, CONV_MODULE: _conv_module, FUSED: _fused,
+_HOOKS: Dict[str, Callable] = {CONV: _conv, CONV_MODULE: _conv_module, SHIFT: _shift, FUSED: _fused,
                                **{kind: functools.partial(_scan, scan) for kind, scan in SCANS.items()}}

@@ -32,7 +32,7 @@ _LAYER_TYPE_REASONS = {
 }
 
 SEQUENCE_MIXER = re.compile(r"Mamba|Mixer|DeltaNet|DeltaAttention|LinearAttention|Lightning|Rglru|Recurrent|ShortConv|"
-                            r"Rwkv|Hyena|SSM")
+                            r"Rwkv|Hyena|SSM|LSTM")
 """Class names of transformers' non-attention sequence mixers (a safety net beside the layer types)."""
 SEQUENCE_CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 MULTIMODAL_KEYS = ("vision_config", "audio_config", "speech_config", "vision_tower_config")

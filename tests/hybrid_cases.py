@@ -40,6 +40,8 @@ def kernel_inputs(kind: str, seed: int = 0) -> Tuple[tuple, dict]:
         reset = torch.zeros(2, N, 1, dtype=torch.bool)
         reset[:, 0] = reset[1, 40] = True
         return (r(2, N, 12), 0.9 + 0.1 * u(2, N, 12), reset), {"recurrent_states": None}
+    if kind == "WKV":  # decays per row from e^-0.02 to e^-0.4: a state crosses many rows
+        return (r(12) * 0.5 - 2.5, r(12) * 0.5, r(2, N, 12), r(2, N, 12)), {}
     return (r(2, 10, N), r(10, 4)), {"bias": r(10), "activation": "silu"}  # a convolution of width 4
 
 
@@ -48,6 +50,7 @@ KERNELS = {"gated delta rule": ("qwen3_5", "torch_chunk_gated_delta_rule", "delt
            "Mamba2 scan": ("nemotron_h", "mamba2_chunk_scan", "Mamba2 scan", "mamba2_scan"),
            "Mamba scan": ("jamba", "mamba_selective_scan", "Mamba scan", "selective_scan"),
            "RG-LRU": ("recurrent_gemma", "RecurrentGemmaRglru._rnn_scan", "RG-LRU scan", "rg_lru_scan"),
+           "WKV": ("rwkv", "rwkv_linear_attention", "WKV", "wkv"),
            "convolution": ("qwen3_5", "causal_conv1d_fn", "convolution", None)}
 """Per kernel: the modeling module whose torch path is hooked, its name there (``Class.method``: a method, which
 uses nothing of its instance), the hook's kind, its float64 reference in :mod:`reference` (None: the convolution
@@ -61,7 +64,15 @@ def _final_key(kind: str) -> Dict[str, bool]:
     if kind in ("convolution", "RG-LRU"):  # RG-LRU's scan returns its end state unasked
         return {}
     return {{"delta rule": "output_final_state", "Mamba2 scan": "return_final_states",
-             "Mamba scan": "return_last_state"}[KERNELS[kind][2]]: True}
+             "Mamba scan": "return_last_state", "WKV": "return_state"}[KERNELS[kind][2]]: True}
+
+
+def _state(final):
+    """A kernel's end state as one tensor: WKV's ``(ratio, weight, log scale)`` as its numerator and denominator."""
+    if isinstance(final, (list, tuple)):
+        ratio, weight, scale = (t.detach().double() for t in final)
+        return torch.stack([ratio * scale.exp(), weight * scale.exp()])
+    return None if final is None else final.detach()
 
 
 def _split(kind: str, t, rows):
@@ -109,8 +120,7 @@ def kernel_case(kind: str, scan_rows=None) -> dict:
                                                                 if isinstance(v, torch.Tensor)]
         for g in grads:
             dist.all_reduce(g)  # each rank's share of every input's gradient
-        return {"rows": rows, "out": out.detach(), "final": None if final is None else final.detach(),
-                "grads": grads}
+        return {"rows": rows, "out": out.detach(), "final": _state(final), "grads": grads}
     finally:
         hf_ring.clear_sequence_parallel()
 
@@ -133,7 +143,7 @@ def reference_kernel(kind: str) -> dict:
     (out.double() * output_weight(kind, out.dtype)).sum().backward()
     grads = [a.grad for a in leaves if a.requires_grad] + [v.grad for v in extra.values()
                                                             if isinstance(v, torch.Tensor)]
-    return {"out": out.detach(), "final": None if final is None else final.detach(), "grads": grads}
+    return {"out": out.detach(), "final": _state(final), "grads": grads}
 
 
 FAMILIES = ("qwen3_5_text", "qwen3_next", "kimi_linear", "nemotron_h", "granitemoehybrid", "lfm2", "jamba", "bamba",
@@ -208,14 +218,16 @@ def _step(model, data):
     return out.loss.detach()
 
 
-def family_reference(model_type: str, n: int = N, packed: bool = False, batch=None) -> dict:
+def family_reference(model_type: str, n: int = N, packed: bool = False, batch=None, pattern: str = "hybrid") -> dict:
     """One process, ``sdpa``, float64: the loss and every gradient of the padded batch (``eager`` fills a padded
     query row that sees no key with NaN, which the recurrent layers' masking, a product by 0, carries on), or of
-    the packed batch's documents run one by one (``packed``; ``batch``: another packed batch)."""
+    the packed batch's documents run one by one (``packed``; ``batch``: another packed batch); ``pattern``: the
+    layers' (:mod:`hybrid_models`; ``recurrent``: a model with no attention, on ``eager``)."""
     import hybrid_models
     import sweep
 
-    model, why = sweep.build(model_type, "sdpa", torch.float64, "hybrid")
+    attn = "eager" if pattern == hybrid_models.RECURRENT else "sdpa"
+    model, why = sweep.build(model_type, attn, torch.float64, pattern)
     assert model is not None, why
     if packed:
         with hybrid_models.model_in_float64(model):
@@ -227,12 +239,12 @@ def family_reference(model_type: str, n: int = N, packed: bool = False, batch=No
     return {"loss": loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
 
 
-def packed_one_process(model_type: str, attn: str = "ring_dilated", batch=None) -> dict:
+def packed_one_process(model_type: str, attn: str = "ring_dilated", batch=None, pattern: str = "hybrid") -> dict:
     """The packed batch (or ``batch``) in one process, as a training loop gives it to a model (no hf_ring call:
     position ids restarting, no mask, no cache), float64: the loss and every gradient."""
     import sweep
 
-    model, why = sweep.build(model_type, attn, torch.float64, "hybrid")
+    model, why = sweep.build(model_type, attn, torch.float64, pattern)
     assert model is not None, why
     loss = _step(model, dict(packed_batch() if batch is None else batch, use_cache=False))
     return {"loss": loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
@@ -319,7 +331,7 @@ MEMORY_CHUNKS = {"loss_chunk_rows": 5, "row_chunk_rows": 4}
 
 
 def family_case(model_type: str, ulysses: int = 1, n: int = N, packed: bool = False, scan_rows=None,
-                memory: bool = False) -> dict:
+                memory: bool = False, pattern: str = "hybrid") -> dict:
     """The same step with the rows split over the pool's ranks (``ulysses``: head-parallel groups of that size);
     ``packed``: of the packed batch; ``scan_rows``: the most rows one scan kernel call runs (None: the default);
     ``memory``: with what a long step runs with, activation checkpointing with the layer inputs offloaded and the
@@ -332,7 +344,7 @@ def family_case(model_type: str, ulysses: int = 1, n: int = N, packed: bool = Fa
 
     sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses)
     try:
-        model, why = sweep.build(model_type, "ring_dilated", torch.float64, "hybrid")
+        model, why = sweep.build(model_type, "ring_dilated", torch.float64, pattern)
         if memory:
             model.train()
             enable_checkpointing(model)
@@ -516,3 +528,11 @@ def lightning_reference() -> dict:
     out, final = reference.lightning_attention(module, hidden)
     (out * lightning_weight()).sum().backward()
     return {"out": out.detach(), "final": final.detach(), "grads": [hidden.grad] + [p.grad for p in module.parameters()]}
+
+
+def generate_or_refused(model_type: str, path: str, **kwargs):
+    """:func:`generate_case`, or the refusal it raised (a model whose generate hands it no cache to shard)."""
+    try:
+        return generate_case(model_type, path, **kwargs)
+    except NotImplementedError as err:
+        return {"refused": str(err)}

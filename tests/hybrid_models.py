@@ -104,6 +104,7 @@ SIZE_FIXES: Dict[str, Dict] = {
     # derived from the hidden size before the shrinking: the attention block reads twice the hidden size
     "zamba": {"attention_hidden_size": 128, "attention_head_dim": 32, "mamba_dt_rank": 4},
     "zamba2": {"attention_hidden_size": 128, "attention_head_dim": 32},
+    "rwkv": {"attention_hidden_size": None},  # the hidden size; its cached state is that wide whatever this says
     # no default for its attention's token indexer (a top-k of pooled key blocks per query)
     **{t: {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
            "indexer_compress_ratio": 2} for t in ("qwen4_exp", "qwen4_exp_text")},
@@ -125,7 +126,7 @@ def hybrid_types() -> List[str]:
 
 
 REFERENCE_KERNELS = {"delta rule": "delta_rule", "Mamba2 scan": "mamba2_scan", "Mamba scan": "selective_scan",
-                     "RG-LRU scan": "rg_lru_scan"}
+                     "RG-LRU scan": "rg_lru_scan", "WKV": "wkv"}
 """The float64 recurrence of :mod:`reference` that stands in for each kind of kernel hf_ring hooks."""
 
 

@@ -235,6 +235,29 @@ def rg_lru_scan(self, hidden_states, recurrent_gate, reset, recurrent_states=Non
     return torch.stack(outs, 1).to(hidden_states.dtype), state
 
 
+def wkv(time_decay, time_first, key, value, state=None, return_state=False):
+    """RWKV's WKV, one row at a time in float64 over ``(B, L, C)``, as a plain numerator and denominator per channel:
+    ``o_t = (num + e^{u + k_t} v_t) / (den + e^{u + k_t})``, then ``num = e^w num + e^{k_t} v_t`` and ``den = e^w den +
+    e^{k_t}``, ``w = -exp(time_decay)``, ``u = time_first``. ``state``: ``(ratio, weight, log scale)`` as the model
+    keeps it (``num = ratio · e^scale``); the end state is returned in that form with a scale of 0."""
+    dtype = key.dtype
+    decay, first = (-time_decay.double().exp()).exp(), time_first.double().exp()
+    k, v = key.double().exp(), value.double()
+    if state is None:
+        num = k.new_zeros(k.shape[0], k.shape[2])
+        den = num.clone()
+    else:
+        ratio, weight, scale = (t.double() for t in state)
+        num, den = ratio * scale.exp(), weight * scale.exp()
+    outs = []
+    for t in range(k.shape[1]):
+        now = first * k[:, t]
+        outs.append((num + now * v[:, t]) / (den + now))
+        num, den = decay * num + k[:, t] * v[:, t], decay * den + k[:, t]
+    out = torch.stack(outs, 1).to(dtype)
+    return out, ([num, den, torch.zeros_like(num)] if return_state or state is not None else None)
+
+
 def lightning_attention(module, hidden):
     """MiniMax's lightning attention layer in float64, its recurrence one row at a time over ``(B, L, hidden)``:
     per head ``S_t = exp(-slope) S_{t-1} + k_tᵀ v_t``, ``o_t = q_t S_t`` from a zero state; then the layer's norm,

@@ -61,10 +61,9 @@ def test_apply_and_revert_are_exact_and_leave_unsharded_runs_alone(kind):
 
 
 REFUSED = {  # model type: (config overrides, words the refusal must contain)
-    "rwkv": ({}, "RwkvForCausalLM does not declare that its attention goes through"),
     "xlstm": ({}, "xLSTMForCausalLM does not declare that its attention goes through"),
 }
-"""Recurrent models hf_ring has no state rule for (RWKV's WKV, xLSTM), which no attention interface tells apart."""
+"""Recurrent models hf_ring has no state rule for (xLSTM), which no attention interface tells apart."""
 
 HOOKED = {
     "lfm2": dict(layer_types=["conv", "full_attention"]),
@@ -77,6 +76,7 @@ HOOKED = {
     "mamba": {},  # state-space models with no attention
     "falcon_mamba": {},
     "mamba2": dict(num_heads=2, head_dim=64),  # heads x head_dim = expand x hidden
+    "rwkv": {},  # WKV and row shifts, no attention
 }
 """Hybrids whose recurrent layers hf_ring computes over shards (patches/recurrent.py): their configs pass."""
 
@@ -148,6 +148,10 @@ def _unsupported_model_sharded():
         hf_ring.clear_sequence_parallel()
 
 
+XLSTM = dict(vocab_size=97, hidden_size=64, embedding_dim=64, num_heads=4, num_blocks=2, num_hidden_layers=2,
+             pad_token_id=0)
+
+
 def _attentionless_model_sharded():
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -155,7 +159,7 @@ def _attentionless_model_sharded():
 
     hf_ring.setup_sequence_parallel(None, 2)
     try:
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("rwkv", **TINY)).eval()
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("xlstm", **XLSTM)).eval()
         return raises_on_rank(model, **hf_ring.shard_batch({"input_ids": torch.zeros(1, 10, dtype=torch.long)}))
     finally:
         hf_ring.clear_sequence_parallel()
@@ -189,9 +193,9 @@ def test_sharded_run_of_unsupported_model_is_refused(pools):
 
 
 def test_a_model_without_attention_is_refused_for_what_it_is_not_for_its_attention_setting(pools):
-    """RWKV has no attention to set to ring_dilated: the refusal names its structure, not the setting."""
+    """xLSTM has no attention to set to ring_dilated: the refusal names its structure, not the setting."""
     for kind, message in pools(2).run(_attentionless_model_sharded):
-        assert kind == "ValueError" and "model type 'rwkv' cannot run with its sequence split" in message, message
+        assert kind == "ValueError" and "model type 'xlstm' cannot run with its sequence split" in message, message
         assert "non-attention sequence mixers" in message and "set_attn_implementation" not in message, message
 
 

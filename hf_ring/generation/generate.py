@@ -38,7 +38,7 @@ from ..integration.context import CONTEXT_KEY, ShardedForward
 from ..integration.groups import SequenceParallel, current
 from ..entry.guard import other_attention_message
 from ..entry.media import MediaForward, has_media
-from ..integration.seams import CACHE_KEYWORD, cache_argument, peft_base
+from ..integration.seams import CACHE_KEYWORD, cache_argument, generate_cache_problem, peft_base
 from ..patches import apply as apply_patches
 from ..patches.hybrids import own_cache, recurrent_layers
 from .cache import ShardedCache, sharded_cache_class
@@ -287,6 +287,11 @@ def _prepare(model, input_ids, attention_mask, sp, comm: Optional[RingComm], all
     if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
         raise ValueError("hf_ring.generate does not take a prompt-learning PEFT model (prefix or prompt tuning): its "
                          "virtual tokens are not split; merge or use a weight adapter such as LoRA")
+    problem = generate_cache_problem(peft_base(model))
+    if problem is not None and comm is None:  # nothing to shard: transformers' own generate
+        return model, None
+    if problem is not None:
+        raise NotImplementedError(f"hf_ring.generate shards the cache generate hands the model: {problem}")
     if setting("use_cache") is False:
         raise ValueError("hf_ring.generate keeps a sharded KV cache; use_cache=False is not supported")
     if (setting("num_beams") or 1) > 1:

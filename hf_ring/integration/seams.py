@@ -48,6 +48,7 @@ and each is imported by one module: ``AttentionInterface`` and
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from types import CodeType
 from typing import Any, Dict, Optional
 
@@ -110,6 +111,22 @@ def cache_argument(kwargs: Dict[str, Any], pop: bool = False) -> Any:
         for name in CACHE_NAMES:
             kwargs.pop(name, None)
     return cache
+
+
+def generate_cache_problem(model: Any) -> Optional[str]:
+    """Why ``model.generate`` of this release hands the model no cache under :data:`CACHE_KEYWORD` (a model whose
+    state lives in an argument of its own: Mamba's ``cache_params`` in transformers 5.17), or None. transformers
+    decides which of generate's keywords a model uses by those of ``prepare_inputs_for_generation``, with
+    ``forward``'s where it takes ``**kwargs``; so does this."""
+    names = set(inspect.signature(model.prepare_inputs_for_generation).parameters)
+    if "kwargs" in names or "model_kwargs" in names:
+        names |= set(inspect.signature(model.forward).parameters)
+    if CACHE_KEYWORD in names:
+        return None
+    name = type(model).__name__
+    return (f"{name}.generate of transformers {transformers.__version__} hands the model no {CACHE_KEYWORD} (its state "
+            f"lives in an argument of its own), so there is no cache to shard; generate in one process with "
+            f"model.generate, or with a transformers release whose {name} takes {CACHE_KEYWORD}")
 
 
 def trainer_sharding_problem(model: Any) -> Optional[str]:
