@@ -26,8 +26,8 @@ TOKENWISE_LAYER_TYPES = ("moe", "mlp", "dense", "sparse")
 _LAYER_TYPE_REASONS = {
     "linear_attention": "recurrent layers (state-space or linear attention) carry a state along the sequence",
     "mamba": "Mamba layers carry a state along the sequence",
-    "hybrid": "hybrid layers run a state-space mixer beside attention",
-    "hybrid_sliding": "hybrid layers run a linear-attention mixer beside attention",
+    "hybrid": "hybrid layers mix the sequence beside or inside their attention (a state-space mixer, convolutions)",
+    "hybrid_sliding": "hybrid layers mix the sequence beside or inside their sliding-window attention",
     "conv": "convolution layers mix neighbouring tokens",
 }
 
