@@ -408,7 +408,7 @@ def test_rwkv_under_gradients_runs_its_torch_path_where_the_cuda_kernel_is_loade
     with it loaded, a step with gradients runs the modeling module's torch path; decoding keeps the kernel."""
     import transformers.models.rwkv.modeling_rwkv as rwkv
 
-    from hf_ring.patches.recurrent import wkv_kernel
+    from hf_ring.patches.recurrent_wkv import wkv_kernel
 
     assert wkv_kernel(rwkv.rwkv_linear_attention, True) is rwkv.rwkv_linear_attention  # not loaded: as it is
     monkeypatch.setattr(rwkv, "rwkv_cuda_kernel", object())
