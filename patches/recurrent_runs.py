@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from hf_ring.engine.gathers import gather
 from hf_ring.engine.recurrence import Segment, carried, fold, keeps, segment_starts, segments
 from hf_ring.integration.context import CONTEXT_KEY, ShardedForward
-from hf_ring.integration.seams import kernel_implementation
+from hf_ring.integration.seams import kernel_function, kernel_implementation
 
 Tensor = torch.Tensor
 
@@ -35,7 +35,7 @@ class LayerCall:
 def kernel_arguments(fn: Callable, args: tuple, kwargs: dict, leading: int) -> Tuple[List[Any], Dict[str, Any]]:
     """A kernel call's first ``leading`` arguments (by position: transformers' torch paths, flash-linear-attention
     and mamba-ssm name them differently) and the others by name, defaults filled, its ``**kwargs`` merged in."""
-    signature = inspect.signature(fn)
+    signature = inspect.signature(kernel_function(fn))  # a kernels function layer's: its function's
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     found = dict(bound.arguments)

@@ -536,3 +536,32 @@ def generate_or_refused(model_type: str, path: str, **kwargs):
         return generate_case(model_type, path, **kwargs)
     except NotImplementedError as err:
         return {"refused": str(err)}
+
+
+def layered_family_case(model_type: str, module_name: str, ulysses: int = 1) -> dict:
+    """:func:`family_case` with every kernel function of the family's modeling module (and the float64 delta rule
+    that stands in for it) made a ``kernels`` function layer (:func:`kernel_standins.function_layer`), as transformers
+    leaves them where the ``kernels`` package is installed; the family found again from them, and put back after."""
+    import kernel_standins
+    import reference
+    import hf_ring.patches.hybrids as hybrids
+    from hf_ring.integration.seams import kernel_name
+
+    module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    saved = {name: fn for name, fn in vars(module).items() if callable(fn) and kernel_name(fn) is not None}
+    delta_rule = reference.delta_rule
+    try:
+        for name, fn in saved.items():
+            setattr(module, name, kernel_standins.function_layer(fn, kernel_name(fn)))
+        reference.delta_rule = kernel_standins.function_layer(delta_rule, "chunk_gated_delta_rule")
+        hybrids.family.cache_clear()
+        hybrids._found_in.cache_clear()  # the family is read again, from the layers
+        found = hybrids.family(model_type)
+        kernels = sorted(name for name, _ in found.kernels) if found is not None else None
+        return {**family_case(model_type, ulysses), "kernels": kernels}
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+        reference.delta_rule = delta_rule
+        hybrids.family.cache_clear()
+        hybrids._found_in.cache_clear()

@@ -478,6 +478,24 @@ LAUNCHERS: Dict[str, Dict[str, object]] = {
 replaced)."""
 
 
+def function_layer(func: Callable, layer_name: str) -> torch.nn.Module:
+    """What the ``kernels`` package (0.16 to 0.18, read from its source) makes of a function decorated with its
+    ``use_kernel_forward_from_hub``, which transformers applies to each kernel function it resolves when ``kernels``
+    is installed: an ``nn.Module`` instance whose ``forward`` calls the function (and carries its signature after
+    ``self``), its class marked with the layer name ``kernelize`` looks up."""
+    import inspect
+
+    class Func(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return func(*args, **kwargs)
+
+    signature = inspect.signature(func)
+    Func.forward.__signature__ = signature.replace(
+        parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *signature.parameters.values()])
+    Func.kernel_layer_name = layer_name
+    return Func()
+
+
 PACKAGES = ("fla", "causal_conv1d", "mamba_ssm")
 """The kernel packages transformers looks for, as imported."""
 

@@ -414,3 +414,38 @@ def test_rwkv_under_gradients_runs_its_torch_path_where_the_cuda_kernel_is_loade
     monkeypatch.setattr(rwkv, "rwkv_cuda_kernel", object())
     assert wkv_kernel(rwkv.rwkv_linear_attention, True) is rwkv.rwkv_linear_attention_cpu
     assert wkv_kernel(rwkv.rwkv_linear_attention, False) is rwkv.rwkv_linear_attention
+
+
+def test_kernel_functions_that_the_kernels_package_made_layers_are_seen_through(monkeypatch):
+    """With the ``kernels`` package installed, transformers' kernel functions are ``nn.Module`` instances whose
+    forward calls the resolved function (kernel_standins.function_layer, from the package's source): the name they
+    resolve under, the function they run and the arguments a call binds are those of the function inside."""
+    import transformers.integrations.hub_kernels as hub_kernels
+    import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
+
+    import kernel_standins
+    from hf_ring.integration import seams
+    from hf_ring.patches.recurrent_runs import kernel_arguments
+
+    for fn in (qwen3_5.torch_chunk_gated_delta_rule, qwen3_5.causal_conv1d_fn):
+        layer = kernel_standins.function_layer(fn, seams.kernel_name(fn))
+        assert seams.kernel_name(layer) == seams.kernel_name(fn) is not None
+        assert seams.kernel_implementation(layer) is seams.kernel_implementation(fn)
+    args, kwargs = hybrid_cases.kernel_inputs("gated delta rule")
+    layer = kernel_standins.function_layer(qwen3_5.torch_chunk_gated_delta_rule, "chunk_gated_delta_rule")
+    leading, rest = kernel_arguments(layer, args, dict(kwargs, output_final_state=True), 5)
+    assert all(a is b for a, b in zip(leading, args)) and rest["output_final_state"] and rest["chunk_size"] == 64
+    # the wrapper transformers makes is recognised when the kernels package turns it into a layer too
+    layered = lambda name: lambda fn: kernel_standins.function_layer(fn, name)  # noqa: E731
+    monkeypatch.setattr(hub_kernels, "use_kernel_forward_from_hub", layered)
+    assert seams._kernel_resolver() is seams.KERNEL_RESOLVER is not None
+
+
+@pytest.mark.parametrize("world, ulysses", [(2, 1), (4, 2)], ids=["2-ranks", "4-ranks-heads2"])
+def test_a_hybrid_whose_kernels_the_kernels_package_made_layers_equals_one_process(pools, world, ulysses):
+    """Qwen3.5 with its convolution and delta rule as ``kernels`` function layers (as transformers leaves them where
+    that package is installed): the family is found from them, and the step equals one process's."""
+    want = hybrid_cases.family_reference("qwen3_5_text")
+    got = pools(world).run(hybrid_cases.layered_family_case, "qwen3_5_text", "qwen3_5", ulysses)[0]
+    assert got["kernels"] == ["causal_conv1d_fn", "torch_chunk_gated_delta_rule"], got["kernels"]
+    check_family(got, want)

@@ -189,6 +189,18 @@ def as_layer_forward(forward: Any, replaced: Any) -> Any:
     return type("ReplacedForward", (GradientCheckpointingLayer,), {"forward": forward}).__dict__["forward"]
 
 
+def kernel_function(kernel: Any) -> Any:
+    """The function a modeling module's kernel name calls: ``kernel`` itself, or, where the ``kernels`` package is
+    installed, the function inside the layer it made of it (``use_kernel_forward_from_hub`` on a function gives an
+    ``nn.Module`` instance whose ``forward`` calls the function, so that ``kernelize`` can replace that forward).
+    Its signature is the one the modeling code calls the kernel by."""
+    forward = getattr(type(kernel), "forward", None)
+    code = getattr(forward, "__code__", None)
+    if not hasattr(type(kernel), "kernel_layer_name") or code is None or "func" not in code.co_freevars:
+        return kernel
+    return forward.__closure__[code.co_freevars.index("func")].cell_contents
+
+
 def _kernel_resolver() -> Optional[CodeType]:
     decorate = getattr(hub_kernels, "use_kernel_func_from_hub_with_fallback", None)
     if decorate is None:
@@ -197,7 +209,8 @@ def _kernel_resolver() -> Optional[CodeType]:
     def probe(x: Any) -> Any:
         return x
 
-    wrapped = decorate("hf_ring_probe", "hf_ring_probe_package")(probe)  # no such package: the torch path
+    wrapped = kernel_function(decorate("hf_ring_probe", "hf_ring_probe_package")(probe))  # no such package: the
+    # torch path
     code = getattr(wrapped, "__code__", None)
     return code if wrapped is not probe and code is not None and "implementation" in code.co_freevars else None
 
@@ -208,6 +221,7 @@ KERNEL_RESOLVER = _kernel_resolver()
 
 
 def _resolved(kernel: Any, name: str) -> Any:
+    kernel = kernel_function(kernel)
     code = getattr(kernel, "__code__", None)
     if KERNEL_RESOLVER is None or code is not KERNEL_RESOLVER:
         return None
