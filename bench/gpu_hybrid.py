@@ -121,7 +121,7 @@ def kernels_in_use(packages_dir: Optional[str], fake: bool, types: List[str]) ->
     :func:`run_ranks`, in a fresh process)."""
     _prepare(packages_dir, fake)
     from hf_ring.integration.seams import kernel_implementation
-    from patches import hybrids
+    from hf_ring.patches import hybrids
 
     rows = []
     for model_type in types:
@@ -131,8 +131,8 @@ def kernels_in_use(packages_dir: Optional[str], fake: bool, types: List[str]) ->
             rows.append({"model_type": model_type, "kernel": "-", "package": "not a hooked family here"})
             continue
         for name, _ in found.kernels:
-            if name.startswith("."):  # a convolution module of the mixer: torch's nn.Conv1d
-                rows.append({"model_type": model_type, "kernel": name[1:], "package": "torch (nn.Conv1d)"})
+            if name.startswith("."):  # a module of the layer (an nn.Conv1d, a row shift): torch's own
+                rows.append({"model_type": model_type, "kernel": name[1:], "package": "torch (a module)"})
                 continue
             owner, attr = hybrids.kernel_owner(module, name)
             fn = kernel_implementation(getattr(owner, attr))  # what transformers' kernel-name wrapper calls
