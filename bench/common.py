@@ -45,6 +45,22 @@ def device_name() -> str:
     return f"CPU ({os.cpu_count()} cores)"
 
 
+def sync(device: str) -> None:
+    """Wait for ``device``'s queued work (a GPU's), so that a time or a peak covers it."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def rel_err(got, ref) -> float:
+    """A tensor's (or array's) worst relative error: ``max|got - ref| / max|ref|``, in float64 on ``got``'s device;
+    0 where both are zero, inf where only ``ref`` is."""
+    got = torch.as_tensor(got).double()
+    ref = torch.as_tensor(ref).to(device=got.device, dtype=torch.float64)
+    scale = ref.abs().max().item()
+    diff = (got - ref).abs().max().item()
+    return diff / scale if scale else (0.0 if diff == 0.0 else float("inf"))
+
+
 def rss_mb() -> float:
     """Current resident set size of this process in MiB."""
     with open("/proc/self/statm") as f:

@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from hf_ring.versions import FLOORS, installed
-from .common import commit, run_ranks
+from .common import commit, rel_err, run_ranks
 
 PACKAGES = tuple(FLOORS)
 
@@ -80,11 +80,6 @@ WRITES = {"compat": {"rows": PACKAGES + (
 BESIDE = {"compat": ("config",)}
 
 
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    scale = want.double().abs().max().item()
-    return (got.double() - want.double()).abs().max().item() / scale
-
-
 def _save_model(directory: str) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -121,7 +116,7 @@ def one_process(path: str) -> float:
     assert models["ring_dilated"].config._attn_implementation == "ring_dilated"
     with torch.no_grad():
         got, want = (m(input_ids=_batch()["input_ids"]).logits for m in models.values())
-    return _rel(got, want)
+    return rel_err(got, want)
 
 
 def _sharded_step(path: str) -> Dict:
@@ -136,9 +131,9 @@ def _sharded_step(path: str) -> Dict:
     total = loss.detach().clone()
     torch.distributed.all_reduce(total)  # each rank's loss is its shard's share of the sequence's
     want_loss, want_grads = _reference(path)
-    worst_grad = max(_rel(p.grad, want_grads[k]) for k, p in model.named_parameters())
+    worst_grad = max(rel_err(p.grad, want_grads[k]) for k, p in model.named_parameters())
     hf_ring.clear_sequence_parallel()
-    return {"loss": _rel(total, want_loss), "grads": worst_grad}
+    return {"loss": rel_err(total, want_loss), "grads": worst_grad}
 
 
 def _trainer(path: str) -> float:

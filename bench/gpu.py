@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from . import gpu_hybrid
 from . import model as model_bench
 from . import routes as route_check
-from .common import command_line, format_table, ratio_range, run_ranks, save
+from .common import command_line, format_table, ratio_range, rel_err, run_ranks, save, sync
 from .configs import dilated_pattern
 
 SIZES = [8192, 16384, 32768, 65536]
@@ -97,17 +97,6 @@ def load_reference() -> ModuleType:
     return module
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    scale = ref.double().abs().max().item()
-    diff = (got.double() - ref.double().to(got.device)).abs().max().item()
-    return diff / scale if scale else (0.0 if diff == 0.0 else float("inf"))
-
-
 def _position_ids(lengths, n: int) -> torch.Tensor:
     row = [i for length in lengths for i in range(length)]
     row += list(range(n - len(row)))
@@ -150,7 +139,7 @@ def exact_case(R: ModuleType, spec: Dict, dtype: torch.dtype, n: int, device: st
     out = hf_ring.ring_attention(*leaves, **kw)
     out.backward(dout.to(device=device, dtype=dtype))
     got = [out.detach()] + [t.grad for t in leaves] + ([kw["sinks"].grad] if sinks is not None else [])
-    errs = {name: _rel(x, r) for name, x, r in zip(("out", "dq", "dk", "dv", "dsinks"), got, ref)}
+    errs = {name: rel_err(x, r) for name, x, r in zip(("out", "dq", "dk", "dv", "dsinks"), got, ref)}
     return errs
 
 
@@ -225,13 +214,13 @@ def _rounds(fns: Dict[str, Callable[[], None]], repeats: int, device: str) -> Di
     so that a ratio of two is taken within a round: side by side, not one's repeats after the other's."""
     for fn in fns.values():
         fn()
-    _sync(device)
+    sync(device)
     times: Dict[str, List[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
-            _sync(device)
+            sync(device)
             times[name].append(time.perf_counter() - t0)
     return times
 
@@ -318,7 +307,7 @@ def _two_rank_ring(n: int, exact_n: int, repeats: int, device_kind: str, dtype: 
     mine = [t[:, :, pos].to(device).requires_grad_(True) for t in (q, k, v)]
     out = hf_ring.ring_attention(*mine, seq_len=exact_n)
     out.backward(do[:, :, pos].to(device))
-    errs = [_rel(got, r[:, :, pos]) for got, r in zip([out.detach()] + [t.grad for t in mine], ref)]
+    errs = [rel_err(got, r[:, :, pos]) for got, r in zip([out.detach()] + [t.grad for t in mine], ref)]
     return {"times": times, "max_rel_err": max(errs)}
 
 

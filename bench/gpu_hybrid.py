@@ -45,7 +45,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .common import command_line, format_table, ratio_range, run_ranks, save
+from .common import command_line, format_table, ratio_range, rel_err, run_ranks, save, sync
 from .configs import MODEL, hybrid_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,13 +211,6 @@ def exact_steps(packages_dir: Optional[str], fake: bool, device: str, types: Lis
     return found
 
 
-def _rel(got, want) -> float:
-    got, want = torch.as_tensor(got).double(), torch.as_tensor(want).double()
-    scale = want.abs().max().item()
-    diff = (got - want).abs().max().item()
-    return diff / scale if scale else (0.0 if diff == 0 else float("inf"))
-
-
 def exact_rows(one: Dict[str, Dict], two: List[Dict[str, Dict]]) -> List[Dict]:
     """Per type, the 2 ranks' worst relative error per tensor against one process (rank 0's gradients, which
     ``sync_gradients`` made every rank's)."""
@@ -231,18 +224,13 @@ def exact_rows(one: Dict[str, Dict], two: List[Dict[str, Dict]]) -> List[Dict]:
             rows.append({"model_type": model_type, "packages": "-", "worst_rel_err": None, "worst_tensor": error,
                          "within": False, "tolerance": TOLERANCE})
             continue
-        errs = {"loss": _rel(got["loss"], want["loss"])}
-        errs.update({name: _rel(got["grads"][name], g) for name, g in want["grads"].items()})
+        errs = {"loss": rel_err(got["loss"], want["loss"])}
+        errs.update({name: rel_err(got["grads"][name], g) for name, g in want["grads"].items()})
         worst = max(errs, key=errs.get)
         rows.append({"model_type": model_type, "packages": ", ".join(got["packages"]) or "torch paths only",
                      "worst_rel_err": errs[worst], "worst_tensor": worst, "within": errs[worst] <= TOLERANCE,
                      "tolerance": TOLERANCE})
     return rows
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def timed_steps(packages_dir: Optional[str], fake: bool, device: str, n: int, repeats: int, dtype: str) -> Dict:
@@ -270,7 +258,7 @@ def timed_steps(packages_dir: Optional[str], fake: bool, device: str, n: int, re
         def step():
             model(**data).loss.backward()
             model.zero_grad(set_to_none=True)
-            _sync(device)
+            sync(device)
 
         step()  # kernels compiled and autotuned, the allocator warmed
         if device.startswith("cuda"):
