@@ -33,8 +33,9 @@ def convolution(kernel, call: LayerCall, name: str, *args, **kwargs):
 
 
 def convolved(kernel, context: ShardedForward, x: Tensor, rest: Dict[str, Any], width: int,
-               awaited: Optional[Tuple[int, Callable[[Tensor], None]]]) -> Tensor:
-    """:func:`convolution` once its arguments are read: ``awaited`` ``(rows, keep)`` is given the sequence's last rows."""
+              awaited: Optional[Tuple[int, Callable[[Tensor], None]]]) -> Tensor:
+    """:func:`convolution` once its arguments are read (``kernel(window, **rest)`` for each segment's ``width`` rows
+    before it and its rows): ``awaited`` ``(rows, keep)`` is given the sequence's last rows."""
     pieces = context.pieces()
     halos, tail, every = halo(pieces, context.comm, x, width, 0 if awaited is None else awaited[0])
     if awaited is not None:
@@ -84,9 +85,9 @@ def conv_module(kernel, call: LayerCall, name: str, x: Tensor) -> Tensor:
     return convolution(causal_conv(kernel), call, name, x, weight=kernel.weight, bias=kernel.bias)
 
 
-def _previous_row(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def _previous_row(x: Tensor) -> Tensor:
     """Each row of ``x`` ``(B, C, rows)`` replaced by the row before it, zeros before the first: a causal convolution
-    of width 2 whose weights are (1, 0), as a kernel of :func:`convolution`'s contract (``weight`` gives the width)."""
+    of width 2 whose weights are (1, 0)."""
     return F.pad(x, (1, 0))[..., :-1]
 
 
@@ -99,8 +100,7 @@ def shift(kernel, call: LayerCall, name: str, x: Tensor) -> Tensor:
         call.context.fail(ValueError(f"{name} pads {tuple(kernel.padding)}, not one row before each (0, 0, 1, -1): "
                                      "not a time shift hf_ring knows over sequence shards"))
     keep = functools.partial(call.tails.__setitem__, name)  # the layer keeps it as its state (hybrids.py)
-    out = convolved(_previous_row, call.context, x.transpose(1, 2), {"weight": x.new_empty(1, 1, 2)}, 1,
-                     (1, keep)).transpose(1, 2)
+    out = convolved(_previous_row, call.context, x.transpose(1, 2), {}, 1, (1, keep)).transpose(1, 2)
     given = call.row_states.get(name)
     if given is not None:  # a layer given a state list writes its entry over the first row: the row before this run
         given(out[:, 0])

@@ -50,7 +50,7 @@ def lightning_runs(forward, context: ShardedForward, inputs: List[Any], rest: Di
     for seg, (h_s,), m_s in zip(runs.segments, by_segment(runs.segments, 1, hidden), masks):
         out, state = forward(h_s, position_embeddings, m_s, **given)
         again = None if all(seg.fresh) else functools.partial(_lightning_from, forward, h_s, position_embeddings, m_s,
-                                                               given)
+                                                              given)
         runs.add(out, again, state.to(decay.dtype), decay.pow(seg.length).expand(b, -1, -1, -1))
     return runs
 

@@ -64,11 +64,12 @@ def rank_segments(context: ShardedForward, rows: int, batch: int, kernel: Option
     zero (nothing reads it)."""
     if context.placeholder:
         return [Segment(0, 0, rows, 0, (0,) * batch)]
-    return segments(context.pieces(), context.documents, batch, limit=None if linear_kernel(kernel) else context.scan_rows)
+    limit = None if linear_kernel(kernel) else context.scan_rows
+    return segments(context.pieces(), context.documents, batch, limit=limit)
 
 
 def piece_call(context: ShardedForward, rows: int, kernel: Callable, scan: bool = True,
-                fn: Optional[Callable] = None) -> Callable:
+               fn: Optional[Callable] = None) -> Callable:
     """How ``kernel`` (or ``fn``, which calls it) is called on each segment of this rank's ``rows``: as it is, or,
     over more rows than ``context.scan_rows`` with gradients on, checkpointed, so that what it keeps for the backward
     beyond its inputs

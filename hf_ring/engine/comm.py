@@ -196,6 +196,12 @@ def _on_host(tensor: Tensor, backend: str) -> Tensor:
     return tensor.to("cpu", copy=True) if through_host(backend, tensor.device) else tensor
 
 
+def _host_buffer(tensor: Tensor, backend: str) -> Tensor:
+    """Where a transfer into ``tensor`` lands: ``tensor`` itself, or an empty host tensor like it where ``backend``
+    carries it only through the host (its old contents are overwritten, so not copied)."""
+    return torch.empty_like(tensor, device="cpu") if through_host(backend, tensor.device) else tensor
+
+
 def all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup], what: str,
                op=dist.ReduceOp.SUM, timeout: Optional[float] = None) -> Tensor:
     """Reduce ``tensor`` in place over ``group`` (``None``: the world) with a bounded wait; returns it.
@@ -245,7 +251,7 @@ def all_to_all(output: Tensor, tensor: Tensor, output_splits: Sequence[int], inp
     """
     group, timeout = _resolve(group), comm_timeout() if timeout is None else timeout
     backend = carrier(group, output.device)
-    moved, received = _on_host(tensor.contiguous(), backend), _on_host(output, backend)
+    moved, received = _on_host(tensor.contiguous(), backend), _host_buffer(output, backend)
     _collective(what, timeout, backend, [received, moved], lambda: dist.all_to_all_single(
         received, moved, list(output_splits), list(input_splits), group=group, async_op=True))
     if received is not output:
@@ -517,7 +523,7 @@ class RingComm:
                         input_splits: Sequence[int], what: str) -> Pending:
         """:meth:`all_to_all` left in flight: ``wait()`` on the result returns ``[output]``."""
         backend = carrier(self.group, output.device)
-        moved, received = _on_host(tensor.contiguous(), backend), _on_host(output, backend)
+        moved, received = _on_host(tensor.contiguous(), backend), _host_buffer(output, backend)
         work = _post(what, self.timeout, lambda: dist.all_to_all_single(
             received, moved, list(output_splits), list(input_splits), group=self.group, async_op=True))
         return Pending([work], [moved], [received], what, self.timeout, backend, collective=True,
