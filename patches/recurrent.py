@@ -88,7 +88,10 @@ def _scan(scan: Scan, kernel, call: LayerCall, name: str, *args, **kwargs):
     want_final = bool(rest.pop(scan.final, False))
     start = rest.pop(scan.state, None) if scan.state else None  # a zero state given (RecurrentGemma's prefill) is
     # where the runs start anyway
-    if (start is not None and bool(start.any())) or (scan.packed and rest.pop(scan.packed, None) is not None):
+    given = start is not None and bool(start.any())
+    if given and context.comm is None and context.documents is None:
+        return kernel(*args, **kwargs)  # one process, one document: whole from that state, as without hf_ring
+    if given or (scan.packed and rest.pop(scan.packed, None) is not None):
         context.fail(ValueError(f"{name} was given a state to start from or packed rows ({scan.packed}) over "
                                 "sequence shards: not supported there"))
     runs = scan.runs(kernel, context, inputs, rest, scan)

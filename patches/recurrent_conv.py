@@ -104,4 +104,6 @@ def shift(kernel, call: LayerCall, name: str, x: Tensor) -> Tensor:
     given = call.row_states.get(name)
     if given is not None:  # a layer given a state list writes its entry over the first row: the row before this run
         given(out[:, 0])
+        if torch.is_grad_enabled():
+            out = out.clone()  # written in place there, which autograd forbids on what the exchange's tie returned
     return out

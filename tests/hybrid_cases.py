@@ -250,10 +250,47 @@ def packed_one_process(model_type: str, attn: str = "ring_dilated", batch=None, 
     return {"loss": loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
 
 
-def long_row(model_type: str, attn: str, rows: int) -> dict:
-    """One row of ``rows`` tokens in one process with no hf_ring call and no cache, float64 (the scans' float64
-    recurrences): the loss, every gradient, and the rows of each call the layers made to their scan kernels in the
-    forward (``calls``) and in the backward (``recomputed``: a checkpointed piece runs again there)."""
+def _rows(args: tuple, kwargs: dict) -> int:
+    """The rows of a scan kernel's call: its first input of rows by channels or heads (RWKV's are keywords)."""
+    return next(t.shape[1] for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() >= 3)
+
+
+def long_row(model_type: str, attn: str, rows: int, use_cache: bool = False, pattern: str = "hybrid") -> dict:
+    """One row of ``rows`` tokens in one process with no hf_ring call, float64 (the scans' float64 recurrences):
+    the loss, every gradient, and the rows of each call the layers made to their scan kernels in the forward
+    (``calls``) and in the backward (``recomputed``: a checkpointed piece runs again there). ``use_cache``: the
+    model makes a cache and fills it (an evaluation loop's default); ``pattern``: the layers built
+    (:mod:`hybrid_models`)."""
+    import hybrid_models
+    import sweep
+    from hf_ring.patches.hybrids import family as hybrid_family
+
+    model, why = sweep.build(model_type, attn, torch.float64, pattern)
+    assert model is not None, why
+    ids = sweep.inputs("", batch=1, seed=3, n=rows)["input_ids"]
+    family = hybrid_family(model_type)
+    module = importlib.import_module(family.modeling)
+    calls = []
+    with hybrid_models.model_in_float64(model):
+        scans = {name: getattr(module, name) for name, kind in family.kernels if kind in hybrid_models.REFERENCE_KERNELS}
+        for name, scan in scans.items():  # counted where the layers look them up (hf_ring's hooks call them too)
+            setattr(module, name, functools.wraps(scan)(
+                lambda *a, _scan=scan, **k: calls.append((_rows(a, k), torch._C._current_graph_task_id() != -1))
+                or _scan(*a, **k)))
+        try:
+            loss = model(input_ids=ids, labels=ids, use_cache=use_cache).loss
+            loss.backward()
+        finally:
+            for name, scan in scans.items():
+                setattr(module, name, scan)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": loss.detach(), "grads": grads, "calls": [n for n, backward in calls if not backward],
+            "recomputed": [n for n, backward in calls if backward]}
+
+
+def long_prompt(model_type: str, attn: str, rows: int, new_tokens: int = 3) -> dict:
+    """``model.generate`` in one process on a prompt of ``rows`` tokens, float64 recurrences: the tokens, every
+    step's logits, and the rows of each scan call of the prefill (``calls``)."""
     import hybrid_models
     import sweep
     from hf_ring.patches.hybrids import family as hybrid_family
@@ -264,21 +301,19 @@ def long_row(model_type: str, attn: str, rows: int) -> dict:
     family = hybrid_family(model_type)
     module = importlib.import_module(family.modeling)
     calls = []
-    with hybrid_models.model_in_float64(model):
+    with hybrid_models.model_in_float64(model), torch.no_grad():
         scans = {name: getattr(module, name) for name, kind in family.kernels if kind in hybrid_models.REFERENCE_KERNELS}
-        for name, scan in scans.items():  # counted where the layers look them up (hf_ring's hooks call them too)
-            setattr(module, name, functools.wraps(scan)(
-                lambda *a, _scan=scan, **k: calls.append((a[0].shape[1], torch._C._current_graph_task_id() != -1))
-                or _scan(*a, **k)))
+        for name, scan in scans.items():
+            setattr(module, name, functools.wraps(scan)(lambda *a, _scan=scan, **k: calls.append(_rows(a, k))
+                                                        or _scan(*a, **k)))
         try:
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
         finally:
             for name, scan in scans.items():
                 setattr(module, name, scan)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return {"loss": loss.detach(), "grads": grads, "calls": [n for n, backward in calls if not backward],
-            "recomputed": [n for n, backward in calls if backward]}
+    return {"tokens": out.sequences[0, rows:].tolist(), "logits": torch.stack(out.logits),
+            "calls": [n for n in calls if n > 1]}
 
 
 PATTERN = {"segment_lengths": [8, 16, 64], "dilation_rates": [1, 2, 4]}

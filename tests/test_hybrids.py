@@ -84,21 +84,69 @@ def test_runs_cut_into_short_pieces_equal_one_process(pools, model_type, packed)
     check_family(pools(2).run(hybrid_cases.family_case, model_type, packed=packed, scan_rows=5)[0], want)
 
 
+@pytest.mark.parametrize("use_cache", [False, True], ids=["no-cache", "cache-made"])
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
-def test_a_long_row_in_one_process_runs_its_scans_in_pieces(model_type):
-    """A row longer than SCAN_ROWS given to a ring_dilated hybrid in one process (no hf_ring call, no cache): every
-    scan runs in pieces of at most SCAN_ROWS rows, each from the state the one before ended in, each piece run again
-    in the backward (checkpointed: what the kernel keeps exists for one piece at a time), and the loss and every
-    gradient equal transformers' own forward over the whole row."""
+def test_a_long_row_in_one_process_runs_its_scans_in_pieces(model_type, use_cache):
+    """A row longer than SCAN_ROWS given to a ring_dilated hybrid in one process (no hf_ring call; no cache, or a new
+    one the model makes and fills): every scan runs in pieces of at most SCAN_ROWS rows, each from the state the one
+    before ended in, each piece run again in the backward (checkpointed: what the kernel keeps exists for one piece
+    at a time), and the loss and every gradient equal transformers' own forward over the whole row."""
     from hf_ring.engine.recurrence import SCAN_ROWS
 
     rows = SCAN_ROWS + 37
-    want = hybrid_cases.long_row(model_type, "sdpa", rows)
-    got = hybrid_cases.long_row(model_type, "ring_dilated", rows)
+    want = hybrid_cases.long_row(model_type, "sdpa", rows, use_cache)
+    got = hybrid_cases.long_row(model_type, "ring_dilated", rows, use_cache)
     assert want["calls"] and set(want["calls"]) == {rows} and not want["recomputed"], want
     assert got["calls"] == [SCAN_ROWS, 37] * len(want["calls"]), got["calls"]  # two pieces per scan call
     assert sorted(got["recomputed"]) == sorted(got["calls"]), got["recomputed"]
     check_family(got, want)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
+def test_model_generate_in_one_process_runs_a_long_prompt_in_pieces(model_type):
+    """transformers' own generate on a ring_dilated hybrid, a prompt longer than SCAN_ROWS: its prefill (a new cache,
+    filled) runs every scan in pieces, the states it leaves in the cache are the whole prompt's (each later step's
+    logits equal those of the same generate with sdpa, whose scans run the prompt whole), and the tokens are the
+    same."""
+    from hf_ring.engine.recurrence import SCAN_ROWS
+
+    rows = SCAN_ROWS + 37
+    want = hybrid_cases.long_prompt(model_type, "sdpa", rows)
+    got = hybrid_cases.long_prompt(model_type, "ring_dilated", rows)
+    assert want["calls"] and set(want["calls"]) == {rows}, want["calls"]
+    assert got["calls"] == [SCAN_ROWS, 37] * len(want["calls"]), got["calls"]
+    assert got["tokens"] == want["tokens"]
+    assert rel_err(got["logits"], want["logits"]) <= TOL, rel_err(got["logits"], want["logits"])
+
+
+def test_rwkv_filling_its_state_list_under_gradients_equals_eager():
+    """RWKV in evaluation mode with gradients on and its cache on (it then writes the state list's row over each time
+    shift's first row, in place): a row longer than SCAN_ROWS in one process gives eager's loss and gradients."""
+    from hf_ring.engine.recurrence import SCAN_ROWS
+
+    rows = SCAN_ROWS + 37
+    want = hybrid_cases.long_row("rwkv", "eager", rows, True, "recurrent")
+    check_family(hybrid_cases.long_row("rwkv", "ring_dilated", rows, True, "recurrent"), want)
+
+
+def test_a_scan_given_a_state_in_one_process_runs_whole_from_it():
+    """A state to start from, given to a scan in one process (a layer that keeps its state on the module, called
+    again): the kernel runs whole from it, as without hf_ring, not in pieces from zero (over shards it is refused)."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as qn
+
+    from hf_ring.integration.context import ShardedForward
+    from hf_ring.patches.recurrent import DELTA, hooked
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 20, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    gate = -torch.rand(1, 20, 2, generator=g, dtype=torch.float64)
+    beta = torch.rand(1, 20, 2, generator=g, dtype=torch.float64)
+    state = torch.randn(1, 2, 8, 8, generator=g, dtype=torch.float64)
+    kernel = qn.torch_chunk_gated_delta_rule
+    want = kernel(q, k, v, gate, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    got = hooked(DELTA, kernel, ShardedForward.over(None, 20, "contiguous", scan_rows=7))(
+        q, k, v, gate, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert rel_err(got[0], want[0]) <= TOL and rel_err(got[1], want[1]) <= TOL
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])

@@ -29,9 +29,11 @@ cache, or ``cu_seq_lens_q`` / ``seq_idx``), the forward holds the documents,
 so its recurrent layers keep them apart as its attention does (transformers'
 torch kernels would carry each document's state into the next); given rows
 longer than :data:`~hf_ring.engine.recurrence.SCAN_ROWS` with no padding and
-no cache, its recurrent layers run them in pieces of at most that many rows,
+a cache that holds nothing yet (none, or the one a prefill or a training step
+makes), its recurrent layers run them in pieces of at most that many rows,
 each starting from the state the one before ended in, so their time grows
-linearly with the rows.
+linearly with the rows; the states they end in fill the cache as the whole
+row's would.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ from ..engine.recurrence import SCAN_ROWS
 from ..integration.config import runs_ring
 from ..integration.context import CONTEXT_KEY, ShardedForward
 from ..integration.groups import current
-from ..integration.seams import cache_argument
+from ..integration.seams import cache_argument, holds_nothing
 from ..integration.positions import counted_positions
 from ..integration.readout import pool_over_shards
 from ..patches import apply, needs, registry
@@ -92,10 +94,10 @@ def _enter(model: Any, forward: MediaForward, kwargs: dict) -> dict:
 
 
 def one_process_call(model: Any, kwargs: dict) -> Optional[dict]:
-    """For a call of a ``ring_dilated`` hybrid in one process with no forward context and no cache (see the module
-    docstring), the call's keyword arguments with a one-process forward of its own when its recurrent layers need
-    one: for packed rows (holding the documents), or for rows longer than
-    :data:`~hf_ring.engine.recurrence.SCAN_ROWS` and no padding (cut into pieces); the collator's varlen keys and a
+    """For a call of a ``ring_dilated`` hybrid in one process with no forward context (see the module docstring),
+    the call's keyword arguments with a one-process forward of its own when its recurrent layers need one: for
+    packed rows with no cache (holding the documents), or for rows longer than
+    :data:`~hf_ring.engine.recurrence.SCAN_ROWS`, no padding and a cache holding nothing yet (cut into pieces); the collator's varlen keys and a
     mask that masks nothing are dropped (the forward holds what they say). None for every other call. A
     ``ring_dilated`` model hf_ring cannot split (recurrent layers of a family it does not hook) is refused packed
     rows: its layers would carry their state from one document into the next."""
@@ -110,13 +112,14 @@ def one_process_call(model: Any, kwargs: dict) -> Optional[dict]:
         return None
     positions = kwargs.get("position_ids")
     varlen = any(kwargs.get(k) is not None for k in VARLEN_KEYS)
-    cached = cache_argument(kwargs) is not None or kwargs.get("use_cache", getattr(model.config, "use_cache", False))
+    cache = cache_argument(kwargs)
+    cached = cache is not None or kwargs.get("use_cache", getattr(model.config, "use_cache", False))
     mask = kwargs.get("attention_mask")
     masked = mask is not None or bool(cached)  # transformers reads no documents then
     b, n = tokens.shape[:2]
     documents = None if positions is None and not varlen else documents_of_call(
         b, n, positions, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), masked, kwargs.get("seq_idx"))
-    long = documents is None and not varlen and not cached and n > SCAN_ROWS and \
+    long = documents is None and not varlen and holds_nothing(cache) and n > SCAN_ROWS and \
         family(getattr(model.config, "model_type", None)) is not None and _unpadded(mask)
     if documents is None and not varlen and not long:
         return None  # (a collator's varlen keys of one document per row would still stop transformers' kernels)

@@ -113,6 +113,24 @@ def cache_argument(kwargs: Dict[str, Any], pop: bool = False) -> Any:
     return cache
 
 
+def holds_nothing(cache: Any) -> bool:
+    """Whether a call's cache holds no rows and no recurrent state yet (a prefill's; None: the model makes a new one
+    if it caches). Read by the layers of transformers' caches (their rows, a linear-attention layer's
+    ``has_previous_state``); a cache of another kind counts as holding something."""
+    if cache is None:
+        return True
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list):
+        return False
+    for layer in layers:
+        if any(getattr(layer, "has_previous_state", {}).values()):
+            return False
+        rows = getattr(layer, "get_seq_length", None)
+        if rows is not None and rows() > 0:
+            return False
+    return True
+
+
 def generate_cache_problem(model: Any) -> Optional[str]:
     """Why ``model.generate`` of this release hands the model no cache under :data:`CACHE_KEYWORD` (a model whose
     state lives in an argument of its own: Mamba's ``cache_params`` in transformers 5.17), or None. transformers
