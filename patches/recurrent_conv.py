@@ -12,7 +12,7 @@ from hf_ring.engine.gathers import tied
 from hf_ring.engine.recurrence import Segment, halo
 from hf_ring.integration.context import ShardedForward
 
-from .recurrent_runs import LayerCall, kernel_arguments, piece_call, rank_segments
+from .recurrent_runs import LayerCall, by_segment, kernel_arguments, piece_call, rank_segments
 
 Tensor = torch.Tensor
 
@@ -42,13 +42,15 @@ def convolved(kernel, context: ShardedForward, x: Tensor, rest: Dict[str, Any], 
         awaited[1](tail.detach())
     if context.placeholder:
         return tied(kernel(x, **rest), every)
-    runs = pieces.local()
-    extended = [torch.cat([before, x[..., o:o + n]], dim=-1) for (o, n), before in zip(runs, halos)]
     convolve = piece_call(context, x.shape[-1], kernel, scan=False)
-    outs = []
-    for seg in rank_segments(context, x.shape[-1], x.shape[0]):
-        at = seg.offset - runs[seg.run][0]
-        window = extended[seg.run][..., at:at + width + seg.length]
+    segments = rank_segments(context, x.shape[-1], x.shape[0])
+    outs, window = [], None
+    for i, (seg, (rows,)) in enumerate(zip(segments, by_segment(segments, -1, x))):
+        # The rows before a segment: its run's halo, or the last of the window before it in the same run (a slice of
+        # that window, not of x: a slice's backward fills a zero tensor of what it was cut from)
+        fresh_run = i == 0 or segments[i - 1].run != seg.run
+        before = halos[seg.run] if fresh_run else window[..., window.shape[-1] - width:]
+        window = torch.cat([before, rows], dim=-1)
         outs.append(convolve(_from_document_start(window, seg, width), **rest)[..., width:])
     return tied(torch.cat(outs, dim=-1), every)
 
