@@ -306,9 +306,9 @@ def _entry(rank, world_size, init_file, fn, args, results, backend="gloo"):
             raise
     finally:
         if world_size > 1:
-            import torch.distributed as dist
+            import hf_ring
 
-            dist.destroy_process_group()
+            hf_ring.shutdown()  # every rank's exit meets the others' (a bare destroy can abort a gloo rank at exit)
 
 
 MMAP_VAR = "MALLOC_MMAP_THRESHOLD_"
