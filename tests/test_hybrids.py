@@ -119,6 +119,16 @@ def test_model_generate_in_one_process_runs_a_long_prompt_in_pieces(model_type):
     assert rel_err(got["logits"], want["logits"]) <= TOL, rel_err(got["logits"], want["logits"])
 
 
+def test_model_generate_in_one_process_on_minimax():
+    """transformers' own generate on a ring_dilated MiniMax: its cache reports no rows to the mask sizes, so each
+    decoding step's mask is made for the new row alone; the step attends every cached row (as sdpa's does), giving
+    sdpa's tokens and logits, where it was refused."""
+    want = hybrid_cases.long_prompt("minimax", "sdpa", 20)
+    got = hybrid_cases.long_prompt("minimax", "ring_dilated", 20)
+    assert got["tokens"] == want["tokens"]
+    assert rel_err(got["logits"], want["logits"]) <= TOL, rel_err(got["logits"], want["logits"])
+
+
 def test_rwkv_filling_its_state_list_under_gradients_equals_eager():
     """RWKV in evaluation mode with gradients on and its cache on (it then writes the state list's row over each time
     shift's first row, in place): a row longer than SCAN_ROWS in one process gives eager's loss and gradients."""

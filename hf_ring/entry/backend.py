@@ -330,6 +330,10 @@ def _over_cache(query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, 
     """
     q_len, kv_len = query.shape[2], key.shape[2]
     mask = attention_mask
+    if isinstance(mask, RingMask) and q_len == 1 and (mask.padding is None or mask.padding.shape[-1] == kv_len):
+        # A mask made for the new row alone (MiniMax's cache reports no rows to transformers' mask sizes): every
+        # cached row comes before the one new row, so it attends each that the padding keeps, as sdpa's does
+        mask = None if mask.padding is None else mask.padding.to(torch.bool)[:, None, None, :]
     if isinstance(mask, RingMask):
         raise NotImplementedError(
             f"the model attends {q_len} query rows over {kv_len} key rows in a forward without a KV cache (keys "
