@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import hf_ring
+from hf_ring.integration.seams import CACHE_KEYWORD
 
 N = 61
 
@@ -286,6 +287,23 @@ def long_row(model_type: str, attn: str, rows: int, use_cache: bool = False, pat
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return {"loss": loss.detach(), "grads": grads, "calls": [n for n, backward in calls if not backward],
             "recomputed": [n for n, backward in calls if backward]}
+
+
+def continued(model_type: str, attn: str, pattern: str, name: str, then: int, first: int = 300) -> torch.Tensor:
+    """In one process, float64 recurrences, no grad: a call on ``first`` tokens that makes a cache, then a call on
+    the next ``then`` tokens given what the first left, under the keyword ``name`` (the state the first output holds
+    under it, or its cache): the second call's logits."""
+    import hybrid_models
+    import sweep
+
+    model, why = sweep.build(model_type, attn, torch.float64, pattern)
+    assert model is not None, why
+    ids = sweep.inputs("", batch=1, seed=3, n=first + then)["input_ids"]
+    with hybrid_models.model_in_float64(model), torch.no_grad():
+        out = model(input_ids=ids[:, :first], use_cache=True)
+        carried = getattr(out, name, None)
+        carried = getattr(out, CACHE_KEYWORD) if carried is None else carried
+        return model(input_ids=ids[:, first:], use_cache=True, **{name: carried}).logits
 
 
 def long_prompt(model_type: str, attn: str, rows: int, new_tokens: int = 3) -> dict:

@@ -119,6 +119,21 @@ def test_model_generate_in_one_process_runs_a_long_prompt_in_pieces(model_type):
     assert rel_err(got["logits"], want["logits"]) <= TOL, rel_err(got["logits"], want["logits"])
 
 
+@pytest.mark.parametrize("model_type, pattern, name", [
+    ("qwen3_5_text", "hybrid", "past_key_values"), ("mamba2", "recurrent", "cache_params"),
+    ("rwkv", "recurrent", "state")], ids=["qwen3_5-cache", "mamba2-cache_params", "rwkv-state"])
+def test_a_long_call_continuing_a_cache_in_one_process_equals_transformers(model_type, pattern, name):
+    """A call longer than SCAN_ROWS given what an earlier call left, under whatever name the model takes it (the
+    cache, Mamba's cache_params, RWKV's state list): it continues from that state as transformers' own path does,
+    not from zero in pieces."""
+    from hf_ring.engine.recurrence import SCAN_ROWS
+
+    want = hybrid_cases.continued(model_type, "sdpa" if pattern == "hybrid" else "eager", pattern, name,
+                                  then=SCAN_ROWS + 20)
+    got = hybrid_cases.continued(model_type, "ring_dilated", pattern, name, then=SCAN_ROWS + 20)
+    assert rel_err(got, want) <= TOL, rel_err(got, want)
+
+
 def test_model_generate_in_one_process_on_minimax():
     """transformers' own generate on a ring_dilated MiniMax: its cache reports no rows to the mask sizes, so each
     decoding step's mask is made for the new row alone; the step attends every cached row (as sdpa's does), giving

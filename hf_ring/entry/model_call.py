@@ -112,14 +112,13 @@ def one_process_call(model: Any, kwargs: dict) -> Optional[dict]:
         return None
     positions = kwargs.get("position_ids")
     varlen = any(kwargs.get(k) is not None for k in VARLEN_KEYS)
-    cache = cache_argument(kwargs)
-    cached = cache is not None or kwargs.get("use_cache", getattr(model.config, "use_cache", False))
+    cached = cache_argument(kwargs) is not None or kwargs.get("use_cache", getattr(model.config, "use_cache", False))
     mask = kwargs.get("attention_mask")
     masked = mask is not None or bool(cached)  # transformers reads no documents then
     b, n = tokens.shape[:2]
     documents = None if positions is None and not varlen else documents_of_call(
         b, n, positions, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), masked, kwargs.get("seq_idx"))
-    long = documents is None and not varlen and holds_nothing(cache) and n > SCAN_ROWS and \
+    long = documents is None and not varlen and holds_nothing(kwargs) and n > SCAN_ROWS and \
         family(getattr(model.config, "model_type", None)) is not None and _unpadded(mask)
     if documents is None and not varlen and not long:
         return None  # (a collator's varlen keys of one document per row would still stop transformers' kernels)

@@ -63,6 +63,9 @@ from ..versions import parse
 
 CACHE_NAMES = ("cache", "past_key_values")
 """The names a model's forward and ``generate`` take the KV cache by, newest first."""
+STATE_NAMES = ("cache_params", "state")
+"""Other names a model takes what it carries from an earlier call by: a state-space model's (Mamba's
+``cache_params``, the cache's deprecated name from 5.24; RWKV's ``state``, a list of tensors)."""
 CACHE_KEYWORD = next(name for name in CACHE_NAMES if name in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)})
 """What the installed transformers calls the cache, in forwards, ``generate`` and model outputs."""
 TENSOR_PARALLEL_SINCE = "5.23"
@@ -113,12 +116,16 @@ def cache_argument(kwargs: Dict[str, Any], pop: bool = False) -> Any:
     return cache
 
 
-def holds_nothing(cache: Any) -> bool:
-    """Whether a call's cache holds no rows and no recurrent state yet (a prefill's; None: the model makes a new one
-    if it caches). Read by the layers of transformers' caches (their rows, a linear-attention layer's
-    ``has_previous_state``); a cache of another kind counts as holding something."""
-    if cache is None:
-        return True
+def holds_nothing(kwargs: Dict[str, Any]) -> bool:
+    """Whether what a call was given to carry on from (its cache under any name, :data:`STATE_NAMES`) holds no rows
+    and no recurrent state yet: a prefill's, or none (the model makes a new one if it caches). Read by the layers of
+    transformers' caches (their rows, a linear-attention layer's ``has_previous_state``); anything else given
+    counts as holding something."""
+    given = [kwargs[name] for name in CACHE_NAMES + STATE_NAMES if kwargs.get(name) is not None]
+    return all(_empty(cache) for cache in given)
+
+
+def _empty(cache: Any) -> bool:
     layers = getattr(cache, "layers", None)
     if not isinstance(layers, list):
         return False
