@@ -9,6 +9,7 @@ import torch
 
 from hf_ring.engine.merge import accumulator_dtype
 from hf_ring.integration.context import ShardedForward
+from hf_ring.integration.seams import CACHE_KEYWORD
 
 from .recurrent_runs import Runs, Scan, by_segment, rank_segments
 
@@ -36,7 +37,7 @@ def lightning_runs(forward, context: ShardedForward, inputs: List[Any], rest: Di
     start, given through the layer's cache. The transition is the decay ``exp(-slope)`` per head to the power of the
     segment's rows."""
     hidden, position_embeddings, mask = inputs
-    cache, layer_idx = rest.pop("cache", None), forward.__self__.layer_idx
+    cache, layer_idx = rest.pop(CACHE_KEYWORD, None), forward.__self__.layer_idx  # (the release's name for it)
     if cache is not None:  # a prefill's: it keeps the whole sequence's end state (lightning_finish)
         if cache.get_linear_cache(layer_idx) is not None:
             context.fail(ValueError("lightning attention over sequence shards was given a cache holding a state to "
@@ -68,5 +69,5 @@ def lightning_finish(out: Tensor, final: Tensor, want_final: bool, rest: Dict[st
 
 def _lightning_from(forward, hidden: Tensor, position_embeddings: Any, mask: Optional[Tensor], rest: Dict[str, Any],
                     start: Tensor) -> Tensor:
-    out, _ = forward(hidden, position_embeddings, mask, **{**rest, "cache": _LinearState(start.to(hidden.dtype))})
+    out, _ = forward(hidden, position_embeddings, mask, **{**rest, CACHE_KEYWORD: _LinearState(start.to(hidden.dtype))})
     return out
