@@ -26,7 +26,7 @@ rarely copies a row and the buffer stays within its share plus that step.
 from __future__ import annotations
 
 import functools
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
@@ -223,6 +223,11 @@ class ShardedRecurrentLayer(LinearAttentionLayer, ShardedLayer):
         ShardedLayer.reorder_cache(self, beam_idx)
 
 
+_GLOBAL_SIZES = ("get_seq_length", "get_mask_sizes")
+"""What a :class:`ShardedCache` answers for the whole sequence, which a model may not rebind on the instance
+(RecurrentGemma in transformers 5.17 binds both to read its first attention layer's rows: this rank's)."""
+
+
 class ShardedCache(Cache):
     """A KV cache split over the ranks of a sequence-parallel group, holding the rows a later query can read.
 
@@ -251,6 +256,11 @@ class ShardedCache(Cache):
         self._prefill_forward: Optional[ShardedForward] = None  # a sharded prefill's forward, while it runs
         self.last_updated = 0  # the layer whose rows the latest update stored: the one that attends next
         self._reset_sets()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _GLOBAL_SIZES:
+            return  # the cache's own answer is the whole sequence's, whatever layer a model would ask instead
+        super().__setattr__(name, value)
 
     def _reset_sets(self) -> None:
         rules = set(self.rules or ()) | {KEEP_ALL}
