@@ -97,10 +97,10 @@ def one_process_call(model: Any, kwargs: dict) -> Optional[dict]:
     """For a call of a ``ring_dilated`` hybrid in one process with no forward context (see the module docstring),
     the call's keyword arguments with a one-process forward of its own when its recurrent layers need one: for
     packed rows with no cache (holding the documents), or for rows longer than
-    :data:`~hf_ring.engine.recurrence.SCAN_ROWS`, no padding and a cache holding nothing yet (cut into pieces); the collator's varlen keys and a
-    mask that masks nothing are dropped (the forward holds what they say). None for every other call. A
-    ``ring_dilated`` model hf_ring cannot split (recurrent layers of a family it does not hook) is refused packed
-    rows: its layers would carry their state from one document into the next."""
+    :data:`~hf_ring.engine.recurrence.SCAN_ROWS`, no padding and a cache holding nothing yet (cut into pieces);
+    the collator's varlen keys and a mask that masks nothing are dropped (the forward holds what they say). None
+    for every other call. A ``ring_dilated`` model hf_ring cannot split (recurrent layers of a family it does not
+    hook) is refused packed rows: its layers would carry their state from one document into the next."""
     if kwargs.get(CONTEXT_KEY) is not None or not runs_ring(getattr(model, "config", None)):
         return None
     sp = current()
