@@ -1,6 +1,7 @@
 """Rank functions of the hybrid tests (module-level so they pickle)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 from typing import Dict, Tuple
@@ -256,6 +257,39 @@ def _rows(args: tuple, kwargs: dict) -> int:
     return next(t.shape[1] for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() >= 3)
 
 
+def _tiny(model_type: str, attn: str, pattern: str, rows: int):
+    """The type's tiny model in float64 (``pattern``: the layers built, :mod:`hybrid_models`) and one row of
+    ``rows`` token ids."""
+    import sweep
+
+    model, why = sweep.build(model_type, attn, torch.float64, pattern)
+    assert model is not None, why
+    return model, sweep.inputs("", batch=1, seed=3, n=rows)["input_ids"]
+
+
+@contextlib.contextmanager
+def _counted_scans(model_type: str):
+    """While open, each call the type's layers make to its scan kernels, as ``(rows, in the backward)``: counted
+    where the layers look them up (hf_ring's hooks call them too), so open it inside
+    :func:`hybrid_models.model_in_float64`, which puts the float64 recurrences there."""
+    import hybrid_models
+    from hf_ring.patches.hybrids import family as hybrid_family
+
+    family = hybrid_family(model_type)
+    module = importlib.import_module(family.modeling)
+    scans = {name: getattr(module, name) for name, kind in family.kernels if kind in hybrid_models.REFERENCE_KERNELS}
+    calls = []
+    for name, scan in scans.items():
+        setattr(module, name, functools.wraps(scan)(
+            lambda *a, _scan=scan, **k: calls.append((_rows(a, k), torch._C._current_graph_task_id() != -1))
+            or _scan(*a, **k)))
+    try:
+        yield calls
+    finally:
+        for name, scan in scans.items():
+            setattr(module, name, scan)
+
+
 def long_row(model_type: str, attn: str, rows: int, use_cache: bool = False, pattern: str = "hybrid") -> dict:
     """One row of ``rows`` tokens in one process with no hf_ring call, float64 (the scans' float64 recurrences):
     the loss, every gradient, and the rows of each call the layers made to their scan kernels in the forward
@@ -263,27 +297,11 @@ def long_row(model_type: str, attn: str, rows: int, use_cache: bool = False, pat
     model makes a cache and fills it (an evaluation loop's default); ``pattern``: the layers built
     (:mod:`hybrid_models`)."""
     import hybrid_models
-    import sweep
-    from hf_ring.patches.hybrids import family as hybrid_family
 
-    model, why = sweep.build(model_type, attn, torch.float64, pattern)
-    assert model is not None, why
-    ids = sweep.inputs("", batch=1, seed=3, n=rows)["input_ids"]
-    family = hybrid_family(model_type)
-    module = importlib.import_module(family.modeling)
-    calls = []
-    with hybrid_models.model_in_float64(model):
-        scans = {name: getattr(module, name) for name, kind in family.kernels if kind in hybrid_models.REFERENCE_KERNELS}
-        for name, scan in scans.items():  # counted where the layers look them up (hf_ring's hooks call them too)
-            setattr(module, name, functools.wraps(scan)(
-                lambda *a, _scan=scan, **k: calls.append((_rows(a, k), torch._C._current_graph_task_id() != -1))
-                or _scan(*a, **k)))
-        try:
-            loss = model(input_ids=ids, labels=ids, use_cache=use_cache).loss
-            loss.backward()
-        finally:
-            for name, scan in scans.items():
-                setattr(module, name, scan)
+    model, ids = _tiny(model_type, attn, pattern, rows)
+    with hybrid_models.model_in_float64(model), _counted_scans(model_type) as calls:
+        loss = model(input_ids=ids, labels=ids, use_cache=use_cache).loss
+        loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return {"loss": loss.detach(), "grads": grads, "calls": [n for n, backward in calls if not backward],
             "recomputed": [n for n, backward in calls if backward]}
@@ -294,11 +312,8 @@ def continued(model_type: str, attn: str, pattern: str, name: str, then: int, fi
     the next ``then`` tokens given what the first left, under the keyword ``name`` (the state the first output holds
     under it, or its cache): the second call's logits."""
     import hybrid_models
-    import sweep
 
-    model, why = sweep.build(model_type, attn, torch.float64, pattern)
-    assert model is not None, why
-    ids = sweep.inputs("", batch=1, seed=3, n=first + then)["input_ids"]
+    model, ids = _tiny(model_type, attn, pattern, first + then)
     with hybrid_models.model_in_float64(model), torch.no_grad():
         out = model(input_ids=ids[:, :first], use_cache=True)
         carried = getattr(out, name, None)
@@ -310,28 +325,13 @@ def long_prompt(model_type: str, attn: str, rows: int, new_tokens: int = 3) -> d
     """``model.generate`` in one process on a prompt of ``rows`` tokens, float64 recurrences: the tokens, every
     step's logits, and the rows of each scan call of the prefill (``calls``)."""
     import hybrid_models
-    import sweep
-    from hf_ring.patches.hybrids import family as hybrid_family
 
-    model, why = sweep.build(model_type, attn, torch.float64, "hybrid")
-    assert model is not None, why
-    ids = sweep.inputs("", batch=1, seed=3, n=rows)["input_ids"]
-    family = hybrid_family(model_type)
-    module = importlib.import_module(family.modeling)
-    calls = []
-    with hybrid_models.model_in_float64(model), torch.no_grad():
-        scans = {name: getattr(module, name) for name, kind in family.kernels if kind in hybrid_models.REFERENCE_KERNELS}
-        for name, scan in scans.items():
-            setattr(module, name, functools.wraps(scan)(lambda *a, _scan=scan, **k: calls.append(_rows(a, k))
-                                                        or _scan(*a, **k)))
-        try:
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        finally:
-            for name, scan in scans.items():
-                setattr(module, name, scan)
+    model, ids = _tiny(model_type, attn, "hybrid", rows)
+    with hybrid_models.model_in_float64(model), torch.no_grad(), _counted_scans(model_type) as calls:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     return {"tokens": out.sequences[0, rows:].tolist(), "logits": torch.stack(out.logits),
-            "calls": [n for n in calls if n > 1]}
+            "calls": [n for n, _ in calls if n > 1]}
 
 
 PATTERN = {"segment_lengths": [8, 16, 64], "dilation_rates": [1, 2, 4]}
