@@ -9,7 +9,8 @@ newest, and :data:`KNOWN_BROKEN` the releases known to break hf_ring. At
 - a release below its floor is refused in one line naming it and the fix;
 - a release known to break is refused in one line naming what breaks;
 - a newer, untested release imports with one warning naming it and the
-  newest tested release, and how to silence the warning.
+  newest tested release, and how to silence the warning (on the first rank of
+  a launch only: every rank imports hf_ring).
 
 What bends on an unknown release is checked where it is used, and fails
 loudly with the family and release named: the transformers internals hf_ring
@@ -86,13 +87,14 @@ def untested(package: str, version: Optional[str]) -> Optional[str]:
 
 
 def check_installed() -> None:
-    """Raise ImportError, one line per refused package; warn once for each release newer than the newest tested."""
+    """Raise ImportError, one line per refused package; warn once for each release newer than the newest tested (on
+    rank 0 of a launch, or where no launcher set ``RANK``)."""
     found = {p: installed(p) for p in FLOORS}
     lines = [line for line in (problem(p, v) for p, v in found.items()) if line is not None]
     if lines:
         raise ImportError("\n".join(lines))
-    if os.environ.get(QUIET) == "1":
-        return
+    if os.environ.get(QUIET) == "1" or os.environ.get("RANK", "0") != "0":
+        return  # said once a launch: every rank of a torchrun or accelerate launch imports hf_ring
     for package, version in found.items():
         told = untested(package, version)
         if told is not None:

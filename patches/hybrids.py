@@ -30,7 +30,7 @@ import inspect
 import operator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -38,11 +38,11 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING, model_ty
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from hf_ring.integration.context import CONTEXT_KEY, ShardedForward
-from hf_ring.integration.seams import as_layer_forward, kernel_name, layer_forward_inside
+from hf_ring.integration.seams import as_layer_forward, kernel_function, kernel_name, layer_forward_inside
 
-from . import registry
-from .recurrent import (CONV, CONV_MODULE, DELTA, FUSED, LIGHTNING, MAMBA, MAMBA2, RGLRU, SHIFT, WKV, LayerCall,
-                        hooked, package_problem)
+from . import kernel_source, registry
+from .recurrent import (CONV, CONV_MODULE, DELTA, FUSED, LIGHTNING, MAMBA, MAMBA2, RGLRU, SCANS, SHIFT, WKV,
+                        LayerCall, hooked, package_problem)
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,8 @@ class HybridFamily:
     own_cache: str = ""  # a cache class of its own the model's forward insists on (hf_ring.generate mixes it in)
     row_states: Tuple[Tuple[str, int], ...] = ()  # (row shift, entry of the state list a layer is given as ``state``)
     # where the layer reads the row before its first and keeps its last input row (RWKV): hf_ring's rows there
+    needs: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()  # (mixer, the kinds of kernel its forward runs), where found;
+    # a mixer not listed runs every kind of the family's kernels
 
     @property
     def known(self) -> Tuple[str, ...]:
@@ -91,6 +93,20 @@ class HybridFamily:
     def recurrent(self, layer: torch.nn.Module) -> bool:
         """Whether this decoder layer holds one of the family's mixers (else it attends)."""
         return self.mixer(layer) is not None
+
+    def needed(self, layer: torch.nn.Module) -> FrozenSet[str]:
+        """The kinds of kernel a call of this decoder layer must run through the hooks: those its mixers' forwards
+        call (:data:`needs`), a fused kernel aside (declined: the layer then takes its split path)."""
+        listed = dict(self.needs)
+        every = tuple(kind for _, kind in self.kernels)
+        kinds = {kind for m in layer.modules() if type(m).__name__ in self.mixers
+                 for kind in listed.get(type(m).__name__, every)}
+        return frozenset(kinds - {FUSED})
+
+    def kind_of(self, called: str) -> Optional[str]:
+        """The kind of the kernel a hook recorded by ``called`` (a name of :attr:`kernels`, a module path without its
+        leading dot)."""
+        return next((kind for name, kind in self.kernels if name.lstrip(".") == called), None)
 
 
 MAMBA2_MIXER = (("causal_conv1d_fn", CONV), ("mamba2_chunk_scan", MAMBA2),
@@ -200,7 +216,8 @@ def family(model_type: Optional[str]) -> Optional[HybridFamily]:
         found = found_family(model_type, listed.module)
         if found is None:
             return None
-        listed = dataclasses.replace(listed, layers=found.layers, mixers=found.mixers, kernels=found.kernels)
+        listed = dataclasses.replace(listed, layers=found.layers, mixers=found.mixers, kernels=found.kernels,
+                                     needs=found.needs)
     return listed if listed.modeling_module() is not None else None
 
 
@@ -218,10 +235,11 @@ def found_family(model_type: str, module_name: Optional[str] = None) -> Optional
     found = _found_in(path)
     if found is None:
         return None
-    layers, mixers, kernels = found
+    layers, mixers, kernels, needs = found
     kinds = sorted({kind for _, kind in kernels if kind != FUSED})
     return HybridFamily(model_types=(model_type,), module=module_name, layers=layers, mixers=mixers, kernels=kernels,
-                        layer_types=FOUND_LAYER_TYPES, state=f"found by the kernels it calls ({', '.join(kinds)})",
+                        needs=needs, layer_types=FOUND_LAYER_TYPES,
+                        state=f"found by the kernels it calls ({', '.join(kinds)})",
                         modeling_path="" if path == _transformers_modeling(module_name) else path)
 
 
@@ -258,28 +276,52 @@ def attention_routed(hybrid: HybridFamily) -> bool:
     return bool(classes) and all("ALL_ATTENTION_FUNCTIONS" in _names_used(c, "forward") for c in classes)
 
 
-@functools.lru_cache(maxsize=None)  # once per module: its functions may be bound to hooks while a layer runs
-def _found_in(path: str) -> Optional[Tuple[Tuple[str, ...], Tuple[str, ...], Tuple[Tuple[str, str], ...]]]:
-    """The layers, mixers and kernels of the modeling module ``path``: its module-level kernel functions that
-    transformers resolves to a kernel of :data:`KERNEL_KINDS` (as they were before any hook of hf_ring's), the
-    module's classes whose ``forward`` calls one of them (the mixers), and those whose ``__init__`` builds a mixer
-    (the decoder layers). None where the module has no such kernel, mixer or layer: a mixer built another way is
-    then listed by the structure check, and refused."""
+@functools.lru_cache(maxsize=None)  # once per module: its source does not change
+def _found_in(path: str) -> Optional[Tuple[Tuple[str, ...], Tuple[str, ...], Tuple[Tuple[str, str], ...],
+                                           Tuple[Tuple[str, Tuple[str, ...]], ...]]]:
+    """The layers, mixers and kernels of the modeling module ``path``, and the kinds each mixer runs: its
+    module-level names defined as a kernel of :data:`KERNEL_KINDS` (:func:`declared_kernels`), the module's classes
+    whose ``forward`` calls one of them, directly or through module functions (the mixers), and those whose
+    ``__init__`` builds a mixer (the decoder layers). None where the module has no such kernel, mixer or layer: a
+    mixer built another way is then listed by the structure check, and refused."""
     try:
         module = importlib.import_module(path)
     except ImportError:
         return None
-    resolved = {name: kernel_name(registry.original(module, name)) for name, fn in vars(module).items() if callable(fn)}
-    kernels = tuple((name, KERNEL_KINDS[found]) for name, found in resolved.items() if found in KERNEL_KINDS)
-    names = {name for name, _ in kernels}
+    kernels = declared_kernels(module)
+    kinds = dict(kernels)
+    source = kernel_source.of_module(module)
     classes = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, torch.nn.Module)
                and c.__module__ == module.__name__]
-    mixers = tuple(c.__name__ for c in classes if names & _names_used(c, "forward"))
+    called = {c.__name__: _kernels_called(source, c, kinds) for c in classes}
+    mixers = tuple(name for name, names in called.items() if names)
     layers = tuple(c.__name__ for c in classes if set(mixers) & _names_used(c, "__init__") and c.__name__ not in mixers
                    and issubclass(c, GradientCheckpointingLayer))
     if not kernels or not mixers or not layers:
         return None
-    return layers, mixers, kernels
+    needs = tuple((m, tuple(sorted({kinds[n] for n in called[m]}))) for m in mixers)
+    return layers, mixers, kernels, needs
+
+
+def declared_kernels(module: ModuleType) -> Tuple[Tuple[str, str], ...]:
+    """``(name, kind)`` for each module-level name of ``module`` that its source defines as a kernel of
+    :data:`KERNEL_KINDS` (:mod:`.kernel_source`: whatever the name holds now, a user's replacement included), and
+    the names the source does not define so that transformers' resolution wraps now (a module without a source
+    file, a kernel assigned rather than decorated)."""
+    source = kernel_source.of_module(module)
+    declared = {name: kernel_name(registry.original(module, name)) for name, fn in vars(module).items()
+                if callable(fn)}
+    declared.update(source.declared if source is not None else {})
+    return tuple((name, KERNEL_KINDS[found]) for name, found in declared.items()
+                 if found in KERNEL_KINDS and hasattr(module, name))
+
+
+def _kernels_called(source: Optional[kernel_source.Source], cls: type, kinds: Dict[str, str]) -> FrozenSet[str]:
+    """The kernel names (of ``kinds``) ``cls.forward`` calls: read from the module's source through the module
+    functions it calls, or, without a source, from the code of ``cls.forward`` itself."""
+    if source is not None and (cls.__name__, "forward") in source.methods:
+        return frozenset(source.kernels_reached(cls.__name__)) & frozenset(kinds)
+    return frozenset(kinds) & frozenset(_names_used(cls, "forward"))
 
 
 def _names_used(cls: type, method: str) -> set:
@@ -377,13 +419,12 @@ def _layer_forward(original: Callable, hybrid: HybridFamily) -> Callable:
 @torch.compiler.disable  # collectives and host-side run lists: outside a compiled graph, on purpose
 def _over_shards(original: Callable, hybrid: HybridFamily, context: ShardedForward, layer, args, kwargs):
     mixer = hybrid.mixer(layer)
-    swapped = swapped_forward(mixer)
-    if swapped is not None:  # before the layer computes: its kernels would never be called
+    problem = _swapped(hybrid, layer)
+    if problem is not None:  # before the layer computes: its kernels would never be called
         context.fail(ValueError(
-            f"the {type(layer).__name__} layer of {hybrid.model_types[0]!r}: its {type(mixer).__name__}'s forward was "
-            f"replaced by {getattr(swapped, '__module__', '?')}.{getattr(swapped, '__qualname__', swapped)} (a hub "
-            "kernel loaded with use_kernels=True?), which hf_ring cannot compute over sequence shards; load the model "
-            "without use_kernels, or run it in one process"))
+            f"the {type(layer).__name__} layer of {hybrid.model_types[0]!r}: {problem}, which hf_ring cannot compute "
+            "over sequence shards; load the model with use_kernels=False (transformers 5.25 and later kernelize by "
+            "default; USE_HUB_KERNELS=0 turns it off), or run it in one process"))
     call = LayerCall(context, getattr(mixer, "layer_idx", None))
     states = kwargs.get("state") if hybrid.row_states else None
     if states is not None:
@@ -394,14 +435,38 @@ def _over_shards(original: Callable, hybrid: HybridFamily, context: ShardedForwa
     for name, keep in call.row_states.items():  # the layer kept its shard's last row: the sequence's instead
         if name in call.tails:
             keep(call.tails[name][..., -1])
-    if not call.calls:
+    missing = hybrid.needed(layer) - {hybrid.kind_of(name) for name in call.calls}
+    if missing:
         context.fail(ValueError(
-            f"the {type(layer).__name__} layer of {hybrid.model_types[0]!r} ran its mixer without calling the kernels "
-            f"hf_ring computes over shards ({', '.join(n for n, _ in hybrid.kernels)}): its forward was replaced (a "
-            "hub kernel loaded with use_kernels=True?) or differs in this transformers release; load the model "
-            "without kernels, or run it in one process"))
+            f"the {type(layer).__name__} layer of {hybrid.model_types[0]!r} ran its mixer without calling its "
+            f"{', '.join(sorted(missing))} kernel through hf_ring ({', '.join(n for n, k in hybrid.kernels if k in missing)}"
+            " in its modeling module), so that part of the layer did not see the rest of the sequence: its forward was "
+            "replaced (a hub kernel loaded with use_kernels=True?), or calls its kernel another way in this "
+            "transformers release; load the model without kernels, or run it in one process"))
     context.mixing()
     return out
+
+
+def _swapped(hybrid: HybridFamily, layer: torch.nn.Module) -> Optional[str]:
+    """What a hub kernel replaced in ``layer``'s mixers, or None: a mixer's whole forward, or the forward of one of
+    the kernel functions it holds (``kernels``' ``use_kernelized_func`` gives each mixer its own copy of them, which
+    ``kernelize`` replaces: a replaced one computes outside the hooks, or handles the cache itself)."""
+    for mixer in (m for m in layer.modules() if type(m).__name__ in hybrid.mixers):
+        swapped = swapped_forward(mixer)
+        if swapped is not None:
+            return (f"its {type(mixer).__name__}'s forward was replaced by {_described(swapped)} (a hub kernel loaded "
+                    "with use_kernels=True?)")
+        for name, held in getattr(mixer, "_kernel_funcs", {}).items():
+            swapped = swapped_forward(held) if isinstance(held, torch.nn.Module) else None
+            if swapped is not None:
+                repo = vars(held).get("_kernel_repo")
+                return (f"its {type(mixer).__name__}'s {name} was replaced by {_described(swapped)}"
+                        f"{f' from {repo}' if repo is not None else ''} (kernelize, as use_kernels=True runs it)")
+    return None
+
+
+def _described(fn: object) -> str:
+    return f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def kernel_owner(module: ModuleType, name: str) -> Optional[Tuple[object, str]]:
@@ -410,6 +475,37 @@ def kernel_owner(module: ModuleType, name: str) -> Optional[Tuple[object, str]]:
     owner_name, _, attr = name.rpartition(".")
     owner = getattr(module, owner_name, None) if owner_name else module
     return (owner, attr) if owner is not None and hasattr(owner, attr) else None
+
+
+LEADING: Dict[str, int] = {CONV: 1, **{kind: scan.inputs for kind, scan in SCANS.items()}}
+"""Per kind of hooked kernel, the arguments its hook passes by position (it passes the others by name)."""
+
+
+def replacement_problem(module: ModuleType, name: str, kind: str, held: object) -> Optional[str]:
+    """Why what ``module``'s kernel ``name`` (a function, or ``"Class.method"``) holds now cannot run under the hook
+    of its ``kind``, or None: it must take the parameters its modeling file defines by the same names (the first by
+    position, as the hook passes them), since the hook reads and passes them by those names. Nothing is asked of a
+    kind whose hook passes no arguments of its own (a fused kernel, declined) or a name the source does not define."""
+    source = kernel_source.of_module(module)
+    owner, _, attr = name.rpartition(".")
+    defined = source.parameters.get((owner, attr) if owner else attr) if source is not None else None
+    if defined is None or kind not in LEADING:
+        return None
+    what = f"{module.__name__}.{name} holds {_described(held)}"
+    if not callable(held):
+        return f"{what}, which is not callable; put a {kind} kernel back there"
+    try:
+        signature = inspect.signature(kernel_function(held))
+    except (TypeError, ValueError):
+        return f"{what}, whose signature cannot be read; give it one that takes ({', '.join(defined)})"
+    leading = min(len(defined), LEADING[kind] + (1 if owner else 0))  # a method takes its instance first
+    try:
+        signature.bind_partial(*(None,) * leading, **{p: None for p in defined[leading:]})
+    except TypeError as e:
+        return (f"{what}, which does not take the parameters of the {kind} kernel its modeling file defines "
+                f"({', '.join(defined)}; {e}): hf_ring runs a replacement under that kernel's hook only where it "
+                "takes them by the same names; give it those parameters, or put the original back")
+    return None
 
 
 def swapped_forward(mixer: torch.nn.Module) -> Optional[Callable]:
@@ -467,7 +563,7 @@ def _kernels_hooked(hybrid: HybridFamily, call: LayerCall, layer: torch.nn.Modul
                 continue
             owner, attr = kernel_owner(module, name)
             kernel = getattr(owner, attr)
-            problem = package_problem(kernel)
+            problem = replacement_problem(module, name, kind, kernel) or package_problem(kernel)
             if problem is not None:
                 call.context.fail(ValueError(f"the {type(layer).__name__} layer of {hybrid.model_types[0]!r} over "
                                              f"sequence shards: {problem}"))

@@ -298,17 +298,19 @@ def _check_rowwise(cls: type, kind: str, known: set) -> None:
                         f"tiling it could change its result (e.g. a mixture of experts); pass {kind.lower()}=False")
 
 
-def apply(model_or_class: Any, *, loss: Optional[bool] = True, mlp: bool = True, norm: bool = True) -> None:
+def apply(model_or_class: Any, *, loss: Optional[bool] = True, mlp: bool = True, norm: bool = True,
+          check_now: bool = True) -> None:
     """Patch the CausalLM class, and its MLP and RMSNorm classes unless told not to, of a model, class or family.
 
     The CausalLM's loss is patched only where :func:`reproduction_problem` finds the tiled loss exact for it
     (checked with the model's own config when given a model): ``loss=True`` raises TypeError naming the family
     and the transformers release where it is not, ``loss=None`` warns once and leaves that loss untiled,
-    ``loss=False`` leaves it alone.
+    ``loss=False`` leaves it alone. ``check_now=False`` leaves the check to each model's first tiled forward
+    (which runs it with the model's config either way), so patching a family no model of which runs costs nothing.
     """
     cls, mlp_cls, norms = _classes(model_or_class)
     config = getattr(model_or_class, "config", None) if isinstance(model_or_class, nn.Module) else None
-    why = None if loss is False else reproduction_problem(cls, config)
+    why = None if loss is False or (loss is None and not check_now) else reproduction_problem(cls, config)
     if why is not None and loss is True:
         raise _refusal(cls, config, why)
     mlp_cls = mlp_cls if mlp else None
@@ -348,9 +350,11 @@ def is_applied(model_or_class: Any) -> bool:
 
 def apply_all() -> None:
     """Patch every family in :data:`TILED` (what sequence-parallel setup calls); a family whose loss the tiled
-    loss does not reproduce on this transformers release keeps its own loss, with one warning."""
+    loss does not reproduce on this transformers release keeps its own loss, with one warning at its first model's
+    tiled forward (checked there, not here: a tiny model of every family would be built at every setup, and a
+    hybrid's would run its kernels, whose fallback messages a user of another family has no use for)."""
     for name in TILED:
-        apply(name, loss=None)
+        apply(name, loss=None, check_now=False)
 
 
 def revert_all() -> None:

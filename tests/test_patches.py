@@ -11,7 +11,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 
 import hf_ring
 from hf_ring import patches
-from hf_ring.integration.seams import kernel_implementation
+from hf_ring.integration.seams import kernel_function, kernel_implementation
 from hf_ring.patches.recurrent import package_problem
 from hf_ring.patches.recurrent_runs import linear_kernel
 from models import FAMILY_CONFIG, batch, length_dependent_rope, load, saved_model_dir, tiny_config
@@ -340,7 +340,7 @@ def test_the_function_behind_a_kernel_name_is_found_through_transformers_resolut
     a scan whole only where this names a linear-time package (tests/test_gpu_kernels.py: flash-linear-attention)."""
     for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
         kernel = getattr(modeling_qwen3_5, name)
-        assert kernel_implementation(kernel) is kernel.__wrapped__, name
+        assert kernel_implementation(kernel) is kernel_function(kernel).__wrapped__, name  # a kernels layer: its function
         assert not linear_kernel(kernel), name
     assert kernel_implementation(batch) is batch
 

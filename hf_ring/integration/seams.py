@@ -218,12 +218,14 @@ def kernel_function(kernel: Any) -> Any:
     """The function a modeling module's kernel name calls: ``kernel`` itself, or, where the ``kernels`` package is
     installed, the function inside the layer it made of it (``use_kernel_forward_from_hub`` on a function gives an
     ``nn.Module`` instance whose ``forward`` calls the function, so that ``kernelize`` can replace that forward).
-    Its signature is the one the modeling code calls the kernel by."""
-    forward = getattr(type(kernel), "forward", None)
-    code = getattr(forward, "__code__", None)
-    if not hasattr(type(kernel), "kernel_layer_name") or code is None or "func" not in code.co_freevars:
-        return kernel
-    return forward.__closure__[code.co_freevars.index("func")].cell_contents
+    Its signature is the one the modeling code calls the kernel by. A layer made of a layer (a function layer
+    wrapped again, as a patch that decorates the module's name once more makes it) is seen through to the end."""
+    while True:
+        forward = getattr(type(kernel), "forward", None)
+        code = getattr(forward, "__code__", None)
+        if not hasattr(type(kernel), "kernel_layer_name") or code is None or "func" not in code.co_freevars:
+            return kernel
+        kernel = forward.__closure__[code.co_freevars.index("func")].cell_contents
 
 
 def _kernel_resolver() -> Optional[CodeType]:
