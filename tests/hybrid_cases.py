@@ -618,3 +618,169 @@ def layered_family_case(model_type: str, module_name: str, ulysses: int = 1) -> 
         reference.delta_rule = delta_rule
         hybrids.family.cache_clear()
         hybrids._found_in.cache_clear()
+
+
+REPLACED_WHEN = ("before", "built", "stepped")
+"""When a user's replacement of a kernel lands: before hf_ring first reads the modeling module (at the top of the
+script), once the model is built, or after a first step."""
+
+
+def replaceable_kernels(model_type: str) -> Tuple[str, ...]:
+    """The kernels of ``model_type``'s family a user can assign in its modeling module (module functions and
+    ``Class.method`` ones, not a layer's own modules), a fused one aside (declined over shards)."""
+    from hf_ring.patches.hybrids import FUSED, family
+
+    return tuple(name for name, kind in family(model_type).kernels if kind != FUSED and not name.startswith("."))
+
+
+def replaced_kernel_case(model_type: str, name: str, when: str = "before", ulysses: int = 1,
+                         packed: bool = True) -> dict:
+    """One step of the packed batch (``packed``) or of the padded one with the modeling module's kernel ``name``
+    replaced by an undecorated float64 copy of itself (:func:`hybrid_models.undecorated_copy`), as a user swaps in
+    their own kernel, ``when`` (:data:`REPLACED_WHEN`; 'before': hf_ring's reading of the module forgotten too, as
+    in a process where the assignment came first); the other scans float64 recurrences, as everywhere here. Over
+    the pool's ranks with ``shard_batch``, or in one process as a training loop calls a ``ring_dilated`` model (no
+    hf_ring call; the packed batch's documents then apart only through hf_ring's pieces): the loss and every
+    gradient, or what was raised (``refused``)."""
+    import hybrid_models
+    import sweep
+    import hf_ring.patches.hybrids as hybrids
+
+    split = dist.is_initialized()
+    module = importlib.import_module(hybrids.family(model_type).modeling)
+    owner, attr = hybrids.kernel_owner(module, name)
+    own = vars(owner)[attr]
+    copy = hybrid_models.undecorated_copy(module, name)
+    data = packed_batch() if packed else padded_batch()
+
+    def put():
+        setattr(owner, attr, copy)
+        if when == "before":
+            hybrids.family.cache_clear()
+            hybrids._found_in.cache_clear()
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        out = model(**(hf_ring.shard_batch(data) if split else dict(data, use_cache=False)))
+        out.loss.backward()
+        return out.loss.detach()
+
+    with hybrid_models.float64_kernels(model_type):
+        if when == "before":
+            put()
+        sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses) if split else None
+        try:
+            model, why = sweep.build(model_type, "ring_dilated", torch.float64, "hybrid")
+            assert model is not None, why
+            if when == "built":
+                put()
+            if when == "stepped":
+                step(model)
+                put()
+            loss = step(model)
+            if split:
+                hf_ring.sync_gradients(model)
+                dist.all_reduce(loss, group=sp.sp_group)
+        except (ValueError, NotImplementedError) as err:
+            return {"refused": f"{type(err).__name__}: {err}"}
+        finally:
+            setattr(owner, attr, own)
+            hybrids.family.cache_clear()
+            hybrids._found_in.cache_clear()
+            if split:
+                hf_ring.clear_sequence_parallel()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": loss, "grads": grads if not split or dist.get_rank() == 0 else None}
+
+
+@functools.lru_cache(maxsize=None)
+def replaced_kernel_reference(model_type: str, name: str, packed: bool = True) -> dict:
+    """:func:`replaced_kernel_case`'s step in one process without hf_ring (``sdpa``; the packed batch's documents run
+    one by one), the same replacement in place."""
+    import hybrid_models
+    import sweep
+    import hf_ring.patches.hybrids as hybrids
+
+    module = importlib.import_module(hybrids.family(model_type).modeling)
+    owner, attr = hybrids.kernel_owner(module, name)
+    own = vars(owner)[attr]
+    with hybrid_models.float64_kernels(model_type):
+        setattr(owner, attr, hybrid_models.undecorated_copy(module, name))
+        try:
+            model, why = sweep.build(model_type, "sdpa", torch.float64, "hybrid")
+            assert model is not None, why
+            loss = documents_apart(model, packed_batch()) if packed else model(**padded_batch()).loss
+            loss.backward()
+        finally:
+            setattr(owner, attr, own)
+    return {"loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()
+                                             if p.grad is not None}}
+
+
+def _narrow_delta_rule(query, key, value, g, beta):
+    """A user's delta rule that takes no state to start from or to return: what the hook cannot run a piece with."""
+    raise AssertionError("never called: refused before the layer computes")
+
+
+def refused_kernel_case(how: str, model_type: str = "qwen3_5_text", packed: bool = False):
+    """A step of the padded batch (``packed``: the packed one) over the pool's ranks, or in one process, with the
+    delta rule of ``model_type`` made unusable to the hooks ``how``: ``signature`` (a replacement that takes none
+    of the state keywords), ``kernelized`` (each mixer's own copy of it replaced as ``kernels.kernelize`` replaces
+    one, with a forward of its own), ``unhooked`` (the mixer's forward runs it outside the hook, as a kernel called
+    under another name would). What each rank raised, and the calls the layers made to a replaced kernel."""
+    import types
+
+    import hybrid_models
+    import kernel_standins
+    import sweep
+    from helpers import raises_on_rank
+    import hf_ring.patches.hybrids as hybrids
+
+    split = dist.is_initialized()
+    hybrid = hybrids.family(model_type)
+    module = importlib.import_module(hybrid.modeling)
+    name = next(n for n, kind in hybrid.kernels if kind == hybrids.DELTA)
+    mixer_class = getattr(module, hybrid.mixers[0])
+    own_kernel, own_forward = vars(module)[name], vars(mixer_class)["forward"]
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return hybrid_models.undecorated_copy(module, name)(*args, **kwargs)
+
+    class KernelizedLayer(torch.nn.Module):  # what kernelize binds on a mixer's copy of a kernel function
+        def forward(self, *args, **kwargs):
+            return counted(*args, **kwargs)
+
+    def unhooked(self, *args, **kwargs):
+        hooked = getattr(module, name)
+        setattr(module, name, counted)  # what the layer calls is no longer the hook
+        try:
+            return own_forward(self, *args, **kwargs)
+        finally:
+            setattr(module, name, hooked)
+
+    sp = hf_ring.setup_sequence_parallel(None) if split else None
+    try:
+        with hybrid_models.float64_kernels(model_type):
+            model, why = sweep.build(model_type, "ring_dilated", torch.float64, "hybrid")
+            assert model is not None, why
+            if how == "signature":
+                setattr(module, name, _narrow_delta_rule)
+            elif how == "kernelized":
+                for m in model.modules():
+                    if type(m) is mixer_class:
+                        held = kernel_standins.function_layer(own_kernel, name)
+                        held.forward = types.MethodType(KernelizedLayer.forward, held)
+                        m.__dict__.setdefault("_kernel_funcs", {})[name] = held
+            else:
+                mixer_class.forward = unhooked
+            data = packed_batch() if packed else padded_batch()
+            raised = raises_on_rank(lambda: model(**(hf_ring.shard_batch(data) if split else
+                                                     dict(data, use_cache=False))).loss.backward())
+            return raised, len(calls)
+    finally:
+        setattr(module, name, own_kernel)
+        mixer_class.forward = own_forward
+        if split:
+            hf_ring.clear_sequence_parallel()

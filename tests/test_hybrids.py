@@ -543,3 +543,72 @@ def test_a_hybrid_whose_kernels_the_kernels_package_made_layers_equals_one_proce
     got = pools(world).run(hybrid_cases.layered_family_case, "qwen3_5_text", "qwen3_5", ulysses)[0]
     assert got["kernels"] == ["causal_conv1d_fn", "torch_chunk_gated_delta_rule"], got["kernels"]
     check_family(got, want)
+
+
+# ---- a kernel replaced in its modeling module -------------------------------------------------------------------
+
+REPLACED = [(t, name) for t in hybrid_cases.FAMILIES for name in hybrid_cases.replaceable_kernels(t)]
+"""Every kernel of every family checked whole that a user can assign in its modeling module."""
+
+
+def _exact_or_refused_alike(got, want):
+    """Every rank refused with the same reason, or the step (rank 0's) exact: never a silent difference."""
+    if any("refused" in g for g in got):
+        assert all(g.get("refused") == got[0].get("refused") for g in got), got
+        return got[0]["refused"]
+    check_family(got[0], want)
+    return None
+
+
+@pytest.mark.parametrize("model_type, name", REPLACED, ids=[f"{t}-{n}" for t, n in REPLACED])
+def test_a_kernel_a_user_replaced_before_the_setup_is_computed_exactly(pools, model_type, name):
+    """The kernel, assigned in the modeling module before hf_ring first read it, as an undecorated float64 copy of
+    itself (no mark of transformers' resolution): the packed row in one process and on 2 ranks equals its documents
+    run one by one with the same kernel, loss and every gradient within 1e-5; its kind comes from the modeling file,
+    not from what the name holds."""
+    want = hybrid_cases.replaced_kernel_reference(model_type, name)
+    assert _exact_or_refused_alike([hybrid_cases.replaced_kernel_case(model_type, name)], want) is None
+    assert _exact_or_refused_alike(pools(2).run(hybrid_cases.replaced_kernel_case, model_type, name), want) is None
+
+
+QWEN_REPLACED = [(t, n) for t, n in REPLACED if t in ("qwen3_5_text", "qwen3_next")]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("model_type, name", QWEN_REPLACED, ids=[f"{t}-{n}" for t, n in QWEN_REPLACED])
+def test_a_replaced_kernel_on_four_ranks_with_heads_and_padded_on_two_is_exact(pools, model_type, name, packed):
+    """The same on 4 ranks (head-parallel pairs, the ring across them), and the padded batch on 2 ranks."""
+    want = hybrid_cases.replaced_kernel_reference(model_type, name, packed=packed)
+    if not packed:
+        got = pools(2).run(hybrid_cases.replaced_kernel_case, model_type, name, packed=False)
+        assert _exact_or_refused_alike(got, want) is None
+    got = pools(4).run(hybrid_cases.replaced_kernel_case, model_type, name, ulysses=2, packed=packed)
+    assert _exact_or_refused_alike(got, want) is None
+
+
+@pytest.mark.parametrize("when", ["built", "stepped"])
+@pytest.mark.parametrize("name", ["causal_conv1d_fn", "torch_chunk_gated_delta_rule"])
+def test_a_kernel_replaced_after_the_model_is_built_or_has_stepped_is_computed_exactly(pools, name, when):
+    """The replacement made once the model exists, or after a first step (hf_ring has read the module by then):
+    the name is hooked as its kind whatever it holds at each call."""
+    want = hybrid_cases.replaced_kernel_reference("qwen3_5_text", name)
+    got = pools(2).run(hybrid_cases.replaced_kernel_case, "qwen3_5_text", name, when)
+    assert _exact_or_refused_alike(got, want) is None
+
+
+@pytest.mark.parametrize("how, says", [
+    ("signature", "does not take the parameters of the delta rule kernel its modeling file defines"),
+    ("kernelized", "torch_chunk_gated_delta_rule was replaced by"),
+    ("unhooked", "ran its mixer without calling its delta rule kernel through hf_ring")])
+def test_a_kernel_the_hooks_cannot_compute_is_refused_on_every_rank(pools, how, says):
+    """A replacement that takes none of the delta rule's state keywords, a mixer's copy of the kernel that
+    kernelize replaced, a mixer that calls its delta rule outside the hook: each refused with the same error on
+    every rank, naming the kernel and the fix; the first two before the layer computes. In one process the packed
+    row is refused alike (its documents would mix)."""
+    got = pools(2).run(hybrid_cases.refused_kernel_case, how)
+    assert got[0] == got[1], got
+    (kind, message), calls = got[0]
+    assert kind == "ValueError" and says in message, message
+    assert calls == (1 if how == "unhooked" else 0), calls  # the unhooked call is found once it ran
+    (kind, message), _ = hybrid_cases.refused_kernel_case(how, packed=True)
+    assert kind == "ValueError" and says in message, message
