@@ -6,5 +6,6 @@ BENCHES = {"ring": "bench.ring", "dilated": "bench.dilated", "generate": "bench.
            "linear": "bench.linear",
            "tables": "bench.tables", "plan": "bench.plan", "compat": "bench.compat",
            "compile": "bench.compile", "sft": "bench.sft", "vision": "bench.vision", "fixed": "bench.fixed",
-           "demo": "bench.demo", "exactness": "bench.exactness", "hybrid": "bench.hybrid"}
+           "demo": "bench.demo", "exactness": "bench.exactness", "hybrid": "bench.hybrid",
+           "endings": "bench.endings"}
 """Each command's module."""

@@ -18,8 +18,9 @@ reductions (no model), for launch counts. ``--hybrid`` trains a saved tiny hybri
 (``--model``, Qwen3.5: gated-delta-rule layers beside attention) and its image-text
 form (``--vlm``) one step each through ``shard_batch``, so that the last exchange
 before the end is a recurrent layer's, in its backward.
-The script ends without any cleanup of its own (``--destroy``: it ends with
-``dist.destroy_process_group()``, as many scripts do): the launch must still exit 0.
+The script ends without any cleanup of its own, or ``--ending destroy`` (``dist.destroy_process_group()``, as
+torch's examples do), ``end_training`` (``accelerator.end_training()``, accelerate's) or ``shutdown``
+(``hf_ring.shutdown()``): every launch must exit 0.
 """
 import argparse
 import json
@@ -60,14 +61,13 @@ def light(rank: int, world: int) -> dict:
     return {"rank": rank, "rows": len(pos)}
 
 
-def hybrid(rank: int, model_path: str, vlm_path: str) -> dict:
+def hybrid(rank: int, model_path: str, vlm_path: str, accelerator) -> dict:
     """One training step of the saved hybrid and one of its image-text form, each ending in its backward."""
-    from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
     from vlm import HYBRIDS
 
-    hf_ring.setup_sequence_parallel(Accelerator(cpu=True), sp_size=dist.get_world_size())
+    hf_ring.setup_sequence_parallel(accelerator, sp_size=dist.get_world_size())
     model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="ring_dilated").train()
     data = batch(3, 2, 37, vocab=model.config.vocab_size)
     model(**hf_ring.shard_batch(data)).loss.backward()
@@ -75,6 +75,20 @@ def hybrid(rank: int, model_path: str, vlm_path: str) -> dict:
     vlm = family.load("ring_dilated", torch.float32, vlm_path).train()
     vlm(**hf_ring.shard_batch(family.batch(0, 64, ((14, 45),)))).loss.backward()
     return {"rank": rank}
+
+
+ENDINGS = ("none", "destroy", "end_training", "shutdown")
+
+
+def end(how: str, accelerator) -> None:
+    """The script's last line: nothing, ``dist.destroy_process_group()``, ``accelerator.end_training()`` or
+    ``hf_ring.shutdown()``."""
+    if how == "destroy":
+        dist.destroy_process_group()
+    elif how == "end_training":
+        accelerator.end_training()
+    elif how == "shutdown":
+        hf_ring.shutdown()
 
 
 def report(out: str, result: dict) -> None:
@@ -94,7 +108,7 @@ def main() -> None:
     parser.add_argument("--hybrid", action="store_true", help="a step of the hybrid --model and of its image-text "
                         "form --vlm")
     parser.add_argument("--vlm", help="a saved tiny Qwen3.5 image-text model (with --hybrid)")
-    parser.add_argument("--destroy", action="store_true", help="end with dist.destroy_process_group()")
+    parser.add_argument("--ending", choices=ENDINGS, default="none", help="how the script ends (%(default)s)")
     parser.add_argument("--out", required=True, help="a folder: each rank writes rank<N>.json there")
     parser.add_argument("--accelerator", choices=["cpu", "default"],
                         help="with --light: set up through Accelerator(cpu=True) or Accelerator()")
@@ -102,19 +116,18 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group(None if args.backend == "none" else args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.light:
-        accelerator = None
-        if args.accelerator:
-            from accelerate import Accelerator
+    if args.light or args.hybrid:
+        from accelerate import Accelerator
 
-            accelerator = Accelerator(cpu=args.accelerator == "cpu")
-        hf_ring.setup_sequence_parallel(accelerator, sp_size=world)
-        report(args.out, light(rank, world))
-        return
-    if args.hybrid:
-        report(args.out, hybrid(rank, args.model, args.vlm))
-        if args.destroy:
-            dist.destroy_process_group()
+        accelerator = None  # the light form also sets up from torch.distributed alone
+        if args.hybrid or args.accelerator or args.ending == "end_training":
+            accelerator = Accelerator(cpu=args.accelerator != "default")
+        if args.light:
+            hf_ring.setup_sequence_parallel(accelerator, sp_size=world)
+            report(args.out, light(rank, world))
+        else:
+            report(args.out, hybrid(rank, args.model, args.vlm, accelerator))
+        end(args.ending, accelerator)
         return
     data = batch(3, 2, 37)
     beside = load(args.model, "sdpa").train()

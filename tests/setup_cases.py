@@ -29,3 +29,17 @@ def scope_case(path):
     except KeyError:
         seen["after_error"] = hf_ring.current() is None and len(hf_ring.patches.applied()) == 1
     return seen
+
+
+def destroy_case() -> dict:
+    """What ``dist.destroy_process_group`` is while a setup stands (hf_ring's, which meets every rank first, listed
+    among the changes it made) and once the setup is cleared (torch's own again)."""
+    own = dist.destroy_process_group
+    hf_ring.setup_sequence_parallel(None)
+    try:
+        during = dist.destroy_process_group
+        listed = [str(p) for p in hf_ring.patches.applied() if p.name == "destroy_process_group"]
+    finally:
+        hf_ring.clear_sequence_parallel()
+    return {"replaced": during is not own and during.__wrapped__ is own, "listed": listed,
+            "restored": dist.destroy_process_group is own}

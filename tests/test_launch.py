@@ -153,29 +153,40 @@ def test_an_accelerator_that_sees_one_process_is_refused(accelerator):
         assert "use_cpu=True" in done.stderr
 
 
-LAUNCHES = 10
-"""Launches of each form: an abort at exit that one launch in three meets (gloo's worker thread letting go of a
-collective's tensors while the interpreter exits, see hf_ring.engine.comm._Handed) is caught by 10 launches 98 times
-in 100."""
+ENDINGS = ("none", "destroy", "end_training", "shutdown")
+"""How a user's script ends (launched_step.py's ``--ending``): nothing, ``dist.destroy_process_group()``,
+``accelerator.end_training()``, ``hf_ring.shutdown()``. One launch each here; ``python -m bench endings`` launches
+each 20 times (docs/bench/endings.json)."""
 
 
-def test_launches_exit_cleanly():
-    """gloo processes that end with their group alive often abort ("terminate called without an active
-    exception"); after hf_ring's setup every launch must exit 0, whether the script cleans up or not, and whether its
-    last exchange was the ring's or a recurrent layer's in its backward (a hybrid, and its image-text form)."""
+def test_launches_exit_cleanly_however_the_script_ends():
+    """gloo processes that end with their group alive, or whose peer has torn its connections down first, often
+    abort ("terminate called without an active exception"); after hf_ring's setup every launch must exit 0 however
+    the script ends, and whether its last exchange was the ring's or a recurrent layer's in its backward (a
+    hybrid, and its image-text form)."""
     import hybrid_models
     from vlm import HYBRIDS
 
     forms = [("--light",), ("--hybrid", "--model", hybrid_models.saved("qwen3_5_text"), "--vlm",
                             HYBRIDS["qwen3_5"].build())]
     failed = []
-    for i in range(LAUNCHES):
+    for ending in ENDINGS:
         for form in forms:
-            args = form + (("--destroy",) if i % 2 and form != ("--light",) else ())
-            done, results = _torchrun(*args, timeout=120)
+            done, results = _torchrun(*form, "--ending", ending, timeout=120)
             if done.returncode != 0 or len(results) != 2:
-                failed.append((i, args[0], done.returncode, done.stderr[-1500:]))
+                failed.append((ending, form[0], done.returncode, done.stderr[-1500:]))
     assert not failed, failed
+
+
+def test_a_whole_group_destroy_meets_every_rank_first_while_a_setup_stands(pools):
+    """``dist.destroy_process_group()`` (and accelerate's ``end_training``, which calls it) is hf_ring's while a
+    sequence-parallel setup stands, listed among its changes (the exit exchange, then torch's destroy: the
+    launches above end that way), and torch's own again once the setup is cleared."""
+    from setup_cases import destroy_case
+
+    for seen in pools(2).run(destroy_case):
+        assert seen["replaced"] and seen["restored"], seen
+        assert len(seen["listed"]) == 1 and "as hf_ring.shutdown does" in seen["listed"][0], seen
 
 
 @pytest.mark.parametrize("config,want", [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import sys
 from typing import Any, Iterator, Optional
 
@@ -20,7 +21,7 @@ from ..engine import comm
 from ..engine.arguments import positive_int
 from ..engine.comm import RingComm
 from ..engine.layout import check_layout, check_ulysses, check_ulysses_size
-from ..patches import apply_all, revert_all
+from ..patches import apply_all, registry, revert_all
 from ..integration.groups import SequenceParallel, current, set_current
 
 
@@ -61,7 +62,27 @@ def _leave(timeout: Optional[float], reason: str) -> None:
     except (RuntimeError, ValueError) as err:
         print(f"hf_ring.shutdown: ending the process group without the exit of every rank ({err})", file=sys.stderr)
     _MESHES.clear()
-    dist.destroy_process_group()
+    registry.original(dist, "destroy_process_group")()
+    registry.restore(dist, "destroy_process_group")
+
+
+DESTROY_WHY = ("ends the whole process group as hf_ring.shutdown does (every rank's exit meets the others' first) "
+               "while a sequence-parallel setup stands: a script that ends with dist.destroy_process_group() or "
+               "accelerator.end_training() would otherwise tear down a gloo rank's connections while a peer still "
+               "uses them, which aborts it at exit")
+
+
+def _met_first(destroy: Any) -> Any:
+    """``torch.distributed.destroy_process_group``, whose call for the whole group (no ``group``) runs
+    :func:`shutdown` instead: the exit exchange, then that same destroy."""
+    @functools.wraps(destroy)
+    def destroy_process_group(group: Optional[dist.ProcessGroup] = None) -> None:
+        if group is None and dist.is_initialized():
+            shutdown()
+            return
+        destroy(group)
+
+    return destroy_process_group
 
 
 ERROR_EXIT_S = 5.0
@@ -154,6 +175,7 @@ def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = No
     device_type = "cuda" if comm.carriers(None).get("cuda") == "nccl" and torch.cuda.is_available() else "cpu"
     sp = _groups(device_type, world // (sp_size * tp_size), sp_size, tp_size, ulysses_size, layout)
     apply_all()
+    registry.replace(dist, "destroy_process_group", _met_first, DESTROY_WHY)
     set_current(sp)
     return sp
 
