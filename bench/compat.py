@@ -42,21 +42,23 @@ from .common import commit, rel_err, run_ranks
 
 PACKAGES = tuple(FLOORS)
 
-NEWEST = {"torch": "2.14.1", "transformers": "5.24.0", "accelerate": "1.15.0"}
-BASE = {"torch": "2.13.0", "transformers": "5.24.0", "accelerate": "1.15.0"}
+NEWEST = {"torch": "2.15.0", "transformers": "5.25.0", "accelerate": "1.16.0"}
+BASE = {"torch": "2.13.0", "transformers": "5.25.0", "accelerate": "1.16.0"}
 MATRIX: List[Dict[str, str]] = (
     [dict(BASE, torch=t) for t in ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0")]
-    + [dict(BASE, transformers=t) for t in ("5.17.0", "5.18.0", "5.19.0", "5.20.2", "5.21.1", "5.22.2", "5.23.0")]
-    + [dict(BASE, accelerate=a) for a in ("1.10.1", "1.11.0", "1.12.0", "1.13.0", "1.14.0")]
+    + [dict(BASE, transformers=t) for t in ("5.17.0", "5.18.0", "5.19.0", "5.20.2", "5.21.1", "5.22.2", "5.23.0",
+                                            "5.24.0")]
+    + [dict(BASE, accelerate=a) for a in ("1.10.1", "1.11.0", "1.12.0", "1.13.0", "1.14.0", "1.15.0")]
     + [{"torch": "2.13.0", "transformers": "5.17.0", "accelerate": "1.10.1"},  # the floor CI job
        dict(NEWEST, python="3.10", transformers="5.20.2"), dict(NEWEST, python="3.12"),
        {"torch": "2.11.0", "transformers": "5.17.0", "accelerate": "1.15.0", "python": "3.12"}])  # the GPU machine's
 """Every row of compat.json: each minor release of each package with the others at the newest pinned stack, the
 floor, the declared Python floor and a newer Python (the newest releases each allows: transformers needs Python
 3.11 from 5.21; ``python`` defaults to 3.11), and the stack of the GPU machine ``bench gpu`` runs on (its CUDA build
-of torch runs on the CPU here)."""
-UNRUNNABLE = {("torch", "2.15.0"): "this machine's pip stops at torch 2.14.1 (a constraint of the image), so 2.15 "
-                                   "cannot be installed here; the unpinned CI job runs the newest pip allows"}
+of torch runs on the CPU here). Rows of an earlier base stay in the file as they were written."""
+NO_CONSTRAINT = {"PIP_CONSTRAINT": "/dev/null"}
+"""The environment of the matrix's installs: a machine's pip constraint file may cap torch (this image's stops at
+2.14.1, below the newest published); each row pins every release it installs, so no cap is needed."""
 
 MODEL = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
@@ -243,10 +245,8 @@ def matrix(out: str, venvs: str, only: Optional[List[int]] = None, replace_unrec
             continue
         python = spec.get("python", "3.11")
         releases = {p: spec[p] for p in PACKAGES}
-        why = next((w for (p, v), w in UNRUNNABLE.items() if releases[p] == v), None)
         interpreter = _interpreter(python)
-        if why is None and interpreter is None:
-            why = f"no Python {python} on this machine"
+        why = None if interpreter is not None else f"no Python {python} on this machine"
         if why is not None:
             write(out, dict(releases, python=python, date=datetime.date.today().isoformat(), commit=commit(str(root)),
                             command="python -m bench compat --matrix", ran=False, why=why,
@@ -254,11 +254,13 @@ def matrix(out: str, venvs: str, only: Optional[List[int]] = None, replace_unrec
             continue
         env = os.path.join(venvs, "-".join([f"py{python}"] + [f"{p}{v}" for p, v in releases.items()]))
         pip = [os.path.join(env, "bin", "python"), "-m", "pip", "install", "--quiet"]
+        unconstrained = dict(os.environ, **NO_CONSTRAINT)
         if not os.path.exists(os.path.join(env, "bin", "python")):
             subprocess.run([interpreter, "-m", "venv", env], check=True)
-            subprocess.run(pip + ["--upgrade", "pip"], check=True)
-        subprocess.run(pip + [f"torch=={releases['torch']}"], check=True)
-        subprocess.run(pip + ["-e", f"{root}[test]"] + [f"{p}=={v}" for p, v in releases.items()], check=True)
+            subprocess.run(pip + ["--upgrade", "pip"], check=True, env=unconstrained)
+        subprocess.run(pip + [f"torch=={releases['torch']}"], check=True, env=unconstrained)
+        subprocess.run(pip + ["-e", f"{root}[test]"] + [f"{p}=={v}" for p, v in releases.items()], check=True,
+                       env=unconstrained)
         subprocess.run([os.path.join(env, "bin", "python"), "-m", "bench", "compat", "--suite", "--out", out]
                        + (["--replace-unrecorded"] if replace_unrecorded else []), cwd=root, check=True)
 

@@ -437,12 +437,13 @@ def _over_shards(original: Callable, hybrid: HybridFamily, context: ShardedForwa
             keep(call.tails[name][..., -1])
     missing = hybrid.needed(layer) - {hybrid.kind_of(name) for name in call.calls}
     if missing:
+        names = ", ".join(n for n, k in hybrid.kernels if k in missing)
         context.fail(ValueError(
             f"the {type(layer).__name__} layer of {hybrid.model_types[0]!r} ran its mixer without calling its "
-            f"{', '.join(sorted(missing))} kernel through hf_ring ({', '.join(n for n, k in hybrid.kernels if k in missing)}"
-            " in its modeling module), so that part of the layer did not see the rest of the sequence: its forward was "
-            "replaced (a hub kernel loaded with use_kernels=True?), or calls its kernel another way in this "
-            "transformers release; load the model without kernels, or run it in one process"))
+            f"{', '.join(sorted(missing))} kernel through hf_ring ({names} in its modeling module), so that part of "
+            "the layer did not see the rest of the sequence: its forward was replaced (a hub kernel loaded with "
+            "use_kernels=True?), or calls its kernel another way in this transformers release; load the model "
+            "without kernels, or run it in one process"))
     context.mixing()
     return out
 

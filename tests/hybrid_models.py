@@ -190,7 +190,7 @@ def saved(model_type: str, vocab_size: Optional[int] = None, pattern: str = HYBR
 
 
 class _InFloat64(__import__("ast").NodeTransformer):
-    """``torch.float32`` as ``torch.float64``, ``x.float()`` as ``x.double()``: a kernel's source computing in float64."""
+    """``torch.float32`` as ``torch.float64``, ``x.float()`` as ``x.double()``: a kernel's source in float64."""
 
     def visit_Attribute(self, node):
         self.generic_visit(node)
