@@ -10,10 +10,12 @@ from hf_ring.engine.documents import document_starts
 from helpers import raises_on_rank
 
 
-def make_qkv(seed, b, hq, hkv, n, d, dtype=torch.float32):
-    """Global q, k, v, dout from a seed: every rank and the test build the same tensors."""
+def make_qkv(seed, b, hq, hkv, n, d, dtype=torch.float32, dv=None):
+    """Global q, k, v, dout from a seed: every rank and the test build the same tensors; ``dv``: the values' head
+    size where it is not the queries' and keys' (multi-head latent attention)."""
     g = torch.Generator().manual_seed(seed)
-    shapes = [(b, hq, n, d), (b, hkv, n, d), (b, hkv, n, d), (b, hq, n, d)]
+    dv = d if dv is None else dv
+    shapes = [(b, hq, n, d), (b, hkv, n, d), (b, hkv, n, dv), (b, hq, n, dv)]
     return [torch.randn(s, generator=g).to(dtype) for s in shapes]
 
 
@@ -37,7 +39,7 @@ def key_mask_of(b, n, pad, side="left"):
 
 
 def ring_case(seed, b, hq, hkv, n, d, *, dtype=torch.float32, layout="zigzag", message_rows=None, pad=0,
-              pad_side="left", padded_tile=None, **kw):
+              pad_side="left", padded_tile=None, dv=None, **kw):
     """This rank's positions, output and gradients of ring_attention on its shard.
 
     ``message_rows`` shrinks the per-message budget so shards travel in many small messages.
@@ -87,7 +89,7 @@ def ring_case(seed, b, hq, hkv, n, d, *, dtype=torch.float32, layout="zigzag", m
     if message_rows is not None:
         kw["message_rows"] = message_rows
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    q, k, v, dout = make_qkv(seed, b, hq, hkv, n, d, dtype)
+    q, k, v, dout = make_qkv(seed, b, hq, hkv, n, d, dtype, dv)
     pos = hf_ring.local_positions(n, rank, world, layout)
     if pad or pad_side == "none":
         kw["key_mask"] = key_mask_of(b, n, pad, pad_side)[:, pos]
@@ -198,7 +200,7 @@ def packed_reference(args, position_ids=None, *, causal=True, window=None, branc
 
 
 def head_parallel_case(seed, b, hq, hkv, n, d, *, ulysses, layout="zigzag", dtype=torch.float32, pad=0,
-                       position_ids=None, sinks=None, causal=True, window=None, pattern=None, softcap=None):
+                       position_ids=None, sinks=None, causal=True, window=None, pattern=None, softcap=None, dv=None):
     """This rank's positions, output and gradients of head-parallel attention (``ulysses`` ranks per group).
 
     The sequence is sharded as ``shard_batch`` shards it under
@@ -213,7 +215,7 @@ def head_parallel_case(seed, b, hq, hkv, n, d, *, ulysses, layout="zigzag", dtyp
     sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses, layout=layout)
     try:
         rank, world = sp.sp_rank, sp.sp_size
-        q, k, v, dout = make_qkv(seed, b, hq, hkv, n, d, dtype)
+        q, k, v, dout = make_qkv(seed, b, hq, hkv, n, d, dtype, dv)
         pos = hf_ring.local_positions(n, rank, world, layout, ulysses)
         sizes = hf_ring.shard_sizes(n, world, layout, ulysses)
         first = rank // ulysses * ulysses

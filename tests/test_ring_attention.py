@@ -237,3 +237,27 @@ def test_own_step_backward_in_tiles(tile):
     ref = R.with_grads(R.dense_attention, q, k, v, dout, causal=True)
     for name, g, want in zip(("dq", "dk", "dv"), got, ref[1:]):
         assert rel_err(g, want, zero_scale=cancelling_scale(name, q, k, v, dout)) <= FP32_TOL, name
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("dv", [8, 24], ids=["values-narrower", "values-wider"])
+@pytest.mark.parametrize("mode", MODES + [pytest.param({"causal": True, "message_rows": 5}, id="small-messages"),
+                                          pytest.param({"causal": True, "pad": 9}, id="padded")])
+def test_values_of_another_head_size_than_the_keys(pools, world, dv, mode):
+    """Multi-head latent attention's values are narrower than its queries and keys (DeepSeek V3: 128 against 192);
+    the ring carries them at their own size and the kernels run them widened with zero columns: output and every
+    gradient against the float64 reference, with V's own head size."""
+    mode = dict(mode)
+    pad = mode.pop("pad", 0)
+    args = (23 + world + dv, 2, 4, 2, 45, 16)
+    results = ([ring_case(*args, dv=dv, pad=pad, **mode)] if world == 1 else
+               pools(world).run(ring_case, *args, dv=dv, pad=pad, **mode))
+    got = {name: assemble(results, name, 45) for name in ("out", "dq", "dk", "dv")}
+    q, k, v, dout = make_qkv(*args, dv=dv)
+    assert v.shape[-1] == dv and got["out"].shape[-1] == dv and got["dv"].shape[-1] == dv
+    key_mask = key_mask_of(2, 45, pad) if pad else torch.ones(2, 45, dtype=torch.bool)
+    fn = lambda q, k, v: padded_dense(q, k, v, causal=mode["causal"], window=mode.get("window"),  # noqa: E731
+                                      key_mask=key_mask)
+    ref = dict(zip(("out", "dq", "dk", "dv"), R.with_grads(fn, q, k, v, dout)))
+    errs = {name: rel_err(got[name], ref[name], zero_scale=cancelling_scale(name, q, k, v, dout)) for name in ref}
+    assert max(errs.values()) <= FP32_TOL, errs

@@ -18,7 +18,7 @@ def qkv(b=1, hq=4, hkv=2, n=8, d=8, dtype=torch.float32):
         (lambda q, k, v: (q.numpy(), k, v), TypeError, "q must be a torch.Tensor"),
         (lambda q, k, v: (q[0], k, v), ValueError, "q must be 4-D"),
         (lambda q, k, v: (q, k.double(), v), TypeError, "share one dtype"),
-        (lambda q, k, v: (q, k, v[:, :1]), ValueError, "k and v must have the same shape"),
+        (lambda q, k, v: (q, k, v[:, :1]), ValueError, "k and v must have the same batch, heads and rows"),
         (lambda q, k, v: (q[:, :, :, :4], k, v), ValueError, "head_dim"),
         (lambda q, k, v: (torch.cat([q, q]), k, v), ValueError, "batch size"),
         (lambda q, k, v: (q[:, :3], k, v), ValueError, r"query heads \(3\) must be a multiple of key/value heads \(2\)"),

@@ -277,3 +277,18 @@ def test_bytes_on_the_wire_are_the_planned_ones(pools, world, ulysses, heads):
     sent = pools(world).run(counted_head_parallel_case, 1, 1, heads[0], heads[1], n, d, ulysses=ulysses)
     planned = planned_mode_mb(n, world, ulysses, "zigzag", heads[0], heads[1], 1, d)
     assert max(sent) / 2**20 == pytest.approx(planned, rel=1e-12), (sent, planned)
+
+
+@pytest.mark.parametrize("world,ulysses", MODES)
+@pytest.mark.parametrize("dv", [4, 12], ids=["values-narrower", "values-wider"])
+def test_values_of_another_head_size_than_the_keys(pools, world, ulysses, dv):
+    """Head parallelism and USP with values of another head size than the queries and keys (multi-head latent
+    attention): each tensor travels the all-to-alls at its own size."""
+    hq, hkv = (12, 6) if ulysses == 3 else (8, 4)
+    args = (world * 31 + dv, 2, hq, hkv, 41, 8)
+    results = pools(world).run(head_parallel_case, *args, ulysses=ulysses, dv=dv)
+    got = {name: assemble(results, name, 41) for name in NAMES}
+    q, k, v, dout = make_qkv(*args, dv=dv)
+    ref = dict(zip(NAMES, R.with_grads(R.dense_attention, q, k, v, dout)))
+    assert got["out"].shape[-1] == got["dv"].shape[-1] == dv
+    check(got, ref, q, k, v, dout)

@@ -34,12 +34,13 @@ def check_qkv(q, k, v) -> None:
         raise TypeError(f"q, k, v must be one of {[str(d) for d in DTYPES]}, got {q.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; got q={q.device}, k={k.device}, v={v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k={tuple(k.shape)}, v={tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:  # v's head_dim may differ (multi-head latent attention: 128 against 192)
+        raise ValueError(f"k and v must have the same batch, heads and rows; got k={tuple(k.shape)}, "
+                         f"v={tuple(v.shape)}")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"batch size differs: q has {q.shape[0]}, k/v have {k.shape[0]}")
     if q.shape[3] != k.shape[3]:
-        raise ValueError(f"head_dim differs: q has {q.shape[3]}, k/v have {k.shape[3]}")
+        raise ValueError(f"head_dim differs: q has {q.shape[3]}, k has {k.shape[3]}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(
             f"q has {q.shape[2]} local rows but k/v have {k.shape[2]}; ring attention needs each rank's "

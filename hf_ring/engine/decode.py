@@ -179,9 +179,9 @@ def cached_attention(
     q: Tensor, k: Tensor, v: Tensor, blocks: Sequence[CachedBlock], *, scale: float,
     key_mask: Optional[Tensor] = None, pair_mask: Optional[Tensor] = None, softcap: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """This process's partial attention: ``out`` ``(B, Hq, S, D)`` (fp32, fp64 for fp64) and ``lse`` ``(B, Hq, S)``.
+    """This process's partial attention: ``out`` ``(B, Hq, S, D_v)`` (fp32, fp64 for fp64) and ``lse`` ``(B, Hq, S)``.
 
-    ``k``/``v`` are the cache rows ``(B, Hkv, L, D)``; ``key_mask`` ``(B, L)``
+    ``k``/``v`` are the cache rows ``(B, Hkv, L, D)`` and ``(B, Hkv, L, D_v)``; ``key_mask`` ``(B, L)``
     bool marks the rows that may be attended (False for padding);
     ``pair_mask`` ``(B, 1, S, L)`` bool, when given, further restricts which
     query may see which row (a KV cache's own mask). A query with no allowed
@@ -189,12 +189,12 @@ def cached_attention(
     scores (``softcap·tanh(s/softcap)``) before masking.
     """
     softcap = check_softcap(softcap)
-    b, hq, s, d = q.shape
+    b, hq, s, _ = q.shape
     acc = accumulator_dtype(q)
     if len(blocks) == 1 and blocks[0].q_rows is None and blocks[0].q_heads == range(hq):
         out, lse = _attend_block(q, k, v, blocks[0], scale, key_mask, pair_mask, softcap)
         return out.to(acc), lse  # the usual dense step: nothing to merge it with
-    out = torch.zeros(b, hq, s, d, dtype=acc, device=q.device)
+    out = torch.zeros(b, hq, s, v.shape[3], dtype=acc, device=q.device)
     lse = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
     for blk in blocks:
         hs = head_slice(blk.q_heads)
@@ -239,7 +239,7 @@ def _grouped_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Option
     if mask is not None:
         mask = mask.repeat(g, 1) if mask.dim() == 2 else mask.repeat(1, 1, g, 1)
     out, lse = block_forward(q.reshape(b, k.shape[1], g * s, d), k, v, scale=scale, mask=mask, softcap=softcap)
-    return out.reshape(b, hq, s, d), lse.reshape(b, hq, s)
+    return out.reshape(b, hq, s, v.shape[3]), lse.reshape(b, hq, s)
 
 
 def merge_partials(outs: Tensor, lses: Tensor) -> Tensor:

@@ -348,14 +348,27 @@ def _each_kernel(q: Tensor, mask: Optional[Tensor], softcap: Optional[float], at
     raise AssertionError("the math kernel supports every block")
 
 
+def _widened(x: Tensor, width: int) -> Tensor:
+    """``x`` with zero columns appended up to ``width`` (itself when already that wide)."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
 def block_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool = False,
                   mask: Optional[Tensor] = None, softcap: Optional[float] = None,
                   band: Optional[Band] = None) -> Tuple[Tensor, Tensor]:
-    """Attention of one block: ``out`` in ``q.dtype`` ``(B, Hq, S_q, D)``, ``lse`` ``(B, Hq, S_q)`` in fp32 (fp64
+    """Attention of one block: ``out`` in ``q.dtype`` ``(B, Hq, S_q, D_v)``, ``lse`` ``(B, Hq, S_q)`` in fp32 (fp64
     for fp64).
 
-    No route makes a mask or scores larger than one tile of ``MATH_TILE`` rows a side.
+    No route makes a mask or scores larger than one tile of ``MATH_TILE`` rows a side. Values of another head
+    size than the queries and keys (multi-head latent attention: 128 against 192) run as the fused kernels need
+    them, all of one size: the narrower side widened with zero columns, which add nothing to a score or an output,
+    and the output cut back to the values' size.
     """
+    if v.shape[-1] != q.shape[-1]:
+        width = max(v.shape[-1], q.shape[-1])
+        out, lse = block_forward(_widened(q, width), _widened(k, width), _widened(v, width), scale=scale,
+                                 causal=causal, mask=mask, softcap=softcap, band=band)
+        return out[..., :v.shape[-1]], lse
     call = BlockCall(scale, causal, mask, softcap, band)
     return _each_kernel(q, mask, softcap, lambda kn: call.run(kn, kn.forward, _tiled_forward, (q, k, v), q, k))
 
@@ -368,6 +381,12 @@ def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     Using the global ``out``/``lse`` makes each block's gradient its exact share
     of the full gradient, so summing blocks needs no rescaling.
     """
+    if v.shape[-1] != q.shape[-1]:  # as block_forward runs it: one head size, zero columns cut off again
+        width = max(v.shape[-1], q.shape[-1])
+        dq, dk, dv = block_backward(_widened(dout, width), _widened(q, width), _widened(k, width),
+                                    _widened(v, width), _widened(out, width), lse, scale=scale, causal=causal,
+                                    mask=mask, softcap=softcap, band=band)
+        return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
     # A row with no key anywhere has lse = -inf; +inf makes every p = exp(s - lse) exactly 0.
     lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
     call = BlockCall(scale, causal, mask, softcap, band)

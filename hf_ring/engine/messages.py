@@ -97,9 +97,8 @@ def kv_traffic(step: Step, k: Tensor, v: Tensor, key_mask: Optional[Tensor]):
         if key_mask is not None:
             send.append(_pack_mask(key_mask, step.send))
     recv = []
-    if step.recv.pieces:
-        total = sum(numels(step.recv.pieces, k.shape[0], k.shape[3]))
-        recv = [(torch.Size((total,)), k.dtype)] * 2
+    if step.recv.pieces:  # K's and V's rows: their head sizes may differ (multi-head latent attention)
+        recv = [(torch.Size((sum(numels(step.recv.pieces, x.shape[0], x.shape[3])),)), x.dtype) for x in (k, v)]
         if key_mask is not None:
             recv.append((torch.Size((k.shape[0] * sum(p.rows.count for p in sent(step.recv.pieces)),)), torch.uint8))
     return send, recv
@@ -120,7 +119,7 @@ def _unpack_mask(flat: Tensor, pieces: Sequence[Piece], b: int) -> List[Tensor]:
 
 def kv_views(step: Step, k: Tensor, v: Tensor, key_mask: Optional[Tensor], got: Optional[List[Tensor]]):
     """Per piece ``(K, V, key mask, its KeyValidity)``, the last two None where no key of the piece is padding."""
-    b, d = k.shape[0], k.shape[3]
+    b = k.shape[0]
     pieces = step.recv.pieces
     if not pieces:
         return []
@@ -129,7 +128,7 @@ def kv_views(step: Step, k: Tensor, v: Tensor, key_mask: Optional[Tensor], got: 
         vs = [piece_view(v, p) for p in pieces]
         ms = [None if key_mask is None else key_mask[:, p.rows.slice] for p in pieces]
     else:
-        ks, vs = unpack(got[0], pieces, b, d), unpack(got[1], pieces, b, d)
+        ks, vs = unpack(got[0], pieces, b, k.shape[3]), unpack(got[1], pieces, b, v.shape[3])
         ms = [None] * len(pieces) if key_mask is None else _unpack_mask(got[2], pieces, b)
     views = []
     for kk, vv, m in zip(ks, vs, ms):

@@ -138,7 +138,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, call: RingCall, sinks: Optiona
     """This rank's rows of the output (``q.dtype``) and their LSE, with the sinks (if any) joined once per row;
     ``keep``: a list that gets the K/V rows each step received (see :func:`_visits`)."""
     plan, spec = call.forward_plan or call.plan, call.spec
-    b, hq, s, d = q.shape
+    b, hq, s, _ = q.shape
     k, v = kv_storage(k), kv_storage(v)
     own_valid = _all_valid(spec.key_mask)  # the own keys, and with one block of them every key
     only = _single_block(plan, q, k)
@@ -149,7 +149,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, call: RingCall, sinks: Optiona
     acc = accumulator_dtype(q)
     own_causal = call.own_causal and own_valid
     if not own_causal:
-        out = rows_major(b, hq, s, d, acc, q.device)
+        out = rows_major(b, hq, s, v.shape[3], acc, q.device)
         lse = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
     for step, kv in _visits(call, plan, k, v, keep=keep):
         blocks = step.recv.blocks
@@ -211,9 +211,9 @@ def _scatter_grads(dk: Tensor, dv: Tensor, step: Step, got: List[Tensor]) -> Non
     """Add the gradients a destination returned for the rows this rank sent it."""
     if not step.send:
         return
-    b, d = dk.shape[0], dk.shape[3]
+    b = dk.shape[0]
     # A view's gradients were added into its parent's by the receiver: only travelling pieces come back.
-    grads_k, grads_v = sent_views(got[0], step.send, b, d), sent_views(got[1], step.send, b, d)
+    grads_k, grads_v = sent_views(got[0], step.send, b, dk.shape[3]), sent_views(got[1], step.send, b, dv.shape[3])
     for piece, gk, gv in zip(sent(step.send), grads_k, grads_v):
         piece_view(dk, piece).add_(gk)
         piece_view(dv, piece).add_(gv)
@@ -222,7 +222,7 @@ def _scatter_grads(dk: Tensor, dv: Tensor, step: Step, got: List[Tensor]) -> Non
 def ring_backward(dout, q, k, v, out, lse, call: RingCall, kept: Optional[list] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """dQ, dK, dV of this rank's rows; ``kept``: the K/V rows the forward received (``call.keep``), not sent again."""
     plan, comm, spec = call.plan, call.comm, call.spec
-    b, hq, s, d = q.shape
+    b = q.shape[0]
     k, v = kv_storage(k), kv_storage(v)  # the saved K/V stay as given: a copy is made again rather than kept
     own_valid = _all_valid(spec.key_mask)
     only = _single_block(plan, q, k)
@@ -234,7 +234,7 @@ def ring_backward(dout, q, k, v, out, lse, call: RingCall, kept: Optional[list] 
     if not own_causal:
         dq = rows_major(*q.shape, acc, q.device)
         dk = rows_major(*k.shape, acc, q.device)
-        dv = rows_major(*k.shape, acc, q.device)
+        dv = rows_major(*v.shape, acc, q.device)
     returning: Optional[Tuple[Step, Pending]] = None
     for step, kv in _visits(call, plan, k, v, kept=kept):
         blocks = step.recv.blocks
@@ -245,9 +245,10 @@ def ring_backward(dout, q, k, v, out, lse, call: RingCall, kept: Optional[list] 
             grads = [(piece_view(dk, p), piece_view(dv, p)) for p in step.recv.pieces]
             flat = None
         else:
-            total = sum(numels(step.recv.pieces, b, d))
-            flat = [torch.zeros(total, dtype=acc, device=q.device) for _ in range(2)]
-            grads = list(zip(unpack(flat[0], step.recv.pieces, b, d), unpack(flat[1], step.recv.pieces, b, d)))
+            flat = [torch.zeros(sum(numels(step.recv.pieces, b, x.shape[3])), dtype=acc, device=q.device)
+                    for x in (k, v)]
+            grads = list(zip(unpack(flat[0], step.recv.pieces, b, k.shape[3]),
+                             unpack(flat[1], step.recv.pieces, b, v.shape[3])))
         for blk in blocks:
             hs = head_slice(blk.q_heads)
             pk, pv, pm, valid = kv[blk.piece]
@@ -269,7 +270,7 @@ def ring_backward(dout, q, k, v, out, lse, call: RingCall, kept: Optional[list] 
         if step.shift:
             if returning is not None:
                 _scatter_grads(dk, dv, returning[0], returning[1].wait())
-            back = [(torch.Size((sum(numels(step.send, b, d)),)), acc)] * 2 if step.send else []
+            back = [(torch.Size((sum(numels(step.send, b, x.shape[3])),)), acc) for x in (k, v)] if step.send else []
             returning = (step, post(comm, step, flat if step.recv.pieces else [], back, q.device, tag=GRAD_TAG, reverse=True))
             del flat
     if returning is not None:
@@ -378,7 +379,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, comm: Optional[RingComm], spec: Attenti
 
     ``spec.key_mask`` only when some rank has padded keys.
     """
-    kv_bytes = 2 * k.shape[0] * spec.seq_len * k.shape[1] * k.shape[3] * k.element_size()
+    kv_bytes = k.shape[0] * spec.seq_len * k.shape[1] * (k.shape[3] + v.shape[3]) * k.element_size()
     return RingAttentionFunction.apply(q, k, v, spec.sinks, plan(q.shape[1], k.shape[1], comm, spec, kv_bytes))
 
 
@@ -395,9 +396,10 @@ def ring_attention(
 ) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
-    ``q`` is ``(B, Hq, S_local, D)``, ``k``/``v`` are ``(B, Hkv, S_local, D)``
-    holding this rank's rows in ``local_positions`` order; returns this rank's
-    rows of the output, ``(B, Hq, S_local, D)``.
+    ``q`` is ``(B, Hq, S_local, D)``, ``k`` ``(B, Hkv, S_local, D)`` and ``v``
+    ``(B, Hkv, S_local, D_v)`` holding this rank's rows in ``local_positions``
+    order (``D_v`` may differ from ``D``, as multi-head latent attention's does);
+    returns this rank's rows of the output, ``(B, Hq, S_local, D_v)``.
     ``key_mask`` ``(B, S_local)`` bool marks the keys that may be attended
     (False for padding); it travels with the K/V rows it describes.
     ``position_ids`` ``(B, S_local)``: this rank's rows' position ids; a row

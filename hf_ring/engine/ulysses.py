@@ -86,8 +86,9 @@ def _post_to_heads(comm: RingComm, sources: Sequence[Tensor], heads: Sequence[Tu
     A member's own rows never travel.
     """
     me, u = comm.rank, len(sizes)
-    b, d = sources[0].shape[0], sources[0].shape[-1]
-    per_row = [b * len(h[me]) * d for h in heads]  # elements per row of every piece (widths are equal on all members)
+    b = sources[0].shape[0]
+    # elements per row of every piece (widths are equal on all members; V's head size may differ from Q's and K's)
+    per_row = [b * len(h[me]) * x.shape[-1] for x, h in zip(sources, heads)]
     send_splits = [0 if j == me else sizes[me] * sum(per_row) for j in range(u)]
     recv_splits = [0 if i == me else sizes[i] * sum(per_row) for i in range(u)]
     send = sources[0].new_empty(sum(send_splits))
@@ -96,6 +97,7 @@ def _post_to_heads(comm: RingComm, sources: Sequence[Tensor], heads: Sequence[Tu
         if j == me:
             continue
         for x, h in zip(sources, heads):
+            d = x.shape[-1]
             n = b * len(h[j]) * sizes[me] * d
             send[at:at + n].view(b, len(h[j]), sizes[me], d).copy_(x[:, h[j].start:h[j].stop])
             at += n
@@ -107,9 +109,9 @@ def _post_to_heads(comm: RingComm, sources: Sequence[Tensor], heads: Sequence[Tu
 def _assemble_heads(got: Tensor, sources: Sequence[Tensor], heads: Sequence[Tuple[range, ...]],
                     sizes: Sequence[int], me: int) -> List[Tensor]:
     """Per source, my heads over the group's rows, ``(B, w_t, S_group, D)`` contiguous (the kernels' fastest)."""
-    b, d = sources[0].shape[0], sources[0].shape[-1]
+    b = sources[0].shape[0]
     offs = _offsets(sizes)
-    out = [x.new_empty(b, len(h[me]), offs[-1], d) for x, h in zip(sources, heads)]
+    out = [x.new_empty(b, len(h[me]), offs[-1], x.shape[-1]) for x, h in zip(sources, heads)]
     at = 0
     for i in range(len(sizes)):
         for x, h, o in zip(sources, heads, out):
@@ -117,6 +119,7 @@ def _assemble_heads(got: Tensor, sources: Sequence[Tensor], heads: Sequence[Tupl
             if i == me:
                 rows.copy_(x[:, h[me].start:h[me].stop])
                 continue
+            d = x.shape[-1]
             n = b * len(h[me]) * sizes[i] * d
             rows.copy_(got[at:at + n].view(b, len(h[me]), sizes[i], d))
             at += n
@@ -126,9 +129,9 @@ def _assemble_heads(got: Tensor, sources: Sequence[Tensor], heads: Sequence[Tupl
 def _post_to_rows(comm: RingComm, parts: Sequence[Tensor], sizes: Sequence[int]) -> Pending:
     """Send each other member its rows of ``parts`` ``(B, w_t, S_group, D)``; receive mine of their heads."""
     me, u = comm.rank, len(sizes)
-    b, d = parts[0].shape[0], parts[0].shape[-1]
+    b = parts[0].shape[0]
     offs = _offsets(sizes)
-    per_row = sum(b * p.shape[1] * d for p in parts)
+    per_row = sum(b * p.shape[1] * p.shape[-1] for p in parts)
     send_splits = [0 if j == me else sizes[j] * per_row for j in range(u)]
     recv_splits = [0 if i == me else sizes[me] * per_row for i in range(u)]
     send = parts[0].new_empty(sum(send_splits))
@@ -137,6 +140,7 @@ def _post_to_rows(comm: RingComm, parts: Sequence[Tensor], sizes: Sequence[int])
         if j == me:
             continue
         for p in parts:
+            d = p.shape[-1]
             n = b * p.shape[1] * sizes[j] * d
             send[at:at + n].view(b, p.shape[1], sizes[j], d).copy_(p[:, :, offs[j]:offs[j + 1]])
             at += n
@@ -157,12 +161,13 @@ def _write_own(parts: Sequence[Tensor], dests: Sequence[Tensor], heads: Sequence
 def _write_received(got: Tensor, dests: Sequence[Tensor], heads: Sequence[Tuple[range, ...]],
                     sizes: Sequence[int], me: int, add: Sequence[bool]) -> None:
     """Write (or add) the rows of mine every other member sent back for its heads into ``dests``."""
-    b, d = dests[0].shape[0], dests[0].shape[-1]
+    b = dests[0].shape[0]
     at = 0
     for i in range(len(sizes)):
         if i == me:
             continue
         for dest, h, summed in zip(dests, heads, add):
+            d = dest.shape[-1]
             n = b * len(h[i]) * sizes[me] * d
             target, piece = dest[:, h[i].start:h[i].stop], got[at:at + n].view(b, len(h[i]), sizes[me], d)
             target.add_(piece) if summed else target.copy_(piece)
@@ -188,8 +193,8 @@ class _HeadParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], setup: _Setup):
         comm, sizes, me = setup.head_comm, setup.sizes, setup.head_comm.rank
-        b, hq, s, d = q.shape
-        out = rows_major(b, hq, s, d, q.dtype, q.device)
+        b, hq, s, _ = q.shape
+        out = rows_major(b, hq, s, v.shape[-1], q.dtype, q.device)
         lses: List[Tensor] = []
         heads = lambda c: (c.q, c.kv, c.kv)  # noqa: E731
         incoming = _post_to_heads(comm, (q, k, v), heads(setup.chunks[0]), sizes)
