@@ -106,10 +106,29 @@ def _shrink_mrope(cfg) -> None:
     rope["mrope_section"] = cut
 
 
+MLA_WIDTHS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+MLA_ROPE = 8
+"""A tiny multi-head latent attention's rotary width: the released widths are divided by what takes their rotary
+part to this, so the values keep their released ratio to the keys (DeepSeek V3's 128 against 128 + 64: 16 against
+16 + 8), as GLM-4-MoE-Lite's keep theirs (256 against 192 + 64: 32 against 24 + 8)."""
+
+
+def _mla_widths(cfg, released: Dict[str, Any]) -> None:
+    """``cfg``'s query/key and value head widths, shrunk from the ``released`` ones in their proportions."""
+    if not all(isinstance(released[name], int) and released[name] > 0 for name in MLA_WIDTHS):
+        return
+    factor = max(1, released["qk_rope_head_dim"] // MLA_ROPE)
+    for name in MLA_WIDTHS:
+        _set(cfg, name, max(2, released[name] // factor))
+    if isinstance(getattr(cfg, "qk_head_dim", None), int):
+        _set(cfg, "qk_head_dim", cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+
+
 def shrink(cfg, vision: bool = False, keep_layers: bool = False):
     """A tiny copy of ``cfg`` (nested text and vision configs included); ``keep_layers``: the layer pattern was
     chosen already (:mod:`hybrid_models`), so keep every layer."""
     cfg = copy.deepcopy(cfg)
+    latent = {name: getattr(cfg, name, None) for name in MLA_WIDTHS}  # the released widths, before the sizes
     for name, value in SIZES.items():
         current = getattr(cfg, name, False)
         if current is None and name in ("head_dim", "num_key_value_heads") or (
@@ -120,6 +139,7 @@ def shrink(cfg, vision: bool = False, keep_layers: bool = False):
         # multi-head latent attention: every query head has its own key and value heads, made from one latent, and
         # the rotary part of a head is qk_rope_head_dim wide (what head_dim sizes the rotary tables by)
         _set(cfg, "num_key_value_heads", cfg.num_attention_heads)
+        _mla_widths(cfg, latent)
         _set(cfg, "head_dim", cfg.qk_rope_head_dim)
     if isinstance(getattr(cfg, "rotary_dim", None), int):
         _set(cfg, "rotary_dim", 8)
@@ -307,14 +327,15 @@ def eager_step(model_type: str, seed: int = 1, dtype: torch.dtype = torch.float6
 
 
 def sharded_step_case(model_type: str, seed: int = 1, dtype: torch.dtype = torch.float64,
-                      pattern: Optional[str] = None, head: Optional[str] = None) -> Dict[str, Any]:
+                      pattern: Optional[str] = None, head: Optional[str] = None, ulysses: int = 1) -> Dict[str, Any]:
     """Rank function: the same step with the sequence split over the pool's ranks (``shard_batch``, the loss and
-    summed gradients); what each rank raised, if anything, in place of the results."""
+    summed gradients; ``ulysses``: head-parallel groups of that size); what each rank raised, if anything, in place
+    of the results."""
     import torch.distributed as dist
 
     import hf_ring
 
-    sp = hf_ring.setup_sequence_parallel(None)
+    sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses)
     try:
         model, why = build(model_type, "ring_dilated", dtype, pattern, head)
         if model is None:  # transformers itself cannot load it with ring_dilated (its attention ignores the interface)

@@ -121,3 +121,19 @@ def test_a_packed_row_of_every_hybrid_type_is_exact_or_refused(pools, model_type
         return
     check_family(one, want)
     check_family(two[0], want)
+
+
+MLA = ["deepseek_v3", "minicpm3", "glm4_moe_lite"]
+"""Multi-head latent attention at its released widths (values 16 against keys 24, GLM-4-MoE-Lite's 32 against 32)."""
+
+
+@pytest.mark.parametrize("world, ulysses", [(2, 1), (4, 1), (4, 2)], ids=["2-ranks", "4-ranks", "4-ranks-heads2"])
+@pytest.mark.parametrize("model_type", MLA)
+def test_multi_head_latent_attention_over_ranks_is_exact(pools, model_type, world, ulysses):
+    """Values narrower than the keys on the ring and under head parallelism: the loss and every gradient equal
+    one process's eager step (float64), never refused."""
+    text = sweep.build(model_type)[0].config.get_text_config(decoder=True)
+    assert text.v_head_dim == (16 if model_type != "glm4_moe_lite" else 32), text
+    want = sweep.eager_step(model_type)
+    got = pools(world).run(sweep.sharded_step_case, model_type, ulysses=ulysses)
+    assert check_two_ranks(model_type, got, want) == "exact"

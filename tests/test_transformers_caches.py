@@ -54,3 +54,29 @@ def test_dilated_pattern_over_a_static_cache_is_refused():
     ids = batch(3, 1, 6)["input_ids"]
     with pytest.raises(ValueError, match="pre-allocated"):
         _generate(model, ids, torch.ones_like(ids), "static", 2)
+
+
+MLA_TYPES = ["deepseek_v3", "minicpm3", "kimi_linear"]
+"""Multi-head latent attention at its released ratio of value to key width (16 against 24 when tiny), and Kimi
+Linear's MLA layers beside its delta-rule layers."""
+
+
+@pytest.mark.parametrize("impl", ["dynamic", "static"])
+@pytest.mark.parametrize("model_type", MLA_TYPES)
+def test_multi_head_latent_attention_over_a_cache_gives_sdpa_tokens_and_logits(model_type, impl):
+    """Values narrower than the keys over transformers' dynamic and static caches: the fused CPU kernel needs one
+    head size, so a block runs widened (it raised before); sdpa's tokens and logits."""
+    import sweep
+
+    ids = batch(3, 2, 12, vocab=sweep.VOCAB)["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    runs = []
+    for attn in ("sdpa", "ring_dilated"):
+        model, why = sweep.build(model_type, attn, torch.float32, "hybrid")
+        assert model is not None, why
+        text = model.config.get_text_config(decoder=True)
+        assert text.v_head_dim < text.qk_nope_head_dim + text.qk_rope_head_dim, text  # the released relation
+        runs.append(_generate(model.eval(), ids, mask, impl))
+    assert torch.equal(runs[1][0], runs[0][0])
+    assert rel_err(runs[1][1], runs[0][1]) <= 1e-5, rel_err(runs[1][1], runs[0][1])
