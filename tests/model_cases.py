@@ -225,3 +225,22 @@ def head_parallel_refusal_case(path, ulysses, config_ulysses=None):
         return raises_on_rank(step)
     finally:
         hf_ring.clear_sequence_parallel()
+
+
+def custom_mask_sharded_case(path):
+    """A 4-D mask of the caller's own under sequence parallelism: what shard_batch raises for it, and what the
+    model raises when the mask comes with a sharded batch anyway (each rank's message)."""
+    from helpers import raises_on_rank
+    from models import batch, load
+
+    hf_ring.setup_sequence_parallel(None)
+    try:
+        model = load(path, "ring_dilated")
+        data = batch(1, 1, 12)
+        mask = torch.ones(1, 1, 12, 12, dtype=torch.bool).tril()
+        by_batch = raises_on_rank(hf_ring.shard_batch, dict(data, attention_mask=mask))
+        sharded = hf_ring.shard_batch({k: v for k, v in data.items() if k != "attention_mask"})
+        by_model = raises_on_rank(lambda: model(**dict(sharded, attention_mask=mask)))
+        return by_batch, by_model
+    finally:
+        hf_ring.clear_sequence_parallel()

@@ -70,13 +70,19 @@ def test_is_causal_keyword_wins_over_the_module_attribute(is_causal):
     assert rel_err(out.transpose(1, 2), ref) <= 1e-5
 
 
-def test_prepared_4d_mask_on_a_whole_sequence_is_refused():
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_a_4d_mask_of_the_callers_own_is_computed_as_sdpa_computes_it(kind):
+    """A 4-D mask given to the model reaches the attention as it is: in one process, what it says is attended (here
+    a row's own key and the first, whatever causality says), boolean or additive, broadcast over batch and heads."""
     from models import tiny_config
 
-    q, k, v, _ = make_qkv(1, 1, 2, 2, 6, 8)
-    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool)
-    with pytest.raises(ValueError, match="2-D padding mask"):
-        hf_ring.entry.backend.ring_dilated_attention(_Attn(tiny_config()), q, k, v, mask.float())
+    q, k, v, _ = make_qkv(1, 2, 2, 2, 6, 8)
+    allowed = torch.eye(6, dtype=torch.bool)
+    allowed[:, 0] = True
+    mask = allowed[None, None] if kind == "bool" else torch.zeros(1, 1, 6, 6).masked_fill(~allowed, float("-inf"))
+    out, _ = hf_ring.entry.backend.ring_dilated_attention(_Attn(tiny_config()), q, k, v, mask, scaling=0.3)
+    bias = torch.zeros(6, 6, dtype=torch.float64).masked_fill(~allowed, float("-inf"))[None, None]
+    assert rel_err(out.transpose(1, 2), R.attention(q, k, v, bias=bias, scale=0.3)) <= 1e-5
 
 
 @pytest.mark.parametrize("name", ["head_mask", "attention_chunk_size", "block_sequence_ids"])

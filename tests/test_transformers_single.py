@@ -135,3 +135,31 @@ def test_transformers_cache_in_one_process_equals_full_forward(kind):
             out = model(input_ids=ids[:, t:t + 3], **{CACHE_KEYWORD: cache}, use_cache=True)
             steps.append(out.logits)
     assert rel_err(torch.cat(steps, 1), full) <= TOL
+
+
+def _shared_prefix(dtype):
+    """transformers' custom-4-D-mask case: a 3-token prefix and three one-token continuations of it in one row of
+    6 (positions 0, 1, 2, 3, 3, 3), each continuation seeing the prefix and itself; the mask additive (``dtype``'s
+    lowest value where masked, as transformers' test writes it) or boolean."""
+    allowed = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0],
+                            [1, 1, 1, 0, 1, 0], [1, 1, 1, 0, 0, 1]], dtype=torch.bool)
+    mask = allowed if dtype is torch.bool else torch.zeros(6, 6, dtype=dtype).masked_fill(~allowed,
+                                                                                           torch.finfo(dtype).min)
+    return mask[None, None], torch.tensor([[0, 1, 2, 3, 3, 3]])
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool], ids=["additive", "boolean"])
+def test_a_custom_4d_mask_gives_sdpas_logits(kind, dtype):
+    """A 4-D mask of the caller's own (tree and speculative decoding, packed rows with a block mask) in one process:
+    sdpa's logits, and each continuation's logits those of its own sequence run alone."""
+    path = saved_model_dir(kind)
+    ids = batch(5, 1, 6)["input_ids"]
+    mask, positions = _shared_prefix(dtype)
+    got, want = (logits(load(path, attn), {"input_ids": ids, "attention_mask": mask}, position_ids=positions)
+                 for attn in ("ring_dilated", "sdpa"))
+    assert rel_err(got, want) <= TOL
+    model = load(path, "ring_dilated")
+    for last in (3, 4, 5):  # the prefix, then that one continuation
+        alone = logits(model, {"input_ids": torch.cat([ids[:, :3], ids[:, last:last + 1]], 1)})
+        assert rel_err(got[0, last], alone[0, -1]) <= TOL

@@ -111,3 +111,15 @@ def test_shard_batch_short_and_uneven_sequences():
 def test_shard_batch_errors(data, exc, match):
     with pytest.raises(exc, match=match):
         hf_ring.shard_batch(data)
+
+
+def test_a_custom_4d_mask_under_sequence_parallelism_is_refused_on_every_rank(pools):
+    """A mask of every query against every key is not split: shard_batch refuses it naming the fix, and a sharded
+    call handed one anyway raises on every rank before any K/V moves."""
+    from model_cases import custom_mask_sharded_case
+
+    got = pools(2).run(custom_mask_sharded_case, saved_model_dir("llama"))
+    assert got[0] == got[1], got
+    by_batch, by_model = got[0]
+    assert by_batch[0] == "ValueError" and "4-D mask of every query against every key" in by_batch[1], by_batch
+    assert by_model[0] == "ValueError" and "is not sharded by hf_ring" in by_model[1], by_model

@@ -115,6 +115,11 @@ def _check_batch(batch: Any) -> None:
             shape = (t.shape[0], b, n)  # mRoPE's axes first
         else:
             shape = (b, n)
+        if key == "attention_mask" and isinstance(t, torch.Tensor) and t.dim() == 4:
+            raise ValueError(f"attention_mask of shape {tuple(t.shape)} is a 4-D mask of every query against every "
+                             "key, which shard_batch does not split; pass the 2-D padding mask (batch, seq_len), and "
+                             "position_ids restarting at each document for packed rows, or run the model in one "
+                             "process, where ring_dilated computes a 4-D mask as sdpa does")
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
             raise ValueError(f"{key} must have the shape (batch, seq_len) = {(b, n)}, got "
                              f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}")
