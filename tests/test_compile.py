@@ -3,7 +3,9 @@
 
 hf_ring's attention, mask hook, tiled loss and rows and the global-length RoPE stay outside the compiled graph
 on purpose (``torch.compiler.disable``): they hold collectives and host-side plans. The rest of the model is
-compiled as without hf_ring.
+compiled as without hf_ring. A compiled decoding step in one process over transformers' own cache is traced
+whole (``fullgraph=True``, transformers' recommended fast generation): the guard on the model's call reads no
+tensor there, and the attention and its mask are what ``sdpa``'s are for such a step.
 """
 import os
 
@@ -57,3 +59,28 @@ def test_a_compiled_trainer_on_two_ranks_equals_one_process_eager(pools, ulysses
     want = _reference(path)
     for res in got:
         _check(res, want)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_5_text"])
+def test_compiled_fullgraph_generation_over_a_static_cache_gives_sdpas_tokens(model_type):
+    """``model.generate(..., cache_implementation="static", compile_config=CompileConfig(fullgraph=True))`` in one
+    process, a Llama and a hybrid (Qwen3.5: delta-rule layers beside attention): it compiles (a graph break raises
+    under fullgraph) and gives sdpa's compiled tokens and logits."""
+    import sweep
+    from transformers import CompileConfig
+
+    ids = sweep.inputs("", batch=1, seed=3, n=12)["input_ids"]
+    runs = {}
+    for attn in ("sdpa", "ring_dilated"):
+        model, why = sweep.build(model_type, attn, torch.float32, "hybrid")
+        assert model is not None, why
+        compile_config = CompileConfig(fullgraph=True)
+        compile_config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+        torch._dynamo.reset()
+        out = model.eval().generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                                    cache_implementation="static", compile_config=compile_config, pad_token_id=0,
+                                    output_logits=True, return_dict_in_generate=True)
+        assert hasattr(model, "_compiled_call"), attn  # the decoding steps ran compiled, not skipped
+        runs[attn] = (out.sequences, torch.stack(out.logits))
+    assert torch.equal(runs["ring_dilated"][0], runs["sdpa"][0])
+    assert rel_err(runs["ring_dilated"][1], runs["sdpa"][1]) <= TOL

@@ -430,9 +430,46 @@ def ring_dilated_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
                      attention_mask, allow_is_causal_skip=False, **kwargs)
 
 
+# Outside a compiled graph on purpose: the attention holds collectives, agreements and host-side plans, and the
+# mask hook reads the mask function's closures on the host.
+_ATTENTION = torch.compiler.disable(ring_dilated_attention)
+_MASK = torch.compiler.disable(ring_dilated_mask)
+
+
+def _as_sdpa_when_compiled(module, query: Tensor, key: Tensor, attention_mask: Any, kwargs: dict) -> bool:
+    """Whether a call inside a compiled graph is one ``sdpa`` computes as ring_dilated does, so that it is traced
+    rather than a graph break (which ``fullgraph=True`` refuses): new rows over transformers' own cache in one
+    process (a compiled decoding step, a static cache's), dense (no saved pattern, soft cap or sinks), with the
+    cache's own mask. Every other call leaves the graph for :func:`ring_dilated_attention`."""
+    sp = current()
+    return (query.shape[2] != key.shape[2] and kwargs.get(CONTEXT_KEY) is None and (sp is None or sp.sp_size == 1)
+            and getattr(module.config, ring_config.CONFIG_KEY, None) is None and kwargs.get("softcap") is None
+            and kwargs.get("s_aux") is None and (attention_mask is None or isinstance(attention_mask, torch.Tensor)))
+
+
+def attention_entry(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+                    **kwargs: Any) -> Tuple[Tensor, None]:
+    """The function registered as ``ring_dilated``: :func:`ring_dilated_attention` outside a compiled graph, or a
+    compiled decoding step traced as ``sdpa`` (:func:`_as_sdpa_when_compiled`)."""
+    if torch.compiler.is_compiling() and _as_sdpa_when_compiled(module, query, key, attention_mask, kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return _ATTENTION(module, query, key, value, attention_mask, **kwargs)
+
+
+def mask_entry(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,
+               mask_function: Any = None, attention_mask: Optional[Tensor] = None, **kwargs: Any) -> Any:
+    """The mask function registered for ``ring_dilated``: :func:`ring_dilated_mask`, or inside a compiled graph over
+    a cache (fewer rows than the cache holds) the cache's own mask, as ``sdpa`` gets it and as
+    :func:`ring_dilated_mask` makes it there, traced."""
+    if torch.compiler.is_compiling() and q_length != kv_length and not isinstance(attention_mask, RingMask) \
+            and not is_tower(kwargs.get("config")):
+        kwargs.pop("allow_is_causal_skip", None)
+        return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function or causal_mask_function,
+                         attention_mask, allow_is_causal_skip=False, **kwargs)
+    return _MASK(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs)
+
+
 def register() -> None:
     """Make ``attn_implementation="ring_dilated"`` available to transformers."""
-    # Outside a compiled graph on purpose: the attention holds collectives, agreements and host-side plans, and the
-    # mask hook reads the mask function's closures on the host.
-    AttentionInterface.register(NAME, torch.compiler.disable(ring_dilated_attention))
-    AttentionMaskInterface.register(NAME, torch.compiler.disable(ring_dilated_mask))
+    AttentionInterface.register(NAME, attention_entry)
+    AttentionMaskInterface.register(NAME, mask_entry)

@@ -118,8 +118,9 @@ def one_process_call(model: Any, kwargs: dict) -> Optional[dict]:
     b, n = tokens.shape[:2]
     documents = None if positions is None and not varlen else documents_of_call(
         b, n, positions, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), masked, kwargs.get("seq_idx"))
-    long = documents is None and not varlen and holds_nothing(kwargs) and n > SCAN_ROWS and \
-        family(getattr(model.config, "model_type", None)) is not None and _unpadded(mask)
+    # What reads tensors last: a compiled call (a static cache's decoding step) reaches no data-dependent branch
+    long = documents is None and not varlen and n > SCAN_ROWS and \
+        family(getattr(model.config, "model_type", None)) is not None and _unpadded(mask) and holds_nothing(kwargs)
     if documents is None and not varlen and not long:
         return None  # (a collator's varlen keys of one document per row would still stop transformers' kernels)
     found = needs(model)  # (only now: the check walks every module, and warns of a family it has not tested)
