@@ -28,7 +28,7 @@ from typing import Dict, Optional, Tuple
 
 FLOORS: Dict[str, str] = {"torch": "2.11", "transformers": "5.17", "accelerate": "1.10.1"}
 """Per package, the oldest release tested; pyproject.toml declares these floors."""
-NEWEST_TESTED: Dict[str, str] = {"torch": "2.14.1", "transformers": "5.24.0", "accelerate": "1.15.0"}
+NEWEST_TESTED: Dict[str, str] = {"torch": "2.15.0", "transformers": "5.25.0", "accelerate": "1.16.0"}
 """Per package, the newest release the compatibility rows (docs/bench/compat.json) were run on."""
 KNOWN_BROKEN: Dict[Tuple[str, str], str] = {}
 """``(package, release)`` -> what breaks with it (pyproject.toml excludes each with ``!=``)."""
