@@ -532,4 +532,12 @@ def install(packages: Sequence[str] = PACKAGES) -> List[str]:
             setattr(module, name, fn)
         if package not in found:
             found.append(package)
+    # From transformers 5.25 a package's function runs only on the devices it supports (CUDA), CPU inputs taking the
+    # torch path; with the launches stood in for, the CPU is such a device, as a GPU is on a GPU machine.
+    devices = getattr(importlib.import_module("transformers.integrations.hub_kernels"), "_PACKAGE_SUPPORTED_DEVICES",
+                      None)
+    if devices is not None:
+        for package in found:
+            if package in devices and "cpu" not in devices[package]:
+                devices[package] = (*devices[package], "cpu")
     return found

@@ -1,4 +1,5 @@
 """``python -m bench gpu --fake``: the GPU benchmark's code runs here, its checks hold, its tables render."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -97,8 +98,11 @@ def test_gpu_hybrid_benchmark_runs_without_a_gpu(tmp_path):
                        ("kimi_linear", "chunk_kimi_delta_attention"): "fla"}, kernels
     exact = got["gpu_hybrid_exact"]["rows"]
     assert [r["model_type"] for r in exact] == list(gpu_hybrid.FLA_TYPES)
-    for r in exact:  # the packages' functions ran, and 2 ranks give one process's step
-        assert r["packages"] == "causal_conv1d, fla" and r["within"] and r["worst_rel_err"] <= 1e-5, r
+    # the packages' functions ran (through the kernels package's function layers, where it is installed, as
+    # transformers 5.25 requires), and 2 ranks give one process's step
+    called = "causal_conv1d, fla" + (", kernels" if importlib.util.find_spec("kernels") is not None else "")
+    for r in exact:
+        assert r["packages"] == called and r["within"] and r["worst_rel_err"] <= 1e-5, r
     [speed] = got["gpu_hybrid_speed"]["rows"]
     low, high = map(float, speed["two_over_one_range"].split("–"))
     assert speed["n"] == 256 and low - 1e-3 <= speed["two_over_one"] <= high + 1e-3, speed
