@@ -574,29 +574,28 @@ def _exact_or_refused_alike(got, want):
     return None
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("model_type, name", REPLACED, ids=[f"{t}-{n}" for t, n in REPLACED])
-def test_a_kernel_a_user_replaced_before_the_setup_is_computed_exactly(pools, model_type, name):
+def test_a_kernel_a_user_replaced_before_the_setup_is_computed_exactly(pools, model_type, name, packed):
     """The kernel, assigned in the modeling module before hf_ring first read it, as an undecorated float64 copy of
-    itself (no mark of transformers' resolution): the packed row in one process and on 2 ranks equals its documents
-    run one by one with the same kernel, loss and every gradient within 1e-5; its kind comes from the modeling file,
-    not from what the name holds."""
-    want = hybrid_cases.replaced_kernel_reference(model_type, name)
-    assert _exact_or_refused_alike([hybrid_cases.replaced_kernel_case(model_type, name)], want) is None
-    assert _exact_or_refused_alike(pools(2).run(hybrid_cases.replaced_kernel_case, model_type, name), want) is None
+    itself (no mark of transformers' resolution): the padded batch, and the packed row, in one process and on 2
+    and 4 ranks equal one process without hf_ring (the packed row's documents run one by one) with the same kernel,
+    loss and every gradient within 1e-5; its kind comes from the modeling file, not from what the name holds."""
+    want = hybrid_cases.replaced_kernel_reference(model_type, name, packed=packed)
+    case = hybrid_cases.replaced_kernel_case
+    assert _exact_or_refused_alike([case(model_type, name, packed=packed)], want) is None
+    for world in (2, 4):
+        assert _exact_or_refused_alike(pools(world).run(case, model_type, name, packed=packed), want) is None, world
 
 
 QWEN_REPLACED = [(t, n) for t, n in REPLACED if t in ("qwen3_5_text", "qwen3_next")]
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("model_type, name", QWEN_REPLACED, ids=[f"{t}-{n}" for t, n in QWEN_REPLACED])
-def test_a_replaced_kernel_on_four_ranks_with_heads_and_padded_on_two_is_exact(pools, model_type, name, packed):
-    """The same on 4 ranks (head-parallel pairs, the ring across them), and the padded batch on 2 ranks."""
-    want = hybrid_cases.replaced_kernel_reference(model_type, name, packed=packed)
-    if not packed:
-        got = pools(2).run(hybrid_cases.replaced_kernel_case, model_type, name, packed=False)
-        assert _exact_or_refused_alike(got, want) is None
-    got = pools(4).run(hybrid_cases.replaced_kernel_case, model_type, name, ulysses=2, packed=packed)
+def test_a_replaced_kernel_on_four_ranks_with_heads_is_exact(pools, model_type, name):
+    """The packed row on 4 ranks as head-parallel pairs with the ring across them."""
+    want = hybrid_cases.replaced_kernel_reference(model_type, name, packed=True)
+    got = pools(4).run(hybrid_cases.replaced_kernel_case, model_type, name, ulysses=2, packed=True)
     assert _exact_or_refused_alike(got, want) is None
 
 
