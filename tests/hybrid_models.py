@@ -105,8 +105,9 @@ SIZE_FIXES: Dict[str, Dict] = {
     "zamba": {"attention_hidden_size": 128, "attention_head_dim": 32, "mamba_dt_rank": 4},
     "zamba2": {"attention_hidden_size": 128, "attention_head_dim": 32},
     "rwkv": {"attention_hidden_size": None},  # the hidden size; its cached state is that wide whatever this says
-    # no default for its attention's token indexer (a top-k of pooled key blocks per query)
-    **{t: {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+    # no default for its attention's token indexer (a top-k of pooled key blocks per query); its heads as wide as
+    # the attention's, whose rotary tables it shares
+    **{t: {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 32, "indexer_budget": 8,
            "indexer_compress_ratio": 2} for t in ("qwen4_exp", "qwen4_exp_text")},
 }
 """Sizes the sweep's shrinking leaves inconsistent for these types, set after it."""

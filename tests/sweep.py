@@ -10,6 +10,7 @@ user's wrong result.
 from __future__ import annotations
 
 import copy
+from fractions import Fraction
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -47,6 +48,7 @@ MAX_PARAMETERS = 64_000_000
 
 LENGTHS = {"sliding_window": WINDOW, "attention_chunk_size": CHUNK, "window_size": WINDOW, "floor_scale": 4}
 """Windows and chunks, shrunk below the rows where the type has them."""
+WINDOWS = ("sliding_window", "attention_chunk_size", "window_size")
 
 
 def _per_layer_lists(cfg, layers: int) -> Dict[str, list]:
@@ -124,25 +126,118 @@ def _mla_widths(cfg, released: Dict[str, Any]) -> None:
         _set(cfg, "qk_head_dim", cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
 
 
+EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""The names a config gives its routed experts' count (the first it has counts)."""
+
+
+def _int(cfg, name: str) -> Optional[int]:
+    try:
+        value = getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001 -- a per-layer setting a heterogeneous config will not read globally
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _latent(cfg) -> bool:
+    return _int(cfg, "kv_lora_rank") is not None and _int(cfg, "qk_rope_head_dim") is not None
+
+
+def _absent_or_none(cfg, name: str) -> bool:
+    try:
+        return getattr(cfg, name, None) is None
+    except Exception:  # noqa: BLE001 -- per layer (see _int)
+        return False
+
+
+def _side(ratio: Fraction) -> str:
+    return "equal" if ratio == 1 else "wider" if ratio > 1 else "narrower"
+
+
+def relations(cfg) -> Dict[str, Any]:
+    """What of ``cfg``'s shape a tiny copy keeps (:func:`shrink`), as the released config's relations, not its
+    sizes: query to key/value heads (multi-head, grouped, multi-query), the heads' width against
+    ``hidden_size / num_attention_heads``, the latent attention's value and rotary widths against its keys', the
+    rotary part of a head, windows and chunks shorter than the rows, experts per token (one, some, all)."""
+    out: Dict[str, Any] = {}
+    heads, kv, width, hidden = (_int(cfg, n) for n in ("num_attention_heads", "num_key_value_heads", "head_dim",
+                                                        "hidden_size"))
+    if heads is not None and (kv is not None or _absent_or_none(cfg, "num_key_value_heads")):
+        out["heads"] = "multi-head" if kv in (None, heads) else "multi-query" if kv == 1 else "grouped"
+    if _latent(cfg):
+        keys = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        out["latent"] = (Fraction(cfg.v_head_dim, keys), Fraction(cfg.qk_rope_head_dim, keys))
+    elif heads and hidden:  # no head_dim: the model derives it, hidden_size // num_attention_heads
+        out["head_width"] = _side(Fraction(width * heads, hidden)) if width else "equal"
+    if heads and hidden and _int(cfg, "rotary_dim"):
+        out["rotary_dim"] = Fraction(cfg.rotary_dim, width or hidden // heads)
+    if isinstance(getattr(cfg, "partial_rotary_factor", None), float):
+        out["partial_rotary_factor"] = cfg.partial_rotary_factor
+    for name in WINDOWS:
+        if _int(cfg, name):
+            out[name] = "windowed"  # shrunk below the rows, as a long row exceeds the released window
+    experts, chosen = next((_int(cfg, n) for n in EXPERTS if _int(cfg, n)), None), _int(cfg, "num_experts_per_tok")
+    if experts and chosen:
+        out["experts_per_token"] = "one" if chosen == 1 else "all" if chosen >= experts else "some"
+    return out
+
+
+def _keep_relations(cfg, released: Dict[str, Any]) -> None:
+    """Sizes of the tiny ``cfg`` that give it the ``released`` config's :func:`relations` (its widths read from
+    ``released``'s ``_widths``)."""
+    heads, (width, rotary) = _int(cfg, "num_attention_heads"), released["_widths"]
+    if heads is None:
+        return
+    kind = released.get("heads")
+    if kind and "latent" not in released and released["_has_kv_heads"]:
+        _set(cfg, "num_key_value_heads", {"multi-head": heads, "multi-query": 1}.get(kind, SIZES["num_key_value_heads"]))
+    side = released.get("head_width")
+    if side in ("wider", "narrower") and isinstance(getattr(cfg, "head_dim", None), int):
+        # the released proportion, on the wider or narrower side of the hidden size's share as released
+        scaled = 4 * round(SIZES["head_dim"] * released["_head_ratio"] / 4)
+        _set(cfg, "head_dim", max(20, scaled) if side == "wider" else max(4, min(12, scaled)))
+    if rotary and _int(cfg, "rotary_dim"):
+        head = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        _set(cfg, "rotary_dim", max(2, 2 * round(head * rotary / 2)))
+    share = released.get("experts_per_token")
+    name = next((n for n in EXPERTS if _int(cfg, n)), None)
+    if share and name:
+        experts = min(SIZES[name], released["_experts"])
+        _set(cfg, name, experts)
+        _set(cfg, "num_experts_per_tok", {"one": 1, "all": experts}.get(share, 2))
+
+
+def _released(cfg) -> Dict[str, Any]:
+    """``cfg``'s :func:`relations`, with the widths and counts :func:`_keep_relations` scales from."""
+    out = relations(cfg)
+    heads, hidden, width = _int(cfg, "num_attention_heads"), _int(cfg, "hidden_size"), _int(cfg, "head_dim")
+    head = width or (hidden // heads if heads and hidden else None)
+    out["_head_ratio"] = Fraction(head * heads, hidden) if head and heads and hidden else 1
+    out["_has_kv_heads"] = "num_key_value_heads" in vars(cfg)
+    out["_widths"] = (head, Fraction(cfg.rotary_dim, head) if head and _int(cfg, "rotary_dim") else None)
+    out["_experts"] = next((_int(cfg, n) for n in EXPERTS if _int(cfg, n)), None)
+    return out
+
+
 def shrink(cfg, vision: bool = False, keep_layers: bool = False):
-    """A tiny copy of ``cfg`` (nested text and vision configs included); ``keep_layers``: the layer pattern was
-    chosen already (:mod:`hybrid_models`), so keep every layer."""
+    """A tiny copy of ``cfg`` (nested text and vision configs included) that keeps its :func:`relations`;
+    ``keep_layers``: the layer pattern was chosen already (:mod:`hybrid_models`), so keep every layer."""
     cfg = copy.deepcopy(cfg)
     latent = {name: getattr(cfg, name, None) for name in MLA_WIDTHS}  # the released widths, before the sizes
+    released = _released(cfg)
     for name, value in SIZES.items():
         current = getattr(cfg, name, False)
         if current is None and name in ("head_dim", "num_key_value_heads") or (
                 isinstance(current, int) and not isinstance(current, bool)):
             _set(cfg, name, value)
-    _shrink_mrope(cfg)
     if isinstance(getattr(cfg, "kv_lora_rank", None), int) and isinstance(getattr(cfg, "qk_rope_head_dim", None), int):
         # multi-head latent attention: every query head has its own key and value heads, made from one latent, and
         # the rotary part of a head is qk_rope_head_dim wide (what head_dim sizes the rotary tables by)
         _set(cfg, "num_key_value_heads", cfg.num_attention_heads)
         _mla_widths(cfg, latent)
         _set(cfg, "head_dim", cfg.qk_rope_head_dim)
-    if isinstance(getattr(cfg, "rotary_dim", None), int):
-        _set(cfg, "rotary_dim", 8)
+    if not vision:
+        _keep_relations(cfg, released)
+    _shrink_mrope(cfg)  # to the head as kept
     for name, value in LENGTHS.items():
         if isinstance(getattr(cfg, name, None), int) and getattr(cfg, name) > 0:
             setattr(cfg, name, value)
@@ -203,25 +298,32 @@ def image_text_types() -> List[str]:
     return sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
+def tiny_config(model_type: str, chosen: Dict[str, Any]):
+    """The shrunk default config of ``model_type`` (``chosen``: a hybrid's layer pattern, see
+    :func:`hybrid_models.pattern_kwargs`), with the size fixes its type needs."""
+    from transformers import AutoConfig
+
+    cfg = shrink(AutoConfig.for_model(model_type, **chosen), keep_layers=bool(chosen))
+    text = cfg.get_text_config(decoder=True)
+    for name, value in hybrid_models.SIZE_FIXES.get(model_type, {}).items():
+        for target in (cfg, text) if text is not cfg else (cfg,):  # a multimodal type's are its text model's
+            _set(target, name, value)
+    return cfg
+
+
 def build(model_type: str, attn: str = "eager", dtype: torch.dtype = torch.float32,
           pattern: Optional[str] = None, head: Optional[str] = None,
           vocab_size: Optional[int] = None) -> Tuple[Any, Optional[str]]:
     """``(model, None)``, or ``(None, why it cannot be built tiny)``; ``pattern``: a hybrid's layers
     (:mod:`hybrid_models`), else one layer of each kind its default config mixes; ``head``: :data:`IMAGE_TEXT`
     for the image-text-to-text model of a multimodal type (else its causal LM)."""
-    from transformers import AutoConfig
-
     auto = _auto(head)
 
     chosen = hybrid_models.pattern_kwargs(model_type, pattern)
     if chosen is None:
         return None, f"no {pattern} form of {model_type}"
     try:
-        cfg = shrink(AutoConfig.for_model(model_type, **chosen), keep_layers=bool(chosen))
-        text = cfg.get_text_config(decoder=True)
-        for name, value in hybrid_models.SIZE_FIXES.get(model_type, {}).items():
-            for target in (cfg, text) if text is not cfg else (cfg,):  # a multimodal type's are its text model's
-                _set(target, name, value)
+        cfg = tiny_config(model_type, chosen)
         if vocab_size is not None:  # a given tokenizer's: its special ids (pad 0, eos 1) inside it
             for name, value in (("vocab_size", vocab_size), ("pad_token_id", 0), ("eos_token_id", 1),
                                 ("bos_token_id", None)):

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 import hybrid_models
 import sweep
@@ -137,3 +138,27 @@ def test_multi_head_latent_attention_over_ranks_is_exact(pools, model_type, worl
     want = sweep.eager_step(model_type)
     got = pools(world).run(sweep.sharded_step_case, model_type, ulysses=ulysses)
     assert check_two_ranks(model_type, got, want) == "exact"
+
+
+@pytest.mark.compat
+def test_every_tiny_config_keeps_the_released_relations():
+    """A tiny model is its released config shrunk, not another shape: each row's query to key/value heads, head
+    width against the hidden size's share, latent attention's value and rotary widths against its keys', rotary
+    part of a head, windows and experts per token are what the type's default config (a released model's) has."""
+    checked, kept = 0, set()
+    for model_type, pattern in ROWS:
+        chosen = hybrid_models.pattern_kwargs(model_type, pattern)
+        try:
+            released = AutoConfig.for_model(model_type, **(chosen or {}))
+            tiny = sweep.tiny_config(model_type, chosen or {})
+        except Exception:  # noqa: BLE001 -- an unbuilt row of the sweep, listed there with why
+            continue
+        want = sweep.relations(released.get_text_config(decoder=True))
+        got = sweep.relations(tiny.get_text_config(decoder=True))
+        # a setting the default leaves unset (DeepSeek V2's experts per token) is the size fix's
+        assert {k: v for k, v in got.items() if k in want} == want, (model_type, pattern, got)
+        checked += 1
+        kept |= set(want)
+    assert checked > 150 and kept == {"heads", "head_width", "latent", "rotary_dim", "partial_rotary_factor",
+                                      "sliding_window", "attention_chunk_size", "window_size", "experts_per_token"}, (
+        checked, kept)
