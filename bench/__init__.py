@@ -7,5 +7,5 @@ BENCHES = {"ring": "bench.ring", "dilated": "bench.dilated", "generate": "bench.
            "tables": "bench.tables", "plan": "bench.plan", "compat": "bench.compat",
            "compile": "bench.compile", "sft": "bench.sft", "vision": "bench.vision", "fixed": "bench.fixed",
            "demo": "bench.demo", "exactness": "bench.exactness", "hybrid": "bench.hybrid",
-           "endings": "bench.endings"}
+           "endings": "bench.endings", "model_tests": "bench.model_tests"}
 """Each command's module."""
