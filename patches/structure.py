@@ -99,12 +99,6 @@ def config_problems(config) -> List[str]:
             where = [i for i, x in enumerate(types) if x == t]
             why = _LAYER_TYPE_REASONS.get(t, "they are not attention layers ring_dilated can shard")
             problems.append(f"layers [{_listed(where)}] are {t!r}: {why}")
-    coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
-    if getattr(config, "output_router_logits", False) and coef:
-        problems.append(
-            f"output_router_logits=True adds the router load-balancing loss (coefficient {coef}), a product of "
-            "means over all tokens that a shard cannot compute; set config.output_router_logits=False"
-        )
     return problems
 
 

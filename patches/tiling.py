@@ -36,14 +36,14 @@ import transformers
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers.loss.loss_utils import ForCausalLMLoss
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
 from hf_ring.engine.arguments import positive_int
 from hf_ring.integration.config import runs_ring
 from hf_ring.integration.groups import current
 
-from . import registry, reproduction
+from . import registry, reproduction, router_loss
 from .families import FAMILIES
 from .hybrids import HYBRIDS
 from .tiled_loss import tiled_causal_lm_loss
@@ -112,7 +112,7 @@ def configure(model: nn.Module, *, loss: Optional[bool] = None, mlp: Optional[bo
     for name, value in (("loss_chunk_rows", loss_chunk_rows), ("row_chunk_rows", row_chunk_rows)):
         if value is not None:
             positive_int(value, name, "or None")
-    apply(model, loss=loss)
+    apply(model, loss=loss, mlp=mlp is not False, norm=norm is not False)  # a class told False is not checked
     model.config.ring_tiling = {"loss": loss, "mlp": mlp, "norm": norm, "loss_chunk_rows": loss_chunk_rows,
                                 "row_chunk_rows": row_chunk_rows}
     _point_rows_at_config(model)
@@ -167,12 +167,14 @@ def _whole(t: Any) -> Any:
 
 
 _OUTPUT_FIELDS = frozenset(f.name for f in dataclasses.fields(CausalLMOutputWithPast)) - {"loss", "logits"}
+_MOE_FIELDS = frozenset(f.name for f in dataclasses.fields(MoeCausalLMOutputWithPast)) - {"loss", "aux_loss", "logits"}
 _VERDICT = "_hf_ring_tiling_verdict"
 """Set on a model by its first tiled-eligible forward: :func:`reproduction_problem` for its class and config."""
 
 
 def _tiled_loss(model: nn.Module, signature: inspect.Signature, args: tuple, kwargs: Dict[str, Any]):
-    """The CausalLM's loss from its decoder's last hidden state, with the tiled loss; and the decoder's outputs.
+    """The CausalLM's loss from its decoder's last hidden state, with the tiled loss (a mixture of experts' router
+    term added, :func:`router_loss.router_term`); that router term (None: none); and the decoder's outputs.
 
     The call is bound to the original forward's own signature and handed to the decoder by the names it has
     there, so a renamed argument (the cache's, say) travels as the release names it."""
@@ -185,13 +187,16 @@ def _tiled_loss(model: nn.Module, signature: inspect.Signature, args: tuple, kwa
     labels = call.pop("labels", None)
     call.pop("logits_to_keep", None)
     outputs = model.model(**call, **extra)
+    router = router_loss.router_term(model, getattr(outputs, "router_logits", None), call.get("attention_mask"))
     loss = tiled_causal_lm_loss(
         outputs.last_hidden_state, _whole(model.lm_head.weight), _whole(model.lm_head.bias), labels=labels,
         shift_labels=extra.get("shift_labels"), num_items_in_batch=extra.get("num_items_in_batch"),
         ignore_index=extra.get("ignore_index", -100),
         softcap=getattr(model.config, "final_logit_softcapping", None),
         chunk_rows=settings(model.config)["loss_chunk_rows"])
-    return loss, outputs
+    if router is not None:  # a mixture of experts' load-balancing term, as its own forward adds it
+        loss = loss + router_loss.coefficient(model) * router.to(loss.device)
+    return loss, router, outputs
 
 
 def _tiled_causal_lm_forward(original):
@@ -199,9 +204,12 @@ def _tiled_causal_lm_forward(original):
 
     @can_return_tuple
     def tiled(self, *args, **kwargs):
-        loss, outputs = _tiled_loss(self, signature, args, kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=None,
-                                      **{k: v for k, v in outputs.items() if k in _OUTPUT_FIELDS})
+        loss, router, outputs = _tiled_loss(self, signature, args, kwargs)
+        if router is None:
+            return CausalLMOutputWithPast(loss=loss, logits=None,
+                                          **{k: v for k, v in outputs.items() if k in _OUTPUT_FIELDS})
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=router, logits=None,
+                                         **{k: v for k, v in outputs.items() if k in _MOE_FIELDS})
 
     def forward(self, *args, **kwargs):
         return_logits = kwargs.pop(RETURN_LOGITS, False)

@@ -104,7 +104,8 @@ SIZE_FIXES: Dict[str, Dict] = {
     # derived from the hidden size before the shrinking: the attention block reads twice the hidden size
     "zamba": {"attention_hidden_size": 128, "attention_head_dim": 32, "mamba_dt_rank": 4},
     "zamba2": {"attention_hidden_size": 128, "attention_head_dim": 32},
-    "rwkv": {"attention_hidden_size": None},  # the hidden size; its cached state is that wide whatever this says
+    "rwkv": {"attention_hidden_size": None},
+    "flint": {"mlp_only_layers": [0]},  # its default lists every layer the sweep keeps: no layer of experts  # the hidden size; its cached state is that wide whatever this says
     # no default for its attention's token indexer (a top-k of pooled key blocks per query); its heads as wide as
     # the attention's, whose rotary tables it shares
     **{t: {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 32, "indexer_budget": 8,

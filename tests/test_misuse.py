@@ -130,9 +130,9 @@ def test_dropout_refusal_names_the_config_setting(config, name):
     config = types.SimpleNamespace(**config)
     assert _dropout_setting(config) == name
     with pytest.raises(ValueError, match="ring_dilated does not implement attention dropout") as err:
-        _refuse_unsupported(0.1, True, {}, False, config)
+        _refuse_unsupported(0.1, True, {}, config)
     assert f"set config.{name} = 0.0 before the model is built" in str(err.value)
-    _refuse_unsupported(0.1, False, {}, False, config)  # not in training: nothing to refuse
+    _refuse_unsupported(0.1, False, {}, config)  # not in training: nothing to refuse
 
 
 def _gpt2():

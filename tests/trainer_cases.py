@@ -185,9 +185,9 @@ def _resume_case(trainer, checkpoint, sp_size, layout):
 
 
 def sft_case(path, sp_size=None, *, padding_free=False, steps=2, per_device=2, accum=2, dtype=torch.float32,
-             attn=None):
+             attn=None, **load):
     """Train with TRL's SFTTrainer (examples/sft.py's tokenizer and data), the model loaded in ``dtype`` (with
-    ``attn``, else its saved attention)."""
+    ``attn``, else its saved attention, and the keywords ``load`` of ``from_pretrained``)."""
     import tempfile
 
     from accelerate.state import AcceleratorState
@@ -201,8 +201,8 @@ def sft_case(path, sp_size=None, *, padding_free=False, steps=2, per_device=2, a
     AcceleratorState._reset_state()
     world = dist.get_world_size() if dist.is_initialized() else 1
     rows = per_device * accum * steps * (world // (sp_size or 1))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **({} if attn is None else
-                                                                        {"attn_implementation": attn}))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **load, **({} if attn is None else
+                                                                                {"attn_implementation": attn}))
     args = SFTConfig(
         output_dir=tempfile.mkdtemp(prefix="hf_ring_sft_"), per_device_train_batch_size=per_device,
         per_device_eval_batch_size=2, gradient_accumulation_steps=accum, max_steps=steps, learning_rate=0.5,

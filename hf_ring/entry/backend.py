@@ -110,7 +110,7 @@ HONOURED_TENSORS = ("position_ids", "s_aux", "cu_seq_lens_q", "cu_seq_lens_k", "
 """Tensor keywords a self-attention call may carry that ring_dilated honours, or that belong to other modules."""
 
 
-def _refuse_unsupported(dropout: float, training: bool, kwargs: dict, sharded: bool, config: Any = None,
+def _refuse_unsupported(dropout: float, training: bool, kwargs: dict, config: Any = None,
                         scores: Tuple[int, int] = (-1, -1)) -> None:
     if dropout and training:
         name = _dropout_setting(config)
@@ -130,12 +130,6 @@ def _refuse_unsupported(dropout: float, training: bool, kwargs: dict, sharded: b
             raise NotImplementedError(f"the model passed {name}= (shape {tuple(value.shape)}, one value per query "
                                       "and key) to the attention, which ring_dilated would drop; use "
                                       "attn_implementation='eager'")
-    if sharded and kwargs.get("output_router_logits"):
-        raise ValueError(
-            "output_router_logits=True under sequence parallelism: the router's load-balancing loss is computed from "
-            "all tokens' router logits, which no rank holds; train without it (output_router_logits=False) when the "
-            "sequence is split"
-        )
 
 
 def ring_dilated_attention(
@@ -166,7 +160,7 @@ def ring_dilated_attention(
         if isinstance(forward, MediaForward):
             raise ValueError(f"the {module.config.model_type} language model ran before its multimodal model split "
                              "the sequence; call the model that shard_batch's batch was made for")
-        _refuse_unsupported(dropout, module.training, kwargs, sharded, module.config, (query.shape[2], key.shape[2]))
+        _refuse_unsupported(dropout, module.training, kwargs, module.config, (query.shape[2], key.shape[2]))
         if _custom_mask(attention_mask, whole):
             return _under_custom_mask(module, query, key, value, attention_mask, dropout, scaling,
                                       sharded or decoding or isinstance(forward, ShardedForward), kwargs)

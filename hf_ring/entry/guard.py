@@ -24,6 +24,7 @@ from ..integration.groups import tp_place
 from ..integration.readout import head_problem
 from ..integration.tp import sharding_error
 from ..patches import needs
+from ..patches.router_loss import problem as router_problem
 
 
 def other_attention_message(model: Any) -> str:
@@ -75,6 +76,17 @@ def refuse_other_sharding(model: Any, kwargs: Mapping[str, Any]) -> None:
         forward.fail(ValueError(message))
 
 
+def refuse_other_router_term(model: Any, kwargs: Mapping[str, Any]) -> None:
+    """Raise ValueError on every rank when sharded inputs reach a mixture of experts whose router term (asked by
+    the config or the call) hf_ring cannot compute over the whole sequence (see :mod:`hf_ring.patches.router_loss`)."""
+    forward = kwargs.get(CONTEXT_KEY)
+    if not isinstance(forward, ShardedForward) or forward.world_size == 1:
+        return
+    message = router_problem(model, kwargs.get("output_router_logits"))
+    if message is not None:
+        forward.fail(ValueError(message))
+
+
 def head_error(model: Any) -> Optional[ValueError]:
     """Why ``model``'s head cannot read a split sequence (:func:`hf_ring.integration.readout.head_problem`), or None."""
     problem = head_problem(model, isinstance(model, GenericForSequenceClassification))
@@ -115,8 +127,9 @@ def dropped_context_message(model: Any) -> str:
 def refuse(model: Any, kwargs: Mapping[str, Any]) -> None:
     """Every refusal of a call given a forward context (sharded inputs, a decode step), before the model computes:
     a structure hf_ring does not compute (first: no attention setting changes it, as for RWKV, which has no attention
-    to set), another attention, another saved layout, another tp sharding."""
+    to set), another attention, another saved layout, another tp sharding, a router term it cannot reduce."""
     refuse_structure(model, kwargs)
     refuse_other_attention(model, kwargs)
     refuse_other_shape(model, kwargs)
     refuse_other_sharding(model, kwargs)
+    refuse_other_router_term(model, kwargs)

@@ -13,9 +13,11 @@ read top to bottom:
    (:func:`hf_ring.patches.apply`: global-length RoPE, hooks on its recurrent
    layers' kernels), when it is split over several ranks;
 3. the outermost call hands a model that counts its own positions the ones it
-   would count on the whole row (:mod:`hf_ring.integration.positions`), and a
+   would count on the whole row (:mod:`hf_ring.integration.positions`), a
    sequence classifier's head the score of each row's last real token
-   (:func:`hf_ring.integration.readout.pool_over_shards`);
+   (:func:`hf_ring.integration.readout.pool_over_shards`), and a mixture of
+   experts its router's load-balancing loss over the whole sequence
+   (:mod:`hf_ring.patches.router_loss`);
 4. the call itself;
 5. a forward whose attention never saw the shards, or in which no layer
    reached hf_ring, is refused on every rank, naming the model.
@@ -37,6 +39,7 @@ row's would.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -50,9 +53,10 @@ from ..integration.context import CONTEXT_KEY, ShardedForward
 from ..integration.groups import current
 from ..integration.seams import cache_argument, holds_nothing
 from ..integration.positions import counted_positions
-from ..integration.readout import pool_over_shards
+from ..integration.readout import is_fused_output, pool_over_shards
 from ..patches import apply, needs, registry
 from ..patches.hybrids import family
+from ..patches.router_loss import over_shards, report
 from .guard import dropped_context_message, refuse, unmixed_message
 from .media import MediaForward, enter
 
@@ -68,7 +72,10 @@ def sharded_call(original, model: Any, forward: ShardedForward, args: tuple, kwa
         if outermost:
             kwargs = counted_positions(needs(model).counting, forward, kwargs)
             pool_over_shards(model, forward, kwargs)
-        out = original(model, *args, **kwargs)
+        with over_shards(model, forward) if outermost else contextlib.nullcontext():
+            out = original(model, *args, **kwargs)
+        if outermost:
+            out = report(out, forward, is_fused_output(out))
     except ValueError as err:
         # The backend saw no sharded inputs on this rank, though they arrived here: the model dropped them.
         if (0 if forward.comm is None else forward.comm.rank) in getattr(err, UNSHARDED_RANKS, ()):

@@ -76,7 +76,9 @@ class ShardedForward(ForwardContext):
     ``shift_given``: the batch brought its own ``shift_labels`` (per-token
     outputs then keep the last row, as one process's do); ``scan_rows``: the
     most rows one call of a recurrent layer's torch-path scan kernel runs
-    (:data:`hf_ring.engine.recurrence.SCAN_ROWS`; None: each run whole).
+    (:data:`hf_ring.engine.recurrence.SCAN_ROWS`; None: each run whole);
+    ``router_loss``: once a mixture of experts computed it, the whole sequence's router load-balancing loss
+    (detached; :mod:`hf_ring.patches.router_loss`).
     """
 
     seq_len: int
@@ -94,6 +96,7 @@ class ShardedForward(ForwardContext):
     positions_given: bool = False
     shift_given: bool = False
     scan_rows: Optional[int] = SCAN_ROWS
+    router_loss: Optional[Tensor] = None
     _chunks: Dict[Tuple[int, bool], Optional[Documents]] = field(default_factory=dict, repr=False)
     _agreed: Dict[Tuple, bool] = field(default_factory=dict, repr=False)
     _group_masks: List[Tuple[Tensor, Tensor]] = field(default_factory=list, repr=False)

@@ -117,10 +117,6 @@ def _whole_sequences(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any
         forward = forward.sharded
     if not isinstance(forward, ShardedForward) or not is_fused_output(output):
         return None
-    if getattr(output, "aux_loss", None) is not None:
-        forward.fail(ValueError(
-            "a mixture-of-experts load-balancing loss (output_router_logits) is computed per shard, not over the "
-            "whole sequence; set output_router_logits=False in the model config to train with the sequence split"))
     return fused_output(output, forward, kwargs.get("num_items_in_batch"))
 
 

@@ -38,13 +38,13 @@ from ..engine.comm import all_reduce
 from ..engine.layout import check_ulysses_size
 from ..integration import config as ring_config
 from ..integration.context import CONTEXT_KEY
-from ..integration.readout import pool_over_shards
+from ..integration.readout import is_fused_output, pool_over_shards
 from ..integration.groups import SequenceParallel, current
 from ..entry.guard import head_error
 from ..entry.parallel import check_tp_size, setup_sequence_parallel
 from ..integration.seams import TRAINER_DIVIDES_TOKEN_COUNT, cache_argument, peft_base
 from ..integration.tp import check_heads, check_trainer_model, loaded_tp_size
-from ..patches import multimodal_problem, registry
+from ..patches import multimodal_problem, registry, router_loss
 from . import sampling, zero
 from .data import batch_shape, gather_sequence, model_rows, shard_batch
 from .loss_kinds import TOKENS, LossKind, attach_sequence_outputs, loss_kind, refuse_trainer, sampled_methods
@@ -81,15 +81,22 @@ def _shard_hook(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]):
     if CONTEXT_KEY in kwargs:  # sharded by the caller: the guard saw the call as such
         return None
     kwargs = shard_model_inputs(kwargs)
-    # The model's call saw this call unsharded, so the head of a sequence classifier is hooked here, for this call.
+    # The model's call saw this call unsharded, so the head of a sequence classifier is hooked here, and a mixture
+    # of experts' router loss reduced over the group, for this call.
     pool_over_shards(module, kwargs[CONTEXT_KEY], kwargs)
+    router_loss.enter(module, kwargs[CONTEXT_KEY])
     return args, kwargs
+
+
+def _sharded_call_done(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any], output: Any):
+    return router_loss.leave(module, kwargs.get(CONTEXT_KEY), output, is_fused_output(output))
 
 
 def attach_shard_hook(model: torch.nn.Module) -> None:
     """Make every call of ``model`` shard its batch when a sequence-parallel setup is active (idempotent)."""
     if getattr(model, _HOOK_ATTR, None) is None:
         setattr(model, _HOOK_ATTR, model.register_forward_pre_hook(_shard_hook, with_kwargs=True))
+        model.register_forward_hook(_sharded_call_done, with_kwargs=True, always_call=True)
 
 
 def data_mesh(sp: SequenceParallel, deepspeed: bool = False):
