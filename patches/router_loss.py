@@ -236,6 +236,8 @@ def enter(model: torch.nn.Module, forward: ShardedForward) -> None:
     the call itself passed the model's guard unsharded. :func:`leave`, from a forward hook that runs however the
     call ends, closes it."""
     leave(model)  # a block a call left open (its end not seen) is closed first
+    if not isinstance(forward, ShardedForward):
+        return  # a multimodal forward, split where its language model starts: that call is a sharded call itself
     stack = contextlib.ExitStack()
     stack.enter_context(over_shards(model, forward))
     setattr(model, _OPEN, stack)
@@ -248,7 +250,9 @@ def leave(model: torch.nn.Module, forward: Optional[ShardedForward] = None, out:
     stack = vars(model).pop(_OPEN, None)
     if stack is not None:
         stack.close()
-    return out if forward is None or out is None else report(out, forward, fused)
+    if not isinstance(forward, ShardedForward) or out is None:
+        return out
+    return report(out, forward, fused)
 
 
 def whole(aux: Any, forward: Any) -> Any:

@@ -74,7 +74,7 @@ def test_a_router_loss_of_another_form_is_refused_on_every_rank(pools, model_typ
     assert len(set(refused)) == 1 and refused[0] and "load_balancing_loss_func" in refused[0], refused
 
 
-@pytest.mark.parametrize("ulysses", [1, 2], ids=["ring", "ring-and-heads"])
+@pytest.mark.parametrize("ulysses", [1, 2, 4], ids=["ring", "ring-and-heads", "heads"])
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_the_router_loss_over_four_ranks_is_one_processs(pools, model_type, ulysses):
     want = _reference(model_type, True)
