@@ -7,5 +7,6 @@ BENCHES = {"ring": "bench.ring", "dilated": "bench.dilated", "generate": "bench.
            "tables": "bench.tables", "plan": "bench.plan", "compat": "bench.compat",
            "compile": "bench.compile", "sft": "bench.sft", "vision": "bench.vision", "fixed": "bench.fixed",
            "demo": "bench.demo", "exactness": "bench.exactness", "hybrid": "bench.hybrid",
-           "endings": "bench.endings", "model_tests": "bench.model_tests"}
+           "endings": "bench.endings", "model_tests": "bench.model_tests",
+           "moe": "bench.moe"}
 """Each command's module."""
