@@ -108,6 +108,18 @@ def split_for(attn: str) -> Iterator[Tuple[int, Callable]]:
         hf_ring.clear_sequence_parallel()
 
 
+def token_row(vocab: int, length: int) -> Dict[str, torch.Tensor]:
+    """One row of ``length`` random tokens below ``vocab`` (seeded by the length), its own labels."""
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length))
+    return {"input_ids": ids, "labels": ids}
+
+
+def loss_step(model: torch.nn.Module, split: Callable, data: Dict[str, torch.Tensor]) -> None:
+    """One training step's forward and backward of ``model``'s loss on ``split(data)``, gradients dropped after."""
+    model(**split(data)).loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
 def clock(owner, name: str, label: str, spent: Dict[str, float]) -> None:
     """Replace ``owner.name`` by a wrapper that adds the seconds each call takes to ``spent[label]``.
 

@@ -36,7 +36,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .common import clock, command_line, format_table, peak_rss_mb, rss_mb, run_ranks, save, split_for, spread, summary
+from .common import (clock, command_line, format_table, loss_step, peak_rss_mb, rss_mb, run_ranks, save, split_for,
+                     spread, summary, token_row)
 from .configs import HYBRID, MIXER, MODEL, dilated_pattern, hybrid_config
 
 TABLES = {
@@ -157,17 +158,12 @@ def measure(attn: str, n: int, repeats: int, form: Optional[str] = None) -> Dict
     with split_for(attn) as (world, split):
         model = _model(attn)
 
-        def batch(length: int) -> Dict[str, torch.Tensor]:
-            ids = torch.randint(0, MODEL["vocab_size"], (1, length), generator=torch.Generator().manual_seed(length))
-            return {"input_ids": ids, "labels": ids}
-
         def step(data) -> None:
-            model(**split(data)).loss.backward()
-            model.zero_grad(set_to_none=True)
+            loss_step(model, split, data)
 
-        step(batch(512))  # kernels, threads and the allocator warmed
+        step(token_row(MODEL["vocab_size"], 512))  # kernels, threads and the allocator warmed
         base = rss_mb()
-        data = batch(n) if form is None else documents_batch(form, MODEL["vocab_size"])
+        data = token_row(MODEL["vocab_size"], n) if form is None else documents_batch(form, MODEL["vocab_size"])
         step(data)  # the untimed warm-up at this size, as every benchmark's
         spent = {"recurrent": 0.0, "exchange": 0.0}
         recurrent_timers(model, spent)

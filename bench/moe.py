@@ -20,7 +20,7 @@ from typing import Dict, List
 
 import torch
 
-from .common import command_line, format_table, peak_rss_mb, rss_mb, run_ranks, save, split_for
+from .common import command_line, format_table, loss_step, peak_rss_mb, rss_mb, run_ranks, save, split_for, token_row
 from .configs import MODEL
 
 MOE = dict(MODEL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, decoder_sparse_step=1,
@@ -52,24 +52,16 @@ def measure(attn: str, router: bool, n: int, repeats: int) -> Dict:
     with split_for(attn) as (world, split):
         model = _model(attn, router)
 
-        def batch(length: int) -> Dict[str, torch.Tensor]:
-            ids = torch.randint(0, MOE["vocab_size"], (1, length), generator=torch.Generator().manual_seed(length))
-            return {"input_ids": ids, "labels": ids}
-
-        def step(data) -> None:
-            model(**split(data)).loss.backward()
-            model.zero_grad(set_to_none=True)
-
-        step(batch(512))  # kernels, threads and the allocator warmed
+        loss_step(model, split, token_row(MOE["vocab_size"], 512))  # kernels, threads and the allocator warmed
         base = rss_mb()
-        data = batch(n)
-        step(data)  # the untimed warm-up at this size
+        data = token_row(MOE["vocab_size"], n)
+        loss_step(model, split, data)  # the untimed warm-up at this size
         times = []
         for _ in range(repeats):
             if world > 1:
                 dist.barrier()
             t0 = time.perf_counter()
-            step(data)
+            loss_step(model, split, data)
             times.append(time.perf_counter() - t0)
         return {"steps": times, "peak_mb": peak_rss_mb() - base}
 
