@@ -286,9 +286,9 @@ def report(out: Any, forward: ShardedForward, fused: bool) -> Any:
 def router_term(model: torch.nn.Module, router_logits: Any, attention_mask: Optional[torch.Tensor]
                 ) -> Optional[torch.Tensor]:
     """The router loss (before its coefficient) ``model``'s forward adds to its loss, for a loss made from its
-    decoder's outputs (the tiled loss): its module function (over the shards inside :func:`over_shards`) with the model's own
-    settings; None where the decoder returned no router logits or the model has no such function. Whether this
-    is what the model's own forward adds is measured by the tiled loss's reproduction check."""
+    decoder's outputs (the tiled loss): its module function (over the shards inside :func:`over_shards`) with the
+    model's own settings; None where the decoder returned no router logits or the model has no such function.
+    Whether this is what the model's own forward adds is measured by the tiled loss's reproduction check."""
     if not router_logits or function_of(type(model)) is None:
         return None
     function = getattr(_module(type(model)), NAME)

@@ -182,14 +182,15 @@ def relations(cfg) -> Dict[str, Any]:
 
 
 def _keep_relations(cfg, released: Dict[str, Any]) -> None:
-    """Sizes of the tiny ``cfg`` that give it the ``released`` config's :func:`relations` (its widths read from
-    ``released``'s ``_widths``)."""
-    heads, (width, rotary) = _int(cfg, "num_attention_heads"), released["_widths"]
+    """Sizes of the tiny ``cfg`` that give it the ``released`` config's :func:`relations` (with the released
+    head width's share of rotary dims and expert count :func:`_released` adds)."""
+    heads, rotary = _int(cfg, "num_attention_heads"), released["_widths"][1]
     if heads is None:
         return
     kind = released.get("heads")
     if kind and "latent" not in released and released["_has_kv_heads"]:
-        _set(cfg, "num_key_value_heads", {"multi-head": heads, "multi-query": 1}.get(kind, SIZES["num_key_value_heads"]))
+        kept = {"multi-head": heads, "multi-query": 1}.get(kind, SIZES["num_key_value_heads"])
+        _set(cfg, "num_key_value_heads", kept)
     side = released.get("head_width")
     if side in ("wider", "narrower") and isinstance(getattr(cfg, "head_dim", None), int):
         # the released proportion, on the wider or narrower side of the hidden size's share as released
