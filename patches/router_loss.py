@@ -47,16 +47,15 @@ def sums(gate_logits: Tuple[torch.Tensor, ...], num_experts: int, top_k: int,
     device = gate_logits[0].device
     counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
     probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    rows = torch.zeros((), dtype=torch.float32, device=device)
+    w = torch.ones(gate_logits[0].shape[0], dtype=torch.float32, device=device) if weights is None else \
+        weights.to(device=device, dtype=torch.float32)  # every layer routes the same rows
+    slots = w.repeat_interleave(top_k)
     for layer in gate_logits:
         routing = torch.softmax(layer.to(device), dim=-1)
         chosen = torch.topk(routing, top_k, dim=-1).indices
-        w = torch.ones(routing.shape[0], dtype=torch.float32, device=device) if weights is None else \
-            weights.to(device=device, dtype=torch.float32)
-        counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen.reshape(-1), w.repeat_interleave(top_k))
+        counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen.reshape(-1), slots)
         probs = probs + (routing.float() * w.unsqueeze(-1)).sum(dim=0)
-        rows = rows + w.sum()
-    return counts, probs, rows
+    return counts, probs, w.sum() * len(gate_logits)
 
 
 def balancing_loss(counts: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -142,6 +142,11 @@ def _latent(cfg) -> bool:
     return _int(cfg, "kv_lora_rank") is not None and _int(cfg, "qk_rope_head_dim") is not None
 
 
+def _experts(cfg) -> Optional[str]:
+    """The name under which ``cfg`` counts its routed experts (the first of :data:`EXPERTS` it sets; None: none)."""
+    return next((n for n in EXPERTS if _int(cfg, n)), None)
+
+
 def _absent_or_none(cfg, name: str) -> bool:
     try:
         return getattr(cfg, name, None) is None
@@ -175,7 +180,7 @@ def relations(cfg) -> Dict[str, Any]:
     for name in WINDOWS:
         if _int(cfg, name):
             out[name] = "windowed"  # shrunk below the rows, as a long row exceeds the released window
-    experts, chosen = next((_int(cfg, n) for n in EXPERTS if _int(cfg, n)), None), _int(cfg, "num_experts_per_tok")
+    experts, chosen = _int(cfg, _experts(cfg) or ""), _int(cfg, "num_experts_per_tok")
     if experts and chosen:
         out["experts_per_token"] = "one" if chosen == 1 else "all" if chosen >= experts else "some"
     return out
@@ -184,7 +189,7 @@ def relations(cfg) -> Dict[str, Any]:
 def _keep_relations(cfg, released: Dict[str, Any]) -> None:
     """Sizes of the tiny ``cfg`` that give it the ``released`` config's :func:`relations` (with the released
     head width's share of rotary dims and expert count :func:`_released` adds)."""
-    heads, rotary = _int(cfg, "num_attention_heads"), released["_widths"][1]
+    heads, rotary = _int(cfg, "num_attention_heads"), released["_rotary"]
     if heads is None:
         return
     kind = released.get("heads")
@@ -199,8 +204,7 @@ def _keep_relations(cfg, released: Dict[str, Any]) -> None:
     if rotary and _int(cfg, "rotary_dim"):
         head = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         _set(cfg, "rotary_dim", max(2, 2 * round(head * rotary / 2)))
-    share = released.get("experts_per_token")
-    name = next((n for n in EXPERTS if _int(cfg, n)), None)
+    share, name = released.get("experts_per_token"), _experts(cfg)
     if share and name:
         experts = min(SIZES[name], released["_experts"])
         _set(cfg, name, experts)
@@ -214,8 +218,8 @@ def _released(cfg) -> Dict[str, Any]:
     head = width or (hidden // heads if heads and hidden else None)
     out["_head_ratio"] = Fraction(head * heads, hidden) if head and heads and hidden else 1
     out["_has_kv_heads"] = "num_key_value_heads" in vars(cfg)
-    out["_widths"] = (head, Fraction(cfg.rotary_dim, head) if head and _int(cfg, "rotary_dim") else None)
-    out["_experts"] = next((_int(cfg, n) for n in EXPERTS if _int(cfg, n)), None)
+    out["_rotary"] = Fraction(cfg.rotary_dim, head) if head and _int(cfg, "rotary_dim") else None
+    out["_experts"] = _int(cfg, _experts(cfg) or "")
     return out
 
 
@@ -230,7 +234,7 @@ def shrink(cfg, vision: bool = False, keep_layers: bool = False):
         if current is None and name in ("head_dim", "num_key_value_heads") or (
                 isinstance(current, int) and not isinstance(current, bool)):
             _set(cfg, name, value)
-    if isinstance(getattr(cfg, "kv_lora_rank", None), int) and isinstance(getattr(cfg, "qk_rope_head_dim", None), int):
+    if _latent(cfg):
         # multi-head latent attention: every query head has its own key and value heads, made from one latent, and
         # the rotary part of a head is qk_rope_head_dim wide (what head_dim sizes the rotary tables by)
         _set(cfg, "num_key_value_heads", cfg.num_attention_heads)
