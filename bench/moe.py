@@ -20,7 +20,8 @@ from typing import Dict, List
 
 import torch
 
-from .common import command_line, format_table, loss_step, peak_rss_mb, rss_mb, run_ranks, save, split_for, token_row
+from .common import (command_line, format_table, loss_step, peak_rss_mb, ratio_range, rss_mb, run_ranks, save, split_for,
+                     token_row)
 from .configs import MODEL
 
 MOE = dict(MODEL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, decoder_sparse_step=1,
@@ -31,7 +32,8 @@ CONFIGS = (("sdpa", 1, False), ("sdpa", 1, True), ("ring_dilated", 2, False), ("
 
 TABLES = {
     "moe": (("n", "tokens"), ("ranks", "ranks"), ("router_loss", "router loss"), ("step_s", "step s"),
-            ("router_over_without", "with / without router loss"), ("over_one_process", "vs one process"),
+            ("step_spread", "spread"), ("router_over_without", "with / without router loss"),
+            ("router_over_without_spread", "spread"), ("over_one_process", "vs one process"),
             ("peak_mb", "peak MB per rank"), ("repeats", "steps")),
 }
 """The columns of this benchmark's table in the docs: (JSON key, header), in order (see :mod:`bench.tables`)."""
@@ -75,11 +77,15 @@ def rows_for(n: int, repeats: int, rounds: int) -> List[Dict]:
     for cfg, runs in found.items():
         steps = [max(times) for ranks in runs for times in zip(*(r["steps"] for r in ranks))]
         stats[cfg] = {"step": statistics.median(steps), "peak": max(r["peak_mb"] for ranks in runs for r in ranks),
-                      "repeats": len(steps)}
+                      "repeats": len(steps), "steps": steps}
     rows = []
     for (attn, world, router), s in stats.items():
+        without = stats[attn, world, False]
         row = {"n": n, "ranks": world, "router_loss": router, "step_s": round(s["step"], 3),
-               "router_over_without": round(s["step"] / stats[attn, world, False]["step"], 3),
+               "step_spread": f"{min(s['steps']):.3g}-{max(s['steps']):.3g}",
+               "router_over_without": round(s["step"] / without["step"], 3),
+               # step by step: the configurations with and without the term ran one after the other in a round
+               "router_over_without_spread": ratio_range(s["steps"], without["steps"]),
                "over_one_process": round(s["step"] / stats["sdpa", 1, router]["step"], 3),
                "peak_mb": round(s["peak"], 1), "repeats": s["repeats"]}
         rows.append(row)

@@ -10,7 +10,9 @@ probability sums: the shares add up to the whole loss, and a share's gradient is
 loss's gradient that flows through this rank's logits (``f_e`` has none), so gradients summed over the group
 are one process's. The output's ``aux_loss`` is reported as transformers reports it, the whole sequence's
 value, carrying the share's gradient (a trainer that adds it to a loss it computes whole, as TRL's DPO does,
-gets one process's gradient the same way).
+gets one process's gradient the same way); a trainer that adds it to a rank's share of a token loss without
+scaling it for the average over the ranks, as TRL's SFT does with its fused LM head, is handed it with that
+gradient times the group's size (:func:`report`'s ``scale``).
 
 The function is the modeling module's own name, read where the class's forward reads it: a family whose
 function is not this loss (measured on random logits, not read from its source) or whose forward adds a
@@ -243,42 +245,33 @@ def enter(model: torch.nn.Module, forward: ShardedForward) -> None:
 
 
 def leave(model: torch.nn.Module, forward: Optional[ShardedForward] = None, out: Any = None,
-          fused: bool = False) -> Any:
+          scale: int = 1) -> Any:
     """Close what :func:`enter` opened for ``model``'s call; ``out`` (the call's output) reported as
-    :func:`report` does."""
+    :func:`report` does with ``scale``."""
     stack = vars(model).pop(_OPEN, None)
     if stack is not None:
         stack.close()
     if not isinstance(forward, ShardedForward) or out is None:
         return out
-    return report(out, forward, fused)
+    return report(out, forward, scale)
 
 
-def whole(aux: Any, forward: Any) -> Any:
-    """A rank's share ``aux`` of the router loss as the whole sequence's value, carrying the share's gradient
-    (``aux`` unchanged where ``forward`` computed no router loss)."""
+def whole(aux: Any, forward: Any, scale: int = 1) -> Any:
+    """A rank's share ``aux`` of the router loss as the whole sequence's value, carrying ``scale`` times the
+    share's gradient (``aux`` unchanged where ``forward`` computed no router loss)."""
     value = getattr(forward, "router_loss", None)
     if value is None or not isinstance(aux, torch.Tensor):
         return aux
-    return aux + (value.to(aux) - aux).detach()
+    carried = aux * scale if scale != 1 else aux
+    return carried + (value.to(aux) - carried).detach()
 
 
-FUSED_HEAD_REFUSAL = (
-    "a mixture-of-experts load-balancing loss (output_router_logits) beside TRL's fused LM head (SFT, DPO and the "
-    "other TRL trainers) is not computed over the sequence-parallel group: TRL adds the router term after scaling "
-    "its token loss for the average over ranks, so it would count one rank's share; set router_aux_loss_coef=0.0 "
-    "in the trainer's config (or output_router_logits=False in the model config), or train with transformers' "
-    "Trainer or a shard_batch loop, where the router loss is computed over the whole sequence")
-
-
-def report(out: Any, forward: ShardedForward, fused: bool) -> Any:
-    """``out`` with its ``aux_loss`` the whole sequence's value (:func:`whole`); ``fused``: ``out`` is a fused LM
-    head's, whose router term is refused on every rank (:data:`FUSED_HEAD_REFUSAL`)."""
+def report(out: Any, forward: ShardedForward, scale: int = 1) -> Any:
+    """``out`` with its ``aux_loss`` the whole sequence's value (:func:`whole`, ``scale`` times the share's
+    gradient: the caller knows how the loss it feeds is averaged over the ranks)."""
     if getattr(out, "aux_loss", None) is None or getattr(forward, "router_loss", None) is None:
         return out
-    if fused:
-        forward.fail(ValueError(FUSED_HEAD_REFUSAL))
-    out.aux_loss = whole(out.aux_loss, forward)
+    out.aux_loss = whole(out.aux_loss, forward, scale)
     return out
 
 

@@ -58,6 +58,17 @@ def build(model_type: str, attn: str, dtype: torch.dtype = torch.float64):
     return model.eval(), None  # no stochastic routing (PhiMoE samples experts in training)
 
 
+def saved_moe(directory, vocab_size, dtype, router_logits=True):
+    """A tiny Qwen3-MoE with the router loss's coefficient :data:`COEF`, saved; ``router_logits``:
+    the config's ``output_router_logits`` (off, only the trainer's calls that ask for them return them)."""
+    model, why = sweep.build("qwen3_moe", "eager", dtype, vocab_size=vocab_size)
+    assert model is not None, why
+    model.config.output_router_logits = router_logits
+    model.config.router_aux_loss_coef = COEF
+    model.save_pretrained(str(directory))
+    return str(directory)
+
+
 def batch(model_type: str, packed: bool) -> Dict[str, torch.Tensor]:
     """Two rows, the second padded at its end, or one packed row of :data:`DOCUMENTS`; labels on every real token."""
     if packed:

@@ -13,6 +13,7 @@ import torch
 
 from deepspeed_cases import (ds_distillation_case, ds_loop_case, ds_refusal_case, ds_trainer_case, loop_reference,
                              trainer_reference)
+import router_cases
 from dist_pool import RankPool
 from helpers import close, scalar_rel_err
 from helpers import norm_rel_err as rel
@@ -122,6 +123,14 @@ def test_zero12_sp2_trainer_equals_one_process(ds_pools, path, reference, stage,
     results = ds_pools(2).run(ds_trainer_case, path, 2, stage=stage, tiling=tiling, **kw)
     check_training(results, reference(**kw))
     assert results[0]["tiled"]["loss"] > 0 and (results[0]["tiled"]["rows"] > 0) == tiling
+
+
+def test_zero3_sp2_mixture_of_experts_with_its_router_loss(ds_pools, tmp_path):
+    """ZeRO-3 and the ring over 2 ranks on a mixture of experts with its router load-balancing loss on (reduced
+    over the group): losses, gradients and parameters equal one process's."""
+    path = router_cases.saved_moe(tmp_path, 97, torch.float32)
+    results = ds_pools(2).run(ds_trainer_case, path, 2, stage=3, eval_rows=0)
+    check_training(results, trainer_reference(path, eval_rows=0))
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # TRL reads it

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 import router_cases
-import sweep
 from helpers import close, gradient_errors, rel_err, scalar_rel_err, worst_rel_err
 from dist_pool import RankError
-from trainer_cases import example, sft_case, trainer_case
+from trainer_cases import dpo_case, example, kto_case, sampling_case, sft_case, trainer_case
 from hf_ring.patches import router_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -99,20 +98,10 @@ def test_a_router_term_of_another_form_is_refused():
     assert not router_loss.matches(lambda logits: 0.0)
 
 
-def _saved_moe(directory, vocab_size, dtype):
-    """A tiny Qwen3-MoE with the router loss on (coefficient :data:`router_cases.COEF`), saved."""
-    model, why = sweep.build("qwen3_moe", "eager", dtype, vocab_size=vocab_size)
-    assert model is not None, why
-    model.config.output_router_logits = True
-    model.config.router_aux_loss_coef = router_cases.COEF
-    model.save_pretrained(str(directory))
-    return str(directory)
-
-
 def test_a_trainer_step_with_the_router_loss_is_one_processs(pools, tmp_path):
     """transformers' Trainer under prepare_trainer, two micro-batches of padded rows per step, each adding its own
     router term: every logged loss, every step's gradients and the final parameters equal one process's."""
-    path = _saved_moe(tmp_path, 97, torch.float32)
+    path = router_cases.saved_moe(tmp_path, 97, torch.float32)
     res = pools(2).run(trainer_case, path, 2, predict_rows=0)[0]
     ref = trainer_case(path, predict_rows=0)
     assert len(res["losses"]) == len(ref["losses"]) > 0
@@ -123,10 +112,55 @@ def test_a_trainer_step_with_the_router_loss_is_one_processs(pools, tmp_path):
     assert close(worst_rel_err(res["params"], ref["params"]), TOL)
 
 
-def test_trls_fused_head_with_the_router_loss_is_refused_on_every_rank(pools, tmp_path):
-    """SFTTrainer adds its fused head's router term itself, after scaling its token loss for the average over
-    ranks: refused on every rank, naming the fix, never computed per shard."""
+def _same_training(got, want):
+    """Every logged loss and every step's gradients within TOL (and the final parameters where returned)."""
+    assert len(got["losses"]) == len(want["losses"]) > 0
+    for g, w in zip(got["losses"], want["losses"]):
+        assert close(scalar_rel_err(g, w), TOL), (got["losses"], want["losses"])
+    assert len(got["grads"]) == len(want["grads"]) > 0
+    for g, w in zip(got["grads"], want["grads"]):
+        assert close(worst_rel_err(g, w), TOL)
+    if "params" in want:
+        assert close(worst_rel_err(got["params"], want["params"]), TOL)
+
+
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding-free"])
+def test_sft_trainer_with_the_router_loss_is_one_processs(pools, tmp_path, padding_free):
+    """SFTTrainer adds its fused LM head's router term to a rank's share of the token loss, unscaled for the
+    average over ranks: the term's gradient is handed over scaled for it, so every logged loss (router term
+    included) and every step's gradients equal one process's; a term carrying one share's gradient fails here."""
     pytest.importorskip("trl")
-    path = _saved_moe(tmp_path, len(example("sft").char_tokenizer()), torch.float64)
-    with pytest.raises(RankError, match=r"(?s)rank 0: ValueError: .*router_aux_loss_coef=0.0.*rank 1: ValueError"):
-        pools(2).run(sft_case, path, 2, dtype=torch.float64, experts_implementation="eager")
+    path = router_cases.saved_moe(tmp_path, len(example("sft").char_tokenizer()), torch.float64)
+    options = dict(padding_free=padding_free, dtype=torch.float64, experts_implementation="eager")
+    got = pools(2).run(sft_case, path, 2, **options)[0]
+    _same_training(got, sft_case(path, **options))
+
+
+def test_sft_trainer_with_the_router_loss_over_data_and_sequence_parallelism(pools, tmp_path):
+    """Two replicas of two ranks each: every replica's router term is its own batch's, as two processes without the
+    sequence split compute it (transformers and TRL average it over the replicas)."""
+    pytest.importorskip("trl")
+    path = router_cases.saved_moe(tmp_path, len(example("sft").char_tokenizer()), torch.float64)
+    options = dict(dtype=torch.float64, experts_implementation="eager", steps=1)
+    got = pools(4).run(sft_case, path, 2, **options)[0]
+    _same_training(got, pools(2).run(sft_case, path, None, **options)[0])
+
+
+POST_TRAINING = {"DPO": (dpo_case, {}), "KTO": (kto_case, {}), "GRPO": (sampling_case, {"trainer": "GRPO"}),
+                 "RLOO": (sampling_case, {"trainer": "RLOO"})}
+SAMPLING = ("GRPO", "RLOO")
+"""Trainers that sample with generate: a config asking for router logits would make every decoding step compute
+transformers' router loss from one token per row against the whole mask, which fails in one process too; the
+trainers ask for them in the calls they score."""
+
+
+@pytest.mark.parametrize("name", sorted(POST_TRAINING))
+def test_post_training_with_the_router_loss_is_one_processs(pools, tmp_path, name):
+    """TRL's post-training trainers add the fused head's router term to a loss every rank computes whole: losses,
+    every step's gradients and the final parameters equal one process's."""
+    pytest.importorskip("trl")
+    case, options = POST_TRAINING[name]
+    path = router_cases.saved_moe(tmp_path, len(example("sft").char_tokenizer()), torch.float64, name not in SAMPLING)
+    options = dict(options, experts_implementation="eager")
+    got = pools(2).run(case, path, 2, **options)[0]
+    _same_training(got, case(path, **options))

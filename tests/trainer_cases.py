@@ -310,16 +310,16 @@ def _preference_run(trainer_cls, config_cls, model, sp_size, *, steps, per_devic
         hf_ring.clear_sequence_parallel()
 
 
-def dpo_case(path, sp_size=None, *, reference="model", steps=2, per_device=2, accum=1, length=40, lr=0.5):
+def dpo_case(path, sp_size=None, *, reference="model", steps=2, per_device=2, accum=1, length=40, lr=0.5, **load):
     """Train with TRL's DPOTrainer on long-prompt pairs, then evaluate.
 
     ``reference``: "model" (a reference model DPOTrainer loads) or "lora" (LoRA adapters; the reference is the model
-    with them off).
+    with them off); ``load``: keywords of ``from_pretrained``.
     """
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)  # rounding would hide an error
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **load)  # rounding would hide an error
     peft_config = None
     if reference == "lora":
         from peft import LoraConfig
@@ -328,7 +328,8 @@ def dpo_case(path, sp_size=None, *, reference="model", steps=2, per_device=2, ac
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
                                  lora_dropout=0.0)
     return _preference_run(DPOTrainer, DPOConfig, model, sp_size, steps=steps, per_device=per_device, accum=accum,
-                           length=length, config=dict(learning_rate=lr, beta=0.5, max_length=None),
+                           length=length, config=dict(learning_rate=lr, beta=0.5, max_length=None,
+                                                      model_init_kwargs=load or None),  # (its reference model's)
                            peft_config=peft_config)
 
 
@@ -344,15 +345,16 @@ def reward_case(path, sp_size=None, *, steps=2, per_device=2, accum=1, length=40
                            config=dict(learning_rate=lr, max_length=None, center_rewards_coefficient=0.01))
 
 
-def kto_case(path, sp_size=None, *, steps=2, per_device=4, accum=1, length=40, lr=0.05):
+def kto_case(path, sp_size=None, *, steps=2, per_device=4, accum=1, length=40, lr=0.05, **load):
     """Train with TRL's KTOTrainer on unpaired rows (each pair's chosen answer desirable, its rejected one not), then
-    evaluate."""
+    evaluate (``load``: keywords of ``from_pretrained``)."""
     from transformers import AutoModelForCausalLM
     from trl import KTOConfig, KTOTrainer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **load)
     return _preference_run(KTOTrainer, KTOConfig, model, sp_size, steps=steps, per_device=per_device, accum=accum,
-                           length=length, config=dict(learning_rate=lr, beta=0.5, max_length=None), unpaired=True)
+                           length=length, unpaired=True,
+                           config=dict(learning_rate=lr, beta=0.5, max_length=None, model_init_kwargs=load or None))
 
 
 def vowel_reward(completions, **kwargs):
@@ -361,9 +363,9 @@ def vowel_reward(completions, **kwargs):
 
 
 def sampling_case(path, sp_size=None, *, trainer="GRPO", steps=2, per_device=4, accum=1, length=40, lr=0.05,
-                  beta=0.1):
+                  beta=0.1, **load):
     """Train with TRL's GRPOTrainer or RLOOTrainer (``trainer``; completions sampled with the model's generate,
-    rewarded for vowels) on long prompts."""
+    rewarded for vowels) on long prompts (``load``: keywords of ``from_pretrained``)."""
     from accelerate.state import AcceleratorState
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
@@ -376,9 +378,9 @@ def sampling_case(path, sp_size=None, *, trainer="GRPO", steps=2, per_device=4, 
     AcceleratorState._reset_state()
     world = dist.get_world_size() if dist.is_initialized() else 1
     rows = per_device * accum * steps * (world // (sp_size or 1))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **load)
     args = _trainer_args(config_cls, per_device, accum, steps, learning_rate=lr, beta=beta, num_generations=2,
-                         max_completion_length=6)
+                         max_completion_length=6, model_init_kwargs=load or None)
     recorder = GradRecorder()
     prompts = [{"prompt": row["prompt"]} for row in recall_pairs(rows, 0, length)]
     run = trainer_cls(model=model, args=args, reward_funcs=vowel_reward, processing_class=sft.char_tokenizer(),

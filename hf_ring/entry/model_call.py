@@ -53,7 +53,7 @@ from ..integration.context import CONTEXT_KEY, ShardedForward
 from ..integration.groups import current
 from ..integration.seams import cache_argument, holds_nothing
 from ..integration.positions import counted_positions
-from ..integration.readout import is_fused_output, pool_over_shards
+from ..integration.readout import pool_over_shards
 from ..patches import apply, needs, registry
 from ..patches.hybrids import family
 from ..patches.router_loss import over_shards, report
@@ -75,7 +75,7 @@ def sharded_call(original, model: Any, forward: ShardedForward, args: tuple, kwa
         with over_shards(model, forward) if outermost else contextlib.nullcontext():
             out = original(model, *args, **kwargs)
         if outermost:
-            out = report(out, forward, is_fused_output(out))
+            out = report(out, forward)
     except ValueError as err:
         # The backend saw no sharded inputs on this rank, though they arrived here: the model dropped them.
         if (0 if forward.comm is None else forward.comm.rank) in getattr(err, UNSHARDED_RANKS, ()):

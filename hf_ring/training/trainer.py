@@ -25,6 +25,7 @@ and a launch with ``accelerate launch`` or ``torchrun``. What the call arranges:
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -88,15 +89,29 @@ def _shard_hook(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]):
     return args, kwargs
 
 
-def _sharded_call_done(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any], output: Any):
-    return router_loss.leave(module, kwargs.get(CONTEXT_KEY), output, is_fused_output(output))
+def router_scale(kind: LossKind, forward: Any, output: Any) -> int:
+    """What the gradient of a call's router term is multiplied by for a trainer of ``kind`` (see
+    :func:`hf_ring.patches.router_loss.report`): a fused LM head's output feeds TRL's SFT, which adds the term to
+    a rank's share of its token loss and leaves it unscaled for the average over every rank, so the group's
+    size; 1 for a whole loss (scaled for that average as a whole) and for a model's own loss (a share)."""
+    if is_fused_output(output) and not kind.whole_loss:
+        return getattr(forward, "world_size", 1)
+    return 1
 
 
-def attach_shard_hook(model: torch.nn.Module) -> None:
-    """Make every call of ``model`` shard its batch when a sequence-parallel setup is active (idempotent)."""
+def _sharded_call_done(module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any], output: Any, *,
+                       kind: LossKind):
+    forward = kwargs.get(CONTEXT_KEY)
+    return router_loss.leave(module, forward, output, router_scale(kind, forward, output))
+
+
+def attach_shard_hook(model: torch.nn.Module, kind: LossKind) -> None:
+    """Make every call of ``model`` shard its batch when a sequence-parallel setup is active, its router term
+    reported for a trainer of ``kind`` (idempotent: the first kind stays)."""
     if getattr(model, _HOOK_ATTR, None) is None:
         setattr(model, _HOOK_ATTR, model.register_forward_pre_hook(_shard_hook, with_kwargs=True))
-        model.register_forward_hook(_sharded_call_done, with_kwargs=True, always_call=True)
+        model.register_forward_hook(functools.partial(_sharded_call_done, kind=kind), with_kwargs=True,
+                                    always_call=True)
 
 
 def data_mesh(sp: SequenceParallel, deepspeed: bool = False):
@@ -215,7 +230,7 @@ class SequenceParallelTrainerMixin:
             # (a trainer that runs its backbones itself has them sharded by the kind's own preparation)
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
-        attach_shard_hook(self.model)
+        attach_shard_hook(self.model, self.loss_kind)
         tokens = getattr(self, "_total_train_tokens", None)
         if not self.loss_kind.whole_loss and num_items_in_batch is None and inputs.get("labels") is not None:
             # A shard's loss is a share of the sequence loss: normalise every shard by the global token count,
@@ -252,7 +267,7 @@ class SequenceParallelTrainerMixin:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         shards = self.loss_kind.shards_calls
         if shards:
-            attach_shard_hook(self.model)
+            attach_shard_hook(self.model, self.loss_kind)
             if not prediction_loss_only:
                 inputs = dict(inputs, return_logits=True)  # the sequence-tiled loss would not make them
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
@@ -425,7 +440,7 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: Optiona
     for model in [trainer.model] + _companions(trainer):
         _use_ring_attention(model)
         if kind.shards_calls:  # (distillation calls its models positionally, through TRL: its backbones are split)
-            attach_shard_hook(model)
+            attach_shard_hook(model, kind)
         if kind.whole_loss:
             attach_sequence_outputs(model)
     kind.prepare(trainer)
