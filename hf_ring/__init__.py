@@ -32,7 +32,7 @@ from .integration.tp import tensor_parallel
 from .patches.tiled_loss import tiled_causal_lm_loss
 from .patches.tiled_rows import tiled_rows
 from .patches.tiling import configure as configure_tiling
-from .training.data import gather_sequence, shard_batch
+from .training.data import gather_sequence, layout_of, shard_batch
 from .training.offload import offload_checkpoints
 from .training.sync import sync_gradients
 from .training.trainer import SequenceParallelTrainerMixin, prepare_trainer
@@ -51,6 +51,7 @@ __all__ = [
     "configure_tiling",
     "current",
     "gather_sequence",
+    "layout_of",
     "generate",
     "local_positions",
     "offload_checkpoints",

@@ -121,24 +121,28 @@ def mixed_dtype_case(n):
     return raises_on_rank(hf_ring.ring_attention, q[:, :, pos], k[:, :, pos], v[:, :, pos])
 
 
-def packed_train_case(path, features, pattern=None):
-    """One training step on a DataCollatorWithFlattening batch with the sequence split over the whole world."""
+def packed_train_case(path, features, pattern=None, layout="zigzag", ulysses_size=1):
+    """One training step on a DataCollatorWithFlattening batch with the sequence split over the whole world;
+    also the rows each rank held."""
     from models import load
     from transformers import DataCollatorWithFlattening
 
-    sp = hf_ring.setup_sequence_parallel(None)
+    sp = hf_ring.setup_sequence_parallel(None, layout=layout, ulysses_size=ulysses_size)
     try:
         model = load(path, "ring_dilated").train()
-        hf_ring.configure(model, pattern=pattern)
+        hf_ring.configure(model, pattern=pattern, layout=layout)
         batch = DataCollatorWithFlattening()(features)
         n = batch["input_ids"].shape[1]
-        out = model(**hf_ring.shard_batch(batch), return_logits=True)
+        sharded = hf_ring.shard_batch(batch)
+        out = model(**sharded, return_logits=True)
         out.loss.backward()
         hf_ring.sync_gradients(model)
         loss = out.loss.detach().clone()
         dist.all_reduce(loss, group=sp.sp_group)
-        return {"loss": float(loss), "logits": hf_ring.gather_sequence(out.logits.detach(), n),
-                "grads": {k: p.grad.clone() for k, p in model.named_parameters()}}
+        layout = hf_ring.layout_of(batch)
+        return {"loss": float(loss), "logits": hf_ring.gather_sequence(out.logits.detach(), n, layout=layout),
+                "grads": {k: p.grad.clone() for k, p in model.named_parameters()},
+                "rows": sharded["ring_context"].rows(torch.device("cpu")).tolist()}
     finally:
         hf_ring.clear_sequence_parallel()
 

@@ -75,6 +75,26 @@ def test_flattened_batch_sharded_dilated_equals_documents_alone(pools):
         check(res["loss"], res["logits"][0], res["grads"], ref)
 
 
+SKEWED = [70, 3, 5, 2, 6, 4, 3, 7, 2, 5, 3]
+"""One long document, then many short ones: zigzag gives the ranks uneven work; ``balanced`` cuts the long one."""
+
+
+@pytest.mark.parametrize("world,ulysses", [(2, 1), (4, 1), (4, 2)], ids=["ring-2", "ring-4", "ring-and-heads-4"])
+def test_balanced_layout_of_a_skewed_packing_equals_documents_alone(pools, world, ulysses):
+    """``layout="balanced"``: the rows follow the plan chosen from the documents (not zigzag's), and loss, logits
+    and every gradient equal each document run alone."""
+    path = saved_model_dir("llama")
+    feats = features(5, SKEWED)
+    ref = separately(path, feats)
+    results = pools(world).run(packed_train_case, path, feats, layout="balanced", ulysses_size=ulysses)
+    for res in results:
+        check(res["loss"], res["logits"][0], res["grads"], ref)
+    n = sum(SKEWED)
+    held = [r["rows"] for r in results]
+    assert sorted(sum(held, [])) == list(range(n))
+    assert held != [hf_ring.local_positions(n, r, world, "zigzag", ulysses).tolist() for r in range(world)]
+
+
 def _alone_with(model, feats, mask_for=None):
     items = sum(len(f["input_ids"]) - 1 for f in feats)
     total, logits = 0.0, []

@@ -19,7 +19,7 @@ import torch
 from .comm import RingComm
 from .documents import Documents, document_starts
 from .fingerprint import fingerprint
-from .layout import LAYOUTS, infer_seq_len, local_positions, shard_sizes
+from .layout import LAYOUTS, infer_seq_len, layout_name, local_positions, shard_sizes
 from .relay import error_row, raise_first
 from .spec import DTYPES, AttentionSpec
 
@@ -84,7 +84,7 @@ def facts(q: Tensor, k: Tensor, seq_len: Optional[int], opts: AttentionSpec, pad
     return Facts(
         local_rows=q.shape[2], padded_keys=int(padded), seq_len=-1 if seq_len is None else seq_len,
         batch_size=q.shape[0], query_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
-        dtype=DTYPES.index(q.dtype) if q.dtype in DTYPES else -1, layout=LAYOUTS.index(opts.layout),
+        dtype=DTYPES.index(q.dtype) if q.dtype in DTYPES else -1, layout=LAYOUTS.index(layout_name(opts.layout)),
         causal=int(opts.causal), window=-1 if opts.window is None else opts.window, pattern=fingerprint(opts.pattern),
         scale=fingerprint(opts.scale), sharded=int(sharded), contents=contents,
         options=fingerprint(tuple(code for _, code in codes)),

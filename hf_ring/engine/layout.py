@@ -12,28 +12,57 @@ group's rows are cut into ``ulysses`` contiguous pieces, one per member in
 order. The all-to-all of head parallelism then hands every member exactly
 its group's ring shard, in the order the ring expects, and
 :func:`head_split` says which query and K/V heads each member attends for.
+
+``balanced`` chooses the rows per batch from its documents
+(:mod:`hf_ring.engine.balance`): a :class:`Plan` holds what each ring group
+takes, and stands wherever a layout does. Without documents (one per row)
+``balanced`` is zigzag.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .arguments import positive_int
 
-LAYOUTS: Tuple[str, ...] = ("zigzag", "contiguous")
+LAYOUTS: Tuple[str, ...] = ("zigzag", "contiguous", "balanced")
 
 Run = Tuple[int, int]
 """A half-open range ``[start, stop)`` of global positions."""
 
 
-def check_layout(layout: str) -> str:
+@dataclass(frozen=True)
+class Plan:
+    """The ``balanced`` layout of one batch: per ring group, the ascending runs of global rows it holds (they
+    cover ``range(seq_len)`` once); made by :func:`hf_ring.engine.balance.plan_documents`."""
+
+    seq_len: int
+    runs: Tuple[Tuple[Run, ...], ...]
+
+    def __repr__(self) -> str:  # a plan of many documents would fill an error message
+        held = ", ".join(str(sum(b - a for a, b in r)) for r in self.runs)
+        return f"Plan(seq_len={self.seq_len}, rows by group: {held})"
+
+
+Layout = Union[str, Plan]
+"""A layout's name, or the plan ``balanced`` chose for a batch."""
+
+
+def check_layout(layout: Layout) -> Layout:
+    if isinstance(layout, Plan):
+        return layout
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(
             f"layout={layout!r} is not supported; use one of {', '.join(map(repr, LAYOUTS))}"
         )
     return layout
+
+
+def layout_name(layout: Layout) -> str:
+    """The setting a layout comes from (``balanced`` for a plan)."""
+    return "balanced" if isinstance(layout, Plan) else layout
 
 
 def chunk_bounds(seq_len: int, num_chunks: int) -> List[Run]:
@@ -67,7 +96,12 @@ def check_ulysses(world_size: int, ulysses: int) -> int:
     return ulysses
 
 
-def _ring_runs(seq_len: int, rank: int, world_size: int, layout: str) -> List[Run]:
+def _ring_runs(seq_len: int, rank: int, world_size: int, layout: Layout) -> List[Run]:
+    if isinstance(layout, Plan):
+        if layout.seq_len != seq_len or len(layout.runs) != world_size:
+            raise ValueError(f"{layout!r} was made for another batch: this one has {seq_len} rows over "
+                             f"{world_size} ring groups")
+        return list(layout.runs[rank])
     if layout == "contiguous" or world_size == 1:
         return [chunk_bounds(seq_len, world_size)[rank]]
     chunks = chunk_bounds(seq_len, 2 * world_size)
@@ -85,7 +119,7 @@ def _cut_runs(runs: Sequence[Run], start: int, stop: int) -> List[Run]:
     return out
 
 
-def local_runs(seq_len: int, rank: int, world_size: int, layout: str = "zigzag", ulysses: int = 1) -> List[Run]:
+def local_runs(seq_len: int, rank: int, world_size: int, layout: Layout = "zigzag", ulysses: int = 1) -> List[Run]:
     """The runs of global positions ``rank`` holds, ascending; empty runs are dropped, adjacent ones joined.
 
     ``zigzag`` gives rank r chunks r and 2p-1-r of 2p chunks, so causal work is
@@ -115,19 +149,24 @@ def local_runs(seq_len: int, rank: int, world_size: int, layout: str = "zigzag",
     return joined
 
 
-def shard_sizes(seq_len: int, world_size: int, layout: str = "zigzag", ulysses: int = 1) -> List[int]:
+def shard_sizes(seq_len: int, world_size: int, layout: Layout = "zigzag", ulysses: int = 1) -> List[int]:
     """Number of rows each rank holds, indexed by rank."""
     return [
         sum(b - a for a, b in local_runs(seq_len, r, world_size, layout, ulysses)) for r in range(world_size)
     ]
 
 
-def owner(position: int, seq_len: int, world_size: int, layout: str = "zigzag", ulysses: int = 1) -> int:
+def owner(position: int, seq_len: int, world_size: int, layout: Layout = "zigzag", ulysses: int = 1) -> int:
     """The rank that holds global ``position`` of a ``seq_len``-long sequence."""
     if not 0 <= position < seq_len:
         raise ValueError(f"position must be in [0, {seq_len}), got {position}")
     check_layout(layout)
     check_ulysses(world_size, ulysses)
+    if isinstance(layout, Plan):
+        for r in range(world_size):
+            if any(a <= position < b for a, b in local_runs(seq_len, r, world_size, layout, ulysses)):
+                return r
+        raise AssertionError("unreachable: a plan's runs cover every row")
     groups = world_size // ulysses
     chunks = groups if layout == "contiguous" or groups == 1 else 2 * groups
     # Chunk boundaries are those of chunk_bounds: the first seq_len % chunks chunks hold one row more.
@@ -146,7 +185,7 @@ def owner(position: int, seq_len: int, world_size: int, layout: str = "zigzag", 
 
 
 def local_positions(
-    seq_len: int, rank: int, world_size: int, layout: str = "zigzag", ulysses: int = 1
+    seq_len: int, rank: int, world_size: int, layout: Layout = "zigzag", ulysses: int = 1
 ) -> torch.Tensor:
     """Global positions held by ``rank``, as an ascending ``LongTensor``."""
     runs = local_runs(seq_len, rank, world_size, layout, ulysses)
@@ -155,7 +194,7 @@ def local_positions(
     return torch.cat([torch.arange(a, b, dtype=torch.long) for a, b in runs])
 
 
-def in_global_order(parts: torch.Tensor, seq_len: int, world_size: int, layout: str = "zigzag",
+def in_global_order(parts: torch.Tensor, seq_len: int, world_size: int, layout: Layout = "zigzag",
                     ulysses: int = 1) -> torch.Tensor:
     """``(seq_len, ...)`` from ``parts`` ``(world_size, longest, ...)``: each rank's rows, padded to the longest
     shard as an all-gather stacks them, put at their global positions."""
@@ -194,7 +233,7 @@ def totals_before(runs_by_rank: Sequence[Sequence[Run]], totals: torch.Tensor, r
     return out
 
 
-def infer_seq_len(local_lens: Sequence[int], layout: str = "zigzag", ulysses: int = 1) -> int:
+def infer_seq_len(local_lens: Sequence[int], layout: Layout = "zigzag", ulysses: int = 1) -> int:
     """Global length from every rank's row count; raises if no length gives these shards."""
     world_size = len(local_lens)
     total = int(sum(local_lens))

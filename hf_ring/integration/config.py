@@ -6,7 +6,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
-from ..engine.layout import check_layout, check_ulysses_size, head_split
+from ..engine.layout import Layout, check_layout, check_ulysses_size, head_split, layout_name
 from ..engine.pattern import DilatedPattern, coverage_message
 from .groups import current
 
@@ -86,13 +86,14 @@ def parse(value: Optional[Mapping[str, Any]]) -> RingConfig:
     return RingConfig(pattern, layout, None if ulysses is None else check_ulysses_size(ulysses))
 
 
-def shape_conflict(saved: RingConfig, layout: str, ulysses_size: int) -> Optional[str]:
+def shape_conflict(saved: RingConfig, layout: Layout, ulysses_size: int) -> Optional[str]:
     """What a model's saved ``config.ring_dilated`` says against a sequence-parallel setup's shape, or None.
 
     The saved pattern belongs to the model; a saved layout or ``ulysses_size``
     must match the setup's (a model trained head-parallel in groups of 2 keeps
     that size), and a mismatch is refused before anything runs, naming both.
     """
+    layout = layout_name(layout)
     if saved.layout != layout:
         return (f"the model's config.{CONFIG_KEY} has layout={saved.layout!r} but the sequence-parallel setup has "
                 f"layout={layout!r}; pass the same to hf_ring.setup_sequence_parallel (or prepare_trainer), or change "

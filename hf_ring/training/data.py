@@ -11,10 +11,11 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
+from ..engine.balance import plan_documents
 from ..engine.comm import all_gather, device_for
 from ..engine.documents import VARLEN_KEYS, Documents, documents_of_call, left_padding
 from ..engine.fingerprint import fingerprint
-from ..engine.layout import in_global_order, local_positions, shard_sizes
+from ..engine.layout import Layout, in_global_order, local_positions, shard_sizes
 from ..engine.relay import fail_together
 from ..integration.context import CONTEXT_KEY, ShardedForward
 from ..integration.groups import SequenceParallel, current
@@ -38,6 +39,15 @@ def _documents(batch: Mapping[str, Any], positions: Optional[torch.Tensor], b: i
     :func:`hf_ring.engine.documents.documents_of_call`)."""
     return documents_of_call(b, n, positions, batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k"),
                              masked=batch.get("attention_mask") is not None, seq_idx=batch.get("seq_idx"))
+
+
+def batch_layout(layout: Layout, documents: Optional[Documents], seq_len: int, groups: int) -> Layout:
+    """The layout a batch is split by: for ``balanced``, a plan from the documents its rows share (zigzag when
+    every row is one document, or when its rows hold different documents: one plan splits every row);
+    any other layout as it is."""
+    if layout != "balanced" or documents is None or groups == 1 or len(set(documents)) != 1:
+        return layout
+    return plan_documents(seq_len, documents[0], groups)
 
 
 def _shifted_labels(batch: Mapping[str, Any], labels: torch.Tensor, documents: Optional[Documents]) -> torch.Tensor:
@@ -214,6 +224,7 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
     b, n = tokens.shape[:2]
     rank, size, layout, ulysses = ((0, 1, "contiguous", 1) if group is None else
                                    (group.sp_rank, group.sp_size, group.layout, group.ulysses_size))
+    layout = batch_layout(layout, documents, n, size // ulysses)
     pos = local_positions(n, rank, size, layout, ulysses).to(tokens.device)
     placeholder = pos.numel() == 0 and n > 0
     if placeholder:  # model code cannot run on zero rows: one row that nothing sees and no loss reads
@@ -258,26 +269,50 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
     return out
 
 
-def model_rows(seq_len: int, sp: Optional[SequenceParallel] = None) -> int:
-    """Rows the model runs on this rank for a global length: its shard, or the placeholder row of an empty one."""
+def layout_of(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None) -> Layout:
+    """The layout :func:`shard_batch` splits the global ``batch`` by: the setup's, or under ``balanced`` the plan
+    chosen from the batch's documents (for :func:`gather_sequence` and :func:`model_rows`)."""
+    group = _sp(sp)
+    if group is None:
+        return "contiguous"
+    b, n = batch_shape(batch)
+    documents = _documents(batch, _text_positions(batch.get("position_ids")), b, n)
+    return batch_layout(group.layout, documents, n, group.sp_size // group.ulysses_size)
+
+
+def _given_layout(group: SequenceParallel, layout: Optional[Layout], what: str) -> Layout:
+    if layout is not None:
+        return layout
+    if group.layout == "balanced":
+        raise ValueError(f"{what} under layout='balanced' needs the batch's layout, chosen from its documents: pass "
+                         "layout=hf_ring.layout_of(batch) (the global batch given to shard_batch)")
+    return group.layout
+
+
+def model_rows(seq_len: int, sp: Optional[SequenceParallel] = None, layout: Optional[Layout] = None) -> int:
+    """Rows the model runs on this rank for a global length: its shard, or the placeholder row of an empty one
+    (``layout``: the batch's, :func:`layout_of`; needed under ``balanced``)."""
     group = _sp(sp)
     if group is None:
         return seq_len
-    rows = len(local_positions(seq_len, group.sp_rank, group.sp_size, group.layout, group.ulysses_size))
+    layout = _given_layout(group, layout, "model_rows")
+    rows = len(local_positions(seq_len, group.sp_rank, group.sp_size, layout, group.ulysses_size))
     return PLACEHOLDER_ROWS if rows == 0 and seq_len > 0 else rows
 
 
 def gather_sequence(tensor: torch.Tensor, seq_len: int, dim: int = 1,
-                    sp: Optional[SequenceParallel] = None) -> torch.Tensor:
+                    sp: Optional[SequenceParallel] = None, layout: Optional[Layout] = None) -> torch.Tensor:
     """Reassemble a tensor sharded along ``dim`` by :func:`shard_batch` into global order (every rank gets it).
 
-    Meant for outputs such as logits in evaluation: the result has the global length.
+    Meant for outputs such as logits in evaluation: the result has the global length. ``layout``: the batch's
+    (:func:`layout_of`), needed under ``layout="balanced"``, where each batch has its own.
     """
     group = _sp(sp)
     if group is None:
         return tensor
+    layout = _given_layout(group, layout, "gather_sequence")
     moved = tensor.movedim(dim, 0).contiguous()
-    sizes = shard_sizes(seq_len, group.sp_size, group.layout, group.ulysses_size)
+    sizes = shard_sizes(seq_len, group.sp_size, layout, group.ulysses_size)
     if sizes[group.sp_rank] == 0 and moved.shape[0] == PLACEHOLDER_ROWS:
         moved = moved[:0]  # the placeholder row of a rank that holds none of the sequence
     if moved.shape[0] != sizes[group.sp_rank]:
@@ -287,4 +322,4 @@ def gather_sequence(tensor: torch.Tensor, seq_len: int, dim: int = 1,
     padded = moved.new_zeros((max(sizes),) + moved.shape[1:])
     padded[: moved.shape[0]] = moved
     parts = all_gather(padded, group.sp_group, "the sequence gather")
-    return in_global_order(parts, seq_len, group.sp_size, group.layout, group.ulysses_size).movedim(0, dim)
+    return in_global_order(parts, seq_len, group.sp_size, layout, group.ulysses_size).movedim(0, dim)

@@ -47,7 +47,7 @@ from ..integration.seams import TRAINER_DIVIDES_TOKEN_COUNT, cache_argument, pef
 from ..integration.tp import check_heads, check_trainer_model, loaded_tp_size
 from ..patches import multimodal_problem, registry, router_loss
 from . import sampling, zero
-from .data import batch_shape, gather_sequence, model_rows, shard_batch
+from .data import batch_shape, gather_sequence, layout_of, model_rows, shard_batch
 from .loss_kinds import TOKENS, LossKind, attach_sequence_outputs, loss_kind, refuse_trainer, sampled_methods
 
 _HOOK_ATTR = "_hf_ring_shard_hook"
@@ -148,14 +148,14 @@ def _refuse_dispatch(loader: Any) -> None:
         )
 
 
-def _global_order(tree: Any, n: int, local: int) -> Any:
+def _global_order(tree: Any, n: int, local: int, layout: Any) -> Any:
     """Every tensor of ``tree`` whose dim 1 is this rank's shard length, put back in global order."""
     if isinstance(tree, torch.Tensor):
-        return gather_sequence(tree, n) if tree.dim() >= 2 and tree.shape[1] == local else tree
+        return gather_sequence(tree, n, layout=layout) if tree.dim() >= 2 and tree.shape[1] == local else tree
     if isinstance(tree, (tuple, list)):
-        return type(tree)(_global_order(t, n, local) for t in tree)
+        return type(tree)(_global_order(t, n, local, layout) for t in tree)
     if isinstance(tree, Mapping):
-        return type(tree)({k: _global_order(v, n, local) for k, v in tree.items()})
+        return type(tree)({k: _global_order(v, n, local, layout) for k, v in tree.items()})
     return tree
 
 
@@ -275,7 +275,8 @@ class SequenceParallelTrainerMixin:
             loss = _sp_sum(loss, sp) if self.loss_kind.eval_parts_add_up else _sp_mean(loss, sp)
         if logits is not None and shards:
             n = batch_shape(inputs)[1]
-            logits = _global_order(logits, n, model_rows(n, sp))
+            layout = layout_of(inputs, sp)
+            logits = _global_order(logits, n, model_rows(n, sp, layout), layout)
         return loss, logits, labels
 
     def evaluation_loop(self, *args, **kwargs):
