@@ -205,6 +205,8 @@ def documents_apart(model, batch) -> torch.Tensor:
     starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
     total, count = 0.0, 0
     for a, b in zip(starts, starts[1:]):
+        if b - a == 1:  # a one-row document predicts nothing (its loss, a mean over no label, is NaN)
+            continue
         out = model(input_ids=batch["input_ids"][:, a:b], labels=batch["labels"][:, a:b], use_cache=False)
         total = total + out.loss * (b - a - 1)
         count += b - a - 1
@@ -384,9 +386,10 @@ MEMORY_CHUNKS = {"loss_chunk_rows": 5, "row_chunk_rows": 4}
 
 
 def family_case(model_type: str, ulysses: int = 1, n: int = N, packed: bool = False, scan_rows=None,
-                memory: bool = False, pattern: str = "hybrid") -> dict:
-    """The same step with the rows split over the pool's ranks (``ulysses``: head-parallel groups of that size);
-    ``packed``: of the packed batch; ``scan_rows``: the most rows one scan kernel call runs (None: the default);
+                memory: bool = False, pattern: str = "hybrid", layout: str = "zigzag", documents=DOCUMENTS) -> dict:
+    """The same step with the rows split over the pool's ranks (``ulysses``: head-parallel groups of that size;
+    ``layout``: the setup's); ``packed``: of the batch packing ``documents``; ``scan_rows``: the most rows one scan
+    kernel call runs (None: the default);
     ``memory``: with what a long step runs with, activation checkpointing with the layer inputs offloaded and the
     loss, MLP and norms tiled over :data:`MEMORY_CHUNKS` (the MLP and norms where the family's are row-wise), and
     how many times the recurrent mixers ran for how many there are (twice each when checkpointing recomputes)."""
@@ -395,9 +398,11 @@ def family_case(model_type: str, ulysses: int = 1, n: int = N, packed: bool = Fa
     from hf_ring.integration.seams import enable_checkpointing
     from hf_ring.patches.hybrids import family
 
-    sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses)
+    sp = hf_ring.setup_sequence_parallel(None, ulysses_size=ulysses, layout=layout)
     try:
         model, why = sweep.build(model_type, "ring_dilated", torch.float64, pattern)
+        if layout != "zigzag":
+            hf_ring.configure(model, layout=layout)
         if memory:
             model.train()
             enable_checkpointing(model)
@@ -409,7 +414,7 @@ def family_case(model_type: str, ulysses: int = 1, n: int = N, packed: bool = Fa
         calls = []
         for mixer in mixers:
             mixer.register_forward_pre_hook(lambda *_: calls.append(1))
-        batch = hf_ring.shard_batch(packed_batch() if packed else padded_batch(n=n))
+        batch = hf_ring.shard_batch(packed_batch(lengths=documents) if packed else padded_batch(n=n))
         if scan_rows is not None:
             batch[CONTEXT_KEY].scan_rows = scan_rows
         loss = _step(model, batch)

@@ -122,15 +122,15 @@ def mixed_dtype_case(n):
 
 
 def packed_train_case(path, features, pattern=None, layout="zigzag", ulysses_size=1):
-    """One training step on a DataCollatorWithFlattening batch with the sequence split over the whole world;
-    also the rows each rank held."""
+    """One training step on a DataCollatorWithFlattening batch with the sequence split over the whole world (a
+    balanced layout weighing documents by the model's attention); also the rows each rank held."""
     from models import load
     from transformers import DataCollatorWithFlattening
 
-    sp = hf_ring.setup_sequence_parallel(None, layout=layout, ulysses_size=ulysses_size)
+    model = load(path, "ring_dilated").train()
+    hf_ring.configure(model, pattern=pattern, layout=layout)
+    sp = hf_ring.setup_sequence_parallel(None, layout=layout, ulysses_size=ulysses_size, balance_for=model)
     try:
-        model = load(path, "ring_dilated").train()
-        hf_ring.configure(model, pattern=pattern, layout=layout)
         batch = DataCollatorWithFlattening()(features)
         n = batch["input_ids"].shape[1]
         sharded = hf_ring.shard_batch(batch)

@@ -242,6 +242,21 @@ def test_packed_rows_over_ranks_keep_their_documents_apart(pools, model_type, wo
                  documents_apart(model_type))
 
 
+SKEWED = (40, 3, 1, 5, 2, 6, 4, 3, 7)
+"""One long document, then short ones (one of a single row): ``balanced`` cuts the long one over every rank and
+deals the short ones whole, so a rank holds many runs and documents start inside them."""
+
+
+@pytest.mark.parametrize("world, ulysses", RANKS)
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
+def test_packed_rows_balanced_by_document_keep_their_documents_apart(pools, model_type, world, ulysses):
+    """``layout="balanced"`` on a skewed packing: the recurrent layers' runs and state passing, their
+    convolutions' halos and attention follow the plan; equal to the documents run one by one."""
+    want = hybrid_cases.family_reference(model_type, packed=True, batch=hybrid_cases.packed_batch(lengths=SKEWED))
+    check_family(pools(world).run(hybrid_cases.family_case, model_type, ulysses, packed=True, layout="balanced",
+                                  documents=SKEWED)[0], want)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
 def test_trainer_with_prepare_trainer_equals_one_process(pools, model_type):
     """Two optimizer steps of transformers.Trainer on 2 ranks: every logged loss and every step's gradients."""

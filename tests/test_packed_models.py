@@ -95,6 +95,48 @@ def test_balanced_layout_of_a_skewed_packing_equals_documents_alone(pools, world
     assert held != [hf_ring.local_positions(n, r, world, "zigzag", ulysses).tolist() for r in range(world)]
 
 
+def test_balanced_layout_of_a_windowed_model_weighs_its_window(pools):
+    """A sliding window of 6 (Mistral): the plan weighs documents by the window's keys (another split than causal
+    pairs give), and the step equals each document alone with the window."""
+    from hf_ring.engine.balance import plan_documents
+    from hf_ring.integration.config import attention_work
+
+    path = saved_model_dir("mistral", sliding_window=6)
+    lengths = [40, 3, 5, 2, 6, 4, 3, 7, 2, 5, 3, 20]  # causal pairs cut the 40 and the 20; the window's keys do not
+    feats = features(6, lengths)
+    ref = separately(path, feats)
+    results = pools(2).run(packed_train_case, path, feats, layout="balanced")
+    for res in results:
+        check(res["loss"], res["logits"][0], res["grads"], ref)
+    starts = tuple(sum(lengths[:i]) for i in range(len(lengths)))
+    work = attention_work(load(path, "ring_dilated").config)
+    plan = plan_documents(sum(lengths), starts, 2, work)
+    assert [r["rows"] for r in results] == [[row for a, b in runs for row in range(a, b)] for runs in plan.runs]
+    assert plan != plan_documents(sum(lengths), starts, 2)
+
+
+def test_balanced_layout_with_a_dilated_pattern_equals_documents_alone(pools):
+    path = saved_model_dir("llama")
+    pattern = {"segment_lengths": [4, 8, 32], "dilation_rates": [1, 2, 4]}
+    feats = features(7, SKEWED)
+    branches = tuple(zip(pattern["segment_lengths"], pattern["dilation_rates"]))
+    ref = _alone_with(load(path, "sdpa").train(), feats, lambda n: dilated_sdpa_mask(n, branches, 4))
+    for res in pools(2).run(packed_train_case, path, feats, pattern, layout="balanced"):
+        check(res["loss"], res["logits"][0], res["grads"], ref)
+
+
+def test_balanced_layout_of_documents_shorter_than_the_ranks_pieces(pools):
+    """A one-row document and two of 3 rows over 4 ranks: the plan cuts a document into more pieces than it has
+    rows, so a rank holds one row or none (its placeholder row), and the step still equals the documents alone."""
+    path = saved_model_dir("llama")
+    lengths = [1, 3, 3]
+    feats = features(8, lengths)
+    results = pools(4).run(packed_train_case, path, feats, layout="balanced")
+    for res in results:
+        check(res["loss"], res["logits"][0], res["grads"], separately(path, feats))
+    assert min(len(r["rows"]) for r in results) <= 1
+
+
 def _alone_with(model, feats, mask_for=None):
     items = sum(len(f["input_ids"]) - 1 for f in feats)
     total, logits = 0.0, []

@@ -145,8 +145,10 @@ def test_sft_trainer_sp2(pools, sft_model):
         assert close(scalar_rel_err(res[key], ref[key]), TOL), key
 
 
-def test_sft_trainer_packed_rows_sp2(pools, sft_model):
-    res = pools(2).run(sft_case, sft_model, 2, padding_free=True, dtype=torch.float64)[0]
+@pytest.mark.parametrize("layout", [None, "balanced"])
+def test_sft_trainer_packed_rows_sp2(pools, sft_model, layout):
+    """padding_free=True: each micro-batch one packed row; ``balanced`` splits each by its documents."""
+    res = pools(2).run(sft_case, sft_model, 2, padding_free=True, dtype=torch.float64, layout=layout)[0]
     assert "refused" not in res, res
     ref = sft_case(sft_model, padding_free=True, dtype=torch.float64)
     check_steps(res, ref)

@@ -185,7 +185,7 @@ def _resume_case(trainer, checkpoint, sp_size, layout):
 
 
 def sft_case(path, sp_size=None, *, padding_free=False, steps=2, per_device=2, accum=2, dtype=torch.float32,
-             attn=None, **load):
+             attn=None, layout=None, **load):
     """Train with TRL's SFTTrainer (examples/sft.py's tokenizer and data), the model loaded in ``dtype`` (with
     ``attn``, else its saved attention, and the keywords ``load`` of ``from_pretrained``)."""
     import tempfile
@@ -215,6 +215,8 @@ def sft_case(path, sp_size=None, *, padding_free=False, steps=2, per_device=2, a
     trainer = SFTTrainer(model=model, args=args, processing_class=sft.char_tokenizer(),
                          train_dataset=Dataset.from_list(sft.shift_pairs(rows, 0)),
                          eval_dataset=Dataset.from_list(sft.shift_pairs(3, 1)), callbacks=[recorder.callback])
+    if layout is not None:
+        hf_ring.configure(model, layout=layout)
     if sp_size is not None:
         hf_ring.prepare_trainer(trainer, sp_size)
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import sys
 from typing import Any, Iterator, Optional
@@ -19,9 +20,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ..engine import comm
 from ..engine.arguments import positive_int
+from ..engine.balance import CAUSAL
 from ..engine.comm import RingComm
 from ..engine.layout import check_layout, check_ulysses, check_ulysses_size
 from ..patches import apply_all, registry, revert_all
+from ..integration.config import attention_work
 from ..integration.groups import SequenceParallel, current, set_current
 
 
@@ -106,7 +109,7 @@ def clear_sequence_parallel() -> None:
 
 @contextlib.contextmanager
 def sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = None, layout: str = "zigzag",
-                      ulysses_size: int = 1, tp_size: int = 1) -> Iterator[SequenceParallel]:
+                      ulysses_size: int = 1, tp_size: int = 1, balance_for: Any = None) -> Iterator[SequenceParallel]:
     """:func:`setup_sequence_parallel` for the length of a ``with`` block: sequences are split and model classes
     patched inside it, and on leaving it (an exception included) both are undone as
     :func:`clear_sequence_parallel` undoes them. For a notebook cell, or a teacher model that must run whole
@@ -114,7 +117,7 @@ def sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = None, la
     if current() is not None:
         raise ValueError("hf_ring.sequence_parallel: a sequence-parallel setup is already active; leave its block or "
                          "call hf_ring.clear_sequence_parallel() first")
-    sp = setup_sequence_parallel(accelerator, sp_size, layout, ulysses_size, tp_size)
+    sp = setup_sequence_parallel(accelerator, sp_size, layout, ulysses_size, tp_size, balance_for)
     try:
         yield sp
     finally:
@@ -122,7 +125,8 @@ def sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = None, la
 
 
 def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = None,
-                            layout: str = "zigzag", ulysses_size: int = 1, tp_size: int = 1) -> SequenceParallel:
+                            layout: str = "zigzag", ulysses_size: int = 1, tp_size: int = 1,
+                            balance_for: Any = None) -> SequenceParallel:
     """Split every sequence across ``sp_size`` ranks; the remaining factor of the world is data parallel.
 
     ``accelerator`` is an ``accelerate.Accelerator`` (its process group is used;
@@ -138,10 +142,15 @@ def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = No
     ``(dp, sp, tp)`` mesh whose tp groups are ``tp_size`` consecutive ranks
     sharing one batch, each attending ``1/tp_size`` of the heads (shard the
     model over ``sp.tp_mesh`` with :func:`hf_ring.tensor_parallel`).
+    ``layout="balanced"`` splits a packed row by its documents
+    (:mod:`hf_ring.engine.balance`), weighing each by the keys its rows attend:
+    causal pairs, or under ``balance_for`` (the model, or its config) each
+    attention layer's window or dilated pattern.
     Returns the setup and makes it the one ``ring_dilated`` attention and
     :func:`hf_ring.shard_batch` use.
     """
     check_layout(layout)
+    work = CAUSAL if balance_for is None else attention_work(balance_for)
     check_ulysses_size(ulysses_size)
     check_tp_size(tp_size)
     comm.comm_timeout()  # an unusable HF_RING_TIMEOUT is refused now, before any wait
@@ -158,7 +167,7 @@ def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = No
                 "process); under a launcher, pass the Accelerator or call torch.distributed.init_process_group first"
             )
         set_current(None)
-        return SequenceParallel(None, None, 0, 1, 0, 1, layout)
+        return SequenceParallel(None, None, 0, 1, 0, 1, layout, work=work)
     # Registered once however often the setup runs (unregister is a no-op the first time).
     atexit.unregister(_shutdown_at_exit)
     atexit.register(_shutdown_at_exit)
@@ -173,7 +182,8 @@ def setup_sequence_parallel(accelerator: Any = None, sp_size: Optional[int] = No
     check_ulysses(sp_size, ulysses_size)
     # The mesh lives where the ring's tensors do: on the GPU when NCCL carries them, also beside gloo.
     device_type = "cuda" if comm.carriers(None).get("cuda") == "nccl" and torch.cuda.is_available() else "cpu"
-    sp = _groups(device_type, world // (sp_size * tp_size), sp_size, tp_size, ulysses_size, layout)
+    sp = dataclasses.replace(_groups(device_type, world // (sp_size * tp_size), sp_size, tp_size, ulysses_size,
+                                     layout), work=work)
     apply_all()
     registry.replace(dist, "destroy_process_group", _met_first, DESTROY_WHY)
     set_current(sp)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
@@ -134,21 +134,6 @@ def last_reader(position: int, *, window: Optional[int], branches: Sequence[Tupl
     return last
 
 
-def layer_windows(config: Any) -> List[Optional[int]]:
-    """The sliding window of each layer, as the model passes it to its attention.
-
-    ``layer_types`` names the windowed layers (Gemma 2/3, gpt-oss, Qwen2...);
-    without it every layer has ``config.sliding_window`` (Mistral, Phi-3).
-    A layer type other than ``sliding_attention`` keeps every row.
-    """
-    n = int(config.num_hidden_layers)
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        return [window] * n
-    return [window if kind == "sliding_attention" else None for kind in types]
-
-
 def layer_rules(config: Any, evict: bool = True) -> Tuple[Retention, ...]:
     """Each layer's :class:`Retention` from a transformers config (its layer types, window and ``ring_dilated``)."""
     n = int(config.num_hidden_layers)
@@ -159,7 +144,7 @@ def layer_rules(config: Any, evict: bool = True) -> Tuple[Retention, ...]:
     hq = int(config.num_attention_heads)
     hkv = int(getattr(config, "num_key_value_heads", None) or hq)
     rules = []
-    for window in layer_windows(config):
+    for window in ring_config.layer_windows(config):
         rule = rule_for(window, branches, hq, hkv)
         rules.append(rule if rule.evicts else KEEP_ALL)
     return tuple(rules)

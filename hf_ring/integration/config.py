@@ -4,8 +4,10 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from collections import Counter
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
+from ..engine.balance import Work
 from ..engine.layout import Layout, check_layout, check_ulysses_size, head_split, layout_name
 from ..engine.pattern import DilatedPattern, coverage_message
 from .groups import current
@@ -141,3 +143,31 @@ def configure(model: Any, pattern: Union[DilatedPattern, Mapping[str, Any], None
     warn_coverage(pattern, config)
     setattr(config, CONFIG_KEY, value)
     return model
+
+
+def layer_windows(config: Any) -> List[Optional[int]]:
+    """The sliding window of each layer, as the model passes it to its attention.
+
+    ``layer_types`` names the windowed layers (Gemma 2/3, gpt-oss, Qwen2...);
+    without it every layer has ``config.sliding_window`` (Mistral, Phi-3).
+    A layer type other than ``sliding_attention`` keeps every row.
+    """
+    n = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [window] * n
+    return [window if kind == "sliding_attention" else None for kind in types]
+
+
+def attention_work(config: Any) -> Work:
+    """What a document's rows cost in a model's attention layers (for ``layout="balanced"``): per layer its window
+    or its ``ring_dilated`` pattern; a layer ``layer_types`` calls neither full nor sliding attention (a
+    recurrent or convolution layer) costs per row alike everywhere, and is not counted."""
+    config = decoder_config(getattr(config, "config", config))
+    pattern = parse(getattr(config, CONFIG_KEY, None)).pattern
+    branches = () if pattern is None else tuple(tuple(b) for b in pattern.branches)
+    types = getattr(config, "layer_types", None) or ("full_attention",) * int(config.num_hidden_layers)
+    kinds = Counter((window, branches) for kind, window in zip(types, layer_windows(config))
+                    if kind in ("full_attention", "sliding_attention"))
+    return Work(tuple((count, window, b) for (window, b), count in sorted(kinds.items(), key=repr)))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 
+from ..engine.balance import CAUSAL, Work
 from ..engine.comm import RingComm
 
 
@@ -45,6 +46,9 @@ class SequenceParallel:
     """The tensor-parallel process group (None when ``tp_size`` is 1)."""
     tp_mesh: Any = None
     """The 1-D ``"tp"`` device mesh of ``tp_group``, the one to shard the model over (None when ``tp_size`` is 1)."""
+    work: Work = CAUSAL
+    """What ``layout="balanced"`` weighs a document by: the keys its rows attend in the model's attention layers
+    (``balance_for`` of :func:`hf_ring.setup_sequence_parallel`; causal pairs without it)."""
 
     @property
     def loss_scale(self) -> float:

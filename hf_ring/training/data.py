@@ -11,7 +11,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from ..engine.balance import plan_documents
+from ..engine.balance import CAUSAL, Work, plan_documents
 from ..engine.comm import all_gather, device_for
 from ..engine.documents import VARLEN_KEYS, Documents, documents_of_call, left_padding
 from ..engine.fingerprint import fingerprint
@@ -41,13 +41,14 @@ def _documents(batch: Mapping[str, Any], positions: Optional[torch.Tensor], b: i
                              masked=batch.get("attention_mask") is not None, seq_idx=batch.get("seq_idx"))
 
 
-def batch_layout(layout: Layout, documents: Optional[Documents], seq_len: int, groups: int) -> Layout:
-    """The layout a batch is split by: for ``balanced``, a plan from the documents its rows share (zigzag when
-    every row is one document, or when its rows hold different documents: one plan splits every row);
-    any other layout as it is."""
+def batch_layout(layout: Layout, documents: Optional[Documents], seq_len: int, groups: int,
+                 work: Work = CAUSAL) -> Layout:
+    """The layout a batch is split by: for ``balanced``, a plan from the documents its rows share, weighed by
+    ``work`` (zigzag when every row is one document, or when its rows hold different documents: one plan splits
+    every row); any other layout as it is."""
     if layout != "balanced" or documents is None or groups == 1 or len(set(documents)) != 1:
         return layout
-    return plan_documents(seq_len, documents[0], groups)
+    return plan_documents(seq_len, documents[0], groups, work)
 
 
 def _shifted_labels(batch: Mapping[str, Any], labels: torch.Tensor, documents: Optional[Documents]) -> torch.Tensor:
@@ -224,7 +225,7 @@ def shard_batch(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None)
     b, n = tokens.shape[:2]
     rank, size, layout, ulysses = ((0, 1, "contiguous", 1) if group is None else
                                    (group.sp_rank, group.sp_size, group.layout, group.ulysses_size))
-    layout = batch_layout(layout, documents, n, size // ulysses)
+    layout = batch_layout(layout, documents, n, size // ulysses, CAUSAL if group is None else group.work)
     pos = local_positions(n, rank, size, layout, ulysses).to(tokens.device)
     placeholder = pos.numel() == 0 and n > 0
     if placeholder:  # model code cannot run on zero rows: one row that nothing sees and no loss reads
@@ -277,7 +278,7 @@ def layout_of(batch: Mapping[str, Any], sp: Optional[SequenceParallel] = None) -
         return "contiguous"
     b, n = batch_shape(batch)
     documents = _documents(batch, _text_positions(batch.get("position_ids")), b, n)
-    return batch_layout(group.layout, documents, n, group.sp_size // group.ulysses_size)
+    return batch_layout(group.layout, documents, n, group.sp_size // group.ulysses_size, group.work)
 
 
 def _given_layout(group: SequenceParallel, layout: Optional[Layout], what: str) -> Layout:

@@ -434,7 +434,7 @@ def prepare_trainer(trainer: Any, sp_size: Optional[int] = None, layout: Optiona
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         zero.check_config(ds_config, world if sp_size is None else sp_size)
     sp = setup_sequence_parallel(trainer.accelerator, sp_size, layout=layout, ulysses_size=ulysses_size,
-                                 tp_size=tp_size)
+                                 tp_size=tp_size, balance_for=base)
     if ds_config is not None:
         zero.count_sequences_once(ds_config, sp.sp_size, sp.dp_size)
     registry.replace(trainer, "__class__", lambda cls: _sequence_parallel_class(cls, kind), _TRAINER_WHY)
