@@ -8,5 +8,5 @@ BENCHES = {"ring": "bench.ring", "dilated": "bench.dilated", "generate": "bench.
            "compile": "bench.compile", "sft": "bench.sft", "vision": "bench.vision", "fixed": "bench.fixed",
            "demo": "bench.demo", "exactness": "bench.exactness", "hybrid": "bench.hybrid",
            "endings": "bench.endings", "model_tests": "bench.model_tests",
-           "moe": "bench.moe"}
+           "moe": "bench.moe", "packed": "bench.packed"}
 """Each command's module."""

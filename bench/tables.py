@@ -161,6 +161,8 @@ DERIVED: Dict[str, Tuple[str, Callable[[Dict], str]]] = {
     "fixed_exchanges": ("fixed", lambda payload: render("fixed_exchanges", {"rows": payload.get("exchanges", [])})),
     "vision_curve": ("vision", lambda payload: render("vision_curve", {"rows": payload.get("curve", [])})),
     "linear_timing": ("linear", lambda payload: render("linear_timing", {"rows": payload.get("timing", [])})),
+    "packed_counted": ("packed", lambda payload: render("packed_counted", {"rows": payload.get("counted", [])})),
+    "packed_timed": ("packed", lambda payload: render("packed_timed", {"rows": payload.get("timed", [])})),
 }
 """Tables made from another benchmark's JSON: NAME -> (the JSON's name, its renderer)."""
 
