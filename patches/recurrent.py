@@ -50,7 +50,7 @@ SHIFT, WKV = "time shift", "WKV"
 
 
 def hooked(kind: str, kernel: Callable, call: Any, name: Optional[str] = None) -> Callable:
-    """``kernel`` (a convolution, delta rule, Mamba2 or Mamba scan: ``kind``) computed over the shards of ``call``
+    """``kernel`` (one of the kinds above: ``kind``) computed over the shards of ``call``
     (a :class:`LayerCall`, or a forward's context for a call of its own), called as the kernel is, and recorded
     in ``call.calls`` by ``name``."""
     call = call if isinstance(call, LayerCall) else LayerCall(call)

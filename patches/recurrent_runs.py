@@ -29,7 +29,8 @@ class LayerCall:
     calls: List[str] = field(default_factory=list)
     conv_state: Optional[Callable[[Tensor], None]] = None  # given the sequence's last convolution input rows, if set
     tails: Dict[str, Tensor] = field(default_factory=dict)  # a row shift's last input row of the sequence, by name
-    row_states: Dict[str, Callable[[Tensor], None]] = field(default_factory=dict)  # sets the state a row shift's
+    # a row shift's state-list entry, by name: given the row before this run, it writes it where the layer reads it
+    row_states: Dict[str, Callable[[Tensor], None]] = field(default_factory=dict)
 
 
 def kernel_arguments(fn: Callable, args: tuple, kwargs: dict, leading: int) -> Tuple[List[Any], Dict[str, Any]]:

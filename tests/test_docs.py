@@ -35,6 +35,28 @@ def test_links_resolve(page):
             assert anchor in _anchors(path), f"{page} links to {link}: no such section in {target or page}"
 
 
+PATH = re.compile(r"`([\w.\-]+(?:/[\w.\-]+)+)(?::[\w.]+)?`")
+PLACES = ("hf_ring", "tests", "bench", "docs", "examples", "patches", ".ci") + tuple(
+    d for d in os.listdir(os.path.join(ROOT, "hf_ring")) if os.path.isdir(os.path.join(ROOT, "hf_ring", d)))
+"""Where a backticked path of the pages starts: the checkout's folders, or hf_ring's packages (the module table
+names ``engine/ring.py``)."""
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_backticked_paths_exist(page):
+    """A file or folder a page names in backticks (``hf_ring/engine/ring.py``, ``tests/test_balance.py``,
+    ``engine/balance.py``) is there: a module that moved leaves no stale path behind."""
+    with open(os.path.join(ROOT, page)) as f:
+        text = f.read()
+    named = [m.group(1) for m in PATH.finditer(text) if m.group(1).split("/")[0] in PLACES]
+    def there(path):  # a file or folder, or a module's name: ``engine/recurrence.Pieces``
+        module = path.rsplit("/", 1)[0] + "/" + path.rsplit("/", 1)[1].split(".")[0] + ".py"
+        return any(os.path.exists(os.path.join(ROOT, base, p)) for base in ("", "hf_ring") for p in (path, module))
+
+    missing = [p for p in named if not there(p)]
+    assert not missing, f"{page} names paths that do not exist: {sorted(set(missing))}"
+
+
 def test_every_page_is_linked_from_the_readme():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()

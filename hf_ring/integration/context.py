@@ -4,8 +4,9 @@ transformers hands every keyword argument of ``model(...)`` down to each
 attention call, so a context object put into the forward's kwargs (under
 ``ring_context``) by :func:`hf_ring.shard_batch` or :func:`hf_ring.generate`
 reaches every layer: what one forward's layers share travels on that object,
-never in module-level state (the process's one piece of state is the active
-setup, :mod:`hf_ring.integration.groups`). What is the same for all layers
+never in module-level state. What the process keeps is not per forward: the
+active setup (:mod:`hf_ring.integration.groups`) and, in other modules, the
+device meshes built for it and the registry of what is patched while it runs. What is the same for all layers
 (the parsed configuration, the family check, the ranks' agreement, which is
 one collective) is done by the first layer that runs and kept on the object;
 later layers, and the recomputation of gradient checkpointing, reuse it. A
