@@ -120,6 +120,26 @@ def loss_step(model: torch.nn.Module, split: Callable, data: Dict[str, torch.Ten
     model.zero_grad(set_to_none=True)
 
 
+def timed_steps(model: torch.nn.Module, split: Callable, warm: Dict[str, torch.Tensor],
+                data: Dict[str, torch.Tensor], repeats: int) -> Dict:
+    """One rank's loss steps: one on ``warm`` (kernels, threads and the allocator warmed), an untimed one on
+    ``data``, then ``repeats`` timed ones, each after a barrier when the sequence is split; their times and the
+    peak memory above what the warm step left."""
+    import torch.distributed as dist
+
+    loss_step(model, split, warm)
+    base = rss_mb()
+    loss_step(model, split, data)
+    times = []
+    for _ in range(repeats):
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        loss_step(model, split, data)
+        times.append(time.perf_counter() - t0)
+    return {"steps": times, "peak_mb": peak_rss_mb() - base}
+
+
 def clock(owner, name: str, label: str, spent: Dict[str, float]) -> None:
     """Replace ``owner.name`` by a wrapper that adds the seconds each call takes to ``spent[label]``.
 

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Dict, List
 
 import torch
 
-from .common import (command_line, format_table, loss_step, peak_rss_mb, ratio_range, rss_mb, run_ranks, save, split_for,
-                     token_row)
+from .common import command_line, format_table, ratio_range, run_ranks, save, split_for, timed_steps, token_row
 from .configs import MODEL
 
 MOE = dict(MODEL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, decoder_sparse_step=1,
@@ -49,23 +47,10 @@ def _model(attn: str, router: bool):
 
 def measure(attn: str, router: bool, n: int, repeats: int) -> Dict:
     """One rank's step times and peak memory (fn of :func:`run_ranks`)."""
-    import torch.distributed as dist
-
-    with split_for(attn) as (world, split):
+    with split_for(attn) as (_, split):
         model = _model(attn, router)
 
-        loss_step(model, split, token_row(MOE["vocab_size"], 512))  # kernels, threads and the allocator warmed
-        base = rss_mb()
-        data = token_row(MOE["vocab_size"], n)
-        loss_step(model, split, data)  # the untimed warm-up at this size
-        times = []
-        for _ in range(repeats):
-            if world > 1:
-                dist.barrier()
-            t0 = time.perf_counter()
-            loss_step(model, split, data)
-            times.append(time.perf_counter() - t0)
-        return {"steps": times, "peak_mb": peak_rss_mb() - base}
+        return timed_steps(model, split, token_row(MOE["vocab_size"], 512), token_row(MOE["vocab_size"], n), repeats)
 
 
 def rows_for(n: int, repeats: int, rounds: int) -> List[Dict]:

@@ -38,7 +38,7 @@ import hf_ring
 from hf_ring.engine.balance import Work, plan_documents, worst_over_mean
 from hf_ring.engine.layout import local_runs
 
-from .common import command_line, format_table, loss_step, peak_rss_mb, rss_mb, run_ranks, save
+from .common import command_line, format_table, run_ranks, save, timed_steps
 from .configs import MODEL
 
 SEEDS = (0, 1, 2)
@@ -129,18 +129,7 @@ def measure(mode: str, lengths, repeats: int) -> Dict:
                                         balance_for=model)
         split = hf_ring.shard_batch
     try:
-        data = _batch(lengths)
-        loss_step(model, split, _batch((512,)))  # kernels, threads and the allocator warmed
-        base = rss_mb()
-        loss_step(model, split, data)
-        times = []
-        for _ in range(repeats):
-            if world > 1:
-                dist.barrier()
-            t0 = time.perf_counter()
-            loss_step(model, split, data)
-            times.append(time.perf_counter() - t0)
-        return {"steps": times, "peak_mb": peak_rss_mb() - base}
+        return timed_steps(model, split, _batch((512,)), _batch(lengths), repeats)
     finally:
         hf_ring.clear_sequence_parallel()
 
