@@ -127,16 +127,17 @@ def _placed(seq_len: int, starts: Sequence[int], lengths: Sequence[int], groups:
     cut pieces leave of each group's share."""
     runs: List[List[Run]] = [[] for _ in range(groups)]
     whole: List[Tuple[int, int]] = []  # (start, length) of the documents kept whole, in row order
+    turn = 0  # cut documents so far
     for i, (start, length) in enumerate(zip(starts, lengths)):
         if i in cut:
             pieces = chunk_bounds(length, 2 * groups)
             # Each cut document starts its pairing one group on, so what its pieces leave uneven (their rounding,
             # a window's ramp over its first rows) does not pile up on group 0.
-            turn = sum(1 for j in cut if j < i)
             for r in range(groups):
                 q = (r + turn) % groups
                 for a, b in (pieces[q], pieces[2 * groups - 1 - q]):
                     runs[r].append((start + a, start + b))
+            turn += 1
         else:
             whole.append((start, length))
     held = work_by_rank(runs, starts, seq_len, work)
