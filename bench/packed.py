@@ -10,8 +10,10 @@ every rank for a share of the heads, so its ratio is 1.0 by construction.
 
 Timed (``--time-n``, 0 to skip): a 4-layer Llama-like model (the benchmarks'
 sizes, fp32, random weights) trains one packed row in fresh one-thread
-processes: one process, then 2 ranks as the ring with each layout and as head
-parallelism, one untimed step then ``--repeats`` timed steps (the slowest
+processes: one process (``ring_dilated`` over the whole row, which skips the
+blocks two documents do not share, as the ranks do; ``sdpa`` computes every
+block under the documents' mask), then 2 ranks as the ring with each layout
+and as head parallelism, one untimed step then ``--repeats`` timed steps (the slowest
 rank's), interleaved over ``--rounds``. A row holds the median step, the real
 tokens per second, the speed-up over one process and its ratio to the same
 layout's speed-up on one document of the same length, and the peak memory per
@@ -119,8 +121,7 @@ def measure(mode: str, lengths, repeats: int) -> Dict:
     """One rank's step times and peak memory for ``mode`` ("one process", "zigzag", "balanced", "heads")."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     torch.manual_seed(0)
-    attn = "sdpa" if world == 1 else "ring_dilated"
-    model = LlamaForCausalLM._from_config(LlamaConfig(**MODEL), attn_implementation=attn).train()
+    model = LlamaForCausalLM._from_config(LlamaConfig(**MODEL), attn_implementation="ring_dilated").train()
     split = dict
     if world > 1:
         layout = "zigzag" if mode == "heads" else mode
