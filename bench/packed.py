@@ -10,9 +10,9 @@ every rank for a share of the heads, so its ratio is 1.0 by construction.
 
 Timed (``--time-n``, 0 to skip): a 4-layer Llama-like model (the benchmarks'
 sizes, fp32, random weights) trains one packed row in fresh one-thread
-processes: one process (``ring_dilated`` over the whole row, which skips the
-blocks two documents do not share, as the ranks do; ``sdpa`` computes every
-block under the documents' mask), then 2 ranks as the ring with each layout
+processes: one process (``ring_dilated`` over the whole row given the
+documents' offsets, so that it computes what the ranks compute and skips the
+blocks two documents do not share, as they do), then 2 ranks as the ring with each layout
 and as head parallelism, one untimed step then ``--repeats`` timed steps (the slowest
 rank's), interleaved over ``--rounds``. A row holds the median step, the real
 tokens per second, the speed-up over one process and its ratio to the same
@@ -26,6 +26,7 @@ equal ones; the same reversed; and three seeded draws of log-normal lengths
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import random
 import statistics
@@ -110,11 +111,19 @@ def counted_rows(sizes: List[int], ranks: List[int]) -> List[Dict]:
     return rows
 
 
-def _batch(lengths) -> Dict[str, torch.Tensor]:
+def _batch(lengths, whole: bool) -> Dict[str, torch.Tensor]:
+    """One packed row. ``whole`` (one process) adds the documents' offsets and ``use_cache=False``: from restarting
+    positions alone transformers' mask in one process lets rows attend across documents (``shard_batch`` reads
+    them as documents), and with a cache it does not separate them while the offsets do."""
     n = sum(lengths)
     ids = torch.randint(0, MODEL["vocab_size"], (1, n), generator=torch.Generator().manual_seed(n))
     positions = torch.cat([torch.arange(length) for length in lengths])[None]
-    return {"input_ids": ids, "labels": ids, "position_ids": positions}
+    batch = {"input_ids": ids, "labels": ids, "position_ids": positions}
+    if whole:
+        offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        batch.update(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=max(lengths),
+                     max_length_k=max(lengths), use_cache=False)
+    return batch
 
 
 def measure(mode: str, lengths, repeats: int) -> Dict:
@@ -130,7 +139,7 @@ def measure(mode: str, lengths, repeats: int) -> Dict:
                                         balance_for=model)
         split = hf_ring.shard_batch
     try:
-        return timed_steps(model, split, _batch((512,)), _batch(lengths), repeats)
+        return timed_steps(model, split, _batch((512,), world == 1), _batch(lengths, world == 1), repeats)
     finally:
         hf_ring.clear_sequence_parallel()
 
