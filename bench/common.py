@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -95,8 +96,6 @@ def timed(fn: Callable[[], None], repeats: int, barrier: Optional[Callable[[], N
 def split_for(attn: str) -> Iterator[Tuple[int, Callable]]:
     """In a benchmark's rank: the world size, and how a batch reaches a model on ``attn``: through
     ``hf_ring.shard_batch`` for ``ring_dilated`` (the sequence split over every rank), as it is otherwise."""
-    import torch.distributed as dist
-
     import hf_ring
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -125,8 +124,6 @@ def timed_steps(model: torch.nn.Module, split: Callable, warm: Dict[str, torch.T
     """One rank's loss steps: one on ``warm`` (kernels, threads and the allocator warmed), an untimed one on
     ``data``, then ``repeats`` timed ones, each after a barrier when the sequence is split; their times and the
     peak memory above what the warm step left."""
-    import torch.distributed as dist
-
     loss_step(model, split, warm)
     base = rss_mb()
     loss_step(model, split, data)
@@ -238,7 +235,6 @@ def measure_attention(impl: str, n: int, layout: str, b: int, h: int, d: int, re
     (counted during the warm-up call: point-to-point sends, and the pieces of
     all-to-all exchanges that leave the rank).
     """
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     import hf_ring
@@ -326,8 +322,6 @@ def _entry(rank, world_size, init_file, fn, args, results, backend="gloo"):
     if backend == "nccl":
         torch.cuda.set_device(rank)
     if world_size > 1:
-        import torch.distributed as dist
-
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=600))
     try:
